@@ -1,0 +1,52 @@
+"""lowmem_jax: how much memory does it take to train this network, and how to make it fit.
+
+Each technique is a pure transform; :func:`make_train_step` composes them into one jitted step.
+
+>>> import jax, optax, lowmem_jax as lm
+>>> plan = lm.Plan(precision="mixed_fp16", microbatches=4, remat="full")
+>>> model = plan.configure_model(lm.models.WideResNet(depth=10, width=1, num_classes=10))
+"""
+
+from lowmem_jax import loss_scale, microbatch, models, ops, precision, remat
+from lowmem_jax.loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    make_loss_scale,
+    select_tree,
+)
+from lowmem_jax.microbatch import accumulate_gradients
+from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
+from lowmem_jax.remat import ScannedBlocks, compiler_options, parse_policy
+from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step, scaled_grad_fn
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Plan",
+    "TrainState",
+    "make_train_step",
+    "scaled_grad_fn",
+    "classifier_loss_fn",
+    "Policy",
+    "get_policy",
+    "cast_floating",
+    "cast_loss_fn",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "DynamicLossScale",
+    "make_loss_scale",
+    "all_finite",
+    "select_tree",
+    "accumulate_gradients",
+    "parse_policy",
+    "compiler_options",
+    "ScannedBlocks",
+    "loss_scale",
+    "microbatch",
+    "models",
+    "ops",
+    "precision",
+    "remat",
+]

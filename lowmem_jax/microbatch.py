@@ -1,0 +1,109 @@
+"""Microbatching: gradient accumulation over ``k`` slices of a batch with ``lax.scan``.
+
+A gradient function here has the signature
+
+    grad_fn(params, model_state, batch, rng) -> (grads, model_state, metrics)
+
+``batch`` is a pytree whose leaves share a leading batch axis ``B``; ``metrics`` is a pytree of
+scalars. :func:`accumulate_gradients` returns a function of the same signature that splits every
+batch leaf ``[B, ...]`` into ``k`` contiguous microbatches ``[k, B/k, ...]`` and runs ``grad_fn``
+on them in a ``lax.scan``, so only one microbatch's activations are live at a time:
+
+    grads   = (1/k) * sum_i grad_fn(params, state_i, batch_i, fold_in(rng, i)).grads
+    metrics = (1/k) * sum_i metrics_i
+
+For a loss that is a mean over examples, the mean of microbatch gradients equals the full-batch
+gradient exactly (up to float rounding).
+
+BatchNorm semantics: each microbatch is normalised with its *own* batch statistics (as in the
+technical report, and as separate devices would), and ``model_state`` (running averages) is
+threaded through the scan carry in microbatch order: after the step it equals what ``k``
+consecutive forward passes over ``batch_0 .. batch_{k-1}`` would leave. With BatchNorm the
+microbatched gradient therefore differs from the full-batch one; without it, it does not.
+
+Gradients are summed in float32 (whatever the parameter dtype) and returned in the dtype that
+``grad_fn`` returns them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+GradFn = Callable[[PyTree, PyTree, PyTree, Any], tuple[PyTree, PyTree, PyTree]]
+
+__all__ = ["accumulate_gradients", "split_batch", "check_num_microbatches"]
+
+
+def check_num_microbatches(num_microbatches: int) -> int:
+    """Validates ``num_microbatches`` (an int >= 1) and returns it."""
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+        raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    return num_microbatches
+
+
+def split_batch(batch: PyTree, num_microbatches: int) -> PyTree:
+    """Reshapes every leaf ``[B, ...]`` to ``[k, B/k, ...]`` (contiguous slices).
+
+    Raises:
+      ValueError: if a leaf has no batch axis or ``B`` is not divisible by ``k``; raised while
+        tracing, before any computation is built.
+    """
+    k = check_num_microbatches(num_microbatches)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(batch)
+    sizes = {jax.tree_util.keystr(p): (x.shape[0] if x.ndim else None) for p, x in leaves}
+    for path, size in sizes.items():
+        if size is None:
+            raise ValueError(f"batch leaf {path or '<root>'} is a scalar; it has no batch axis")
+        if size % k:
+            raise ValueError(
+                f"batch size {size} (leaf {path or '<root>'}) is not divisible by "
+                f"num_microbatches={k}; choose a divisor of the batch size"
+            )
+    return jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+
+
+def accumulate_gradients(grad_fn: GradFn, num_microbatches: int) -> GradFn:
+    """Wraps ``grad_fn`` to accumulate over ``num_microbatches`` slices with ``lax.scan``.
+
+    ``num_microbatches == 1`` returns ``grad_fn`` itself. ``rng`` may be ``None``; otherwise
+    microbatch ``i`` receives ``jax.random.fold_in(rng, i)``.
+
+    Raises:
+      ValueError: for ``num_microbatches < 1`` (here) or a batch size it does not divide (when
+        the returned function is traced).
+    """
+    k = check_num_microbatches(num_microbatches)
+    if k == 1:
+        return grad_fn
+
+    def accumulated(params, model_state, batch, rng):
+        microbatches = split_batch(batch, k)
+        first = jax.tree.map(lambda x: x[0], microbatches)
+        grads_shape, _, _ = jax.eval_shape(grad_fn, params, model_state, first, rng)
+        grad_sum = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)), grads_shape
+        )
+
+        def body(carry, xs):
+            grad_sum, state = carry
+            microbatch, index = xs
+            mb_rng = None if rng is None else jax.random.fold_in(rng, index)
+            grads, state, metrics = grad_fn(params, state, microbatch, mb_rng)
+            grad_sum = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)
+            return (grad_sum, state), metrics
+
+        (grad_sum, model_state), metrics = jax.lax.scan(
+            body, (grad_sum, model_state), (microbatches, jnp.arange(k))
+        )
+        grads = jax.tree.map(lambda a, s: (a / k).astype(s.dtype), grad_sum, grads_shape)
+        metrics = jax.tree.map(lambda m: m.mean(axis=0), metrics)
+        return grads, model_state, metrics
+
+    return accumulated

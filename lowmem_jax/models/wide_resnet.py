@@ -1,0 +1,120 @@
+"""WideResNet (Zagoruyko & Komodakis, 2016), CIFAR layout, pre-activation basic blocks.
+
+``WRN-d-k``: a 3x3 stem convolution to 16 channels, then 3 groups of ``n = (d - 4) / 6``
+pre-activation basic blocks of widths ``16k, 32k, 64k`` and strides ``1, 2, 2``, then
+BatchNorm + ReLU, global average pooling and a dense classifier. A block is
+
+    o = relu(bn1(x))
+    y = conv3x3(relu(bn2(conv3x3(o, stride))))
+    return y + (conv1x1(o, stride) if the shape changes else x)
+
+WRN-28-2 on 3-channel inputs has exactly 1,467,610 parameters.
+
+Within a group, blocks 2..n have identical shapes: they run as one :class:`ScannedBlocks` stack
+(``lax.scan``), so remat policies apply per block and compile once. The first block of each
+group is a stack of length 1, so every block goes through the same remat mechanism.
+
+Inputs: images ``[B, H, W, C]`` (any float dtype). Output: logits ``[B, num_classes]`` in
+``dtype`` (the computation dtype; ``None`` follows the inputs and parameters).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from lowmem_jax.ops import Conv
+from lowmem_jax.remat import CONV_OUT, ScannedBlocks
+
+__all__ = ["WideResNet", "PreActBlock"]
+
+
+class PreActBlock(nn.Module):
+    """Pre-activation basic block; ``[B, H, W, C_in] -> [B, H/s, W/s, features]``."""
+
+    features: int
+    strides: int = 1
+    dtype: Any = None
+    bn_momentum: float = 0.9
+    conv_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        norm = functools.partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=self.bn_momentum,
+            epsilon=1e-5,
+            dtype=self.dtype,
+        )
+        conv = functools.partial(Conv, use_bias=False, dtype=self.dtype, impl=self.conv_impl)
+        s = self.strides
+        out = nn.relu(norm(name="bn1")(x))
+        shortcut = x
+        if x.shape[-1] != self.features or s != 1:
+            shortcut = conv(self.features, (1, 1), strides=(s, s), padding="VALID", name="shortcut")(
+                out
+            )
+        # Explicit symmetric padding as in the reference PyTorch code (SAME would pad (0, 1)
+        # for stride 2).
+        y = conv(self.features, (3, 3), strides=(s, s), padding=((1, 1), (1, 1)), name="conv1")(out)
+        y = checkpoint_name(y, CONV_OUT)
+        y = nn.relu(norm(name="bn2")(y))
+        y = conv(self.features, (3, 3), padding=((1, 1), (1, 1)), name="conv2")(y)
+        y = checkpoint_name(y, CONV_OUT)
+        return y + shortcut.astype(y.dtype)
+
+
+class WideResNet(nn.Module):
+    """WRN-``depth``-``width`` for 32x32 images.
+
+    Attributes:
+      depth: ``6n + 4`` (10, 16, 22, 28, ...).
+      width: the widening factor ``k``.
+      num_classes: size of the output layer.
+      dtype: computation dtype (``None``: follow inputs and parameters).
+      remat: remat policy name applied per block (see :mod:`lowmem_jax.remat`).
+      conv_impl: ``"auto" | "xla" | "loop_friendly"`` (see :mod:`lowmem_jax.ops.conv`).
+    """
+
+    depth: int = 28
+    width: int = 2
+    num_classes: int = 10
+    dtype: Any = None
+    remat: str = "none"
+    conv_impl: str = "auto"
+    bn_momentum: float = 0.9
+
+    def __post_init__(self):
+        if self.depth < 10 or (self.depth - 4) % 6:
+            raise ValueError(f"depth must be 6n + 4 with n >= 1 (10, 16, 22, 28, ...), got {self.depth}")
+        if self.width < 1:
+            raise ValueError(f"width must be >= 1, got {self.width}")
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, images: jax.Array, train: bool) -> jax.Array:
+        n = (self.depth - 4) // 6
+        block = functools.partial(
+            PreActBlock, dtype=self.dtype, bn_momentum=self.bn_momentum, conv_impl=self.conv_impl
+        )
+        x = Conv(16, (3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype, impl=self.conv_impl,
+                 name="stem")(images)
+        for g, (features, strides) in enumerate(zip((16, 32, 64), (1, 2, 2), strict=True)):
+            features *= self.width
+            first = functools.partial(block, features=features, strides=strides)
+            x = ScannedBlocks(first, 1, self.remat, name=f"group{g}_first")(x, train)
+            if n > 1:
+                rest = functools.partial(block, features=features)
+                x = ScannedBlocks(rest, n - 1, self.remat, name=f"group{g}_rest")(x, train)
+        x = nn.BatchNorm(
+            use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5,
+            dtype=self.dtype, name="bn_final",
+        )(x)
+        x = jnp.mean(nn.relu(x), axis=(1, 2))
+        return nn.Dense(self.num_classes, dtype=self.dtype, name="classifier")(x)

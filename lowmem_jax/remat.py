@@ -1,0 +1,227 @@
+"""Rematerialization (gradient checkpointing): named policies applied per block of a network.
+
+A policy decides which values computed inside a block are *saved* for the backward pass; the
+rest are recomputed from the block's input when the backward pass reaches the block. The result
+is numerically identical to no remat; it trades extra forward FLOPs for activation memory.
+
+Policy names (:func:`parse_policy`):
+
+==================  ============================================================================
+``none``            no remat: every residual the backward pass needs is kept (the baseline)
+``full``            save only each block's input; recompute the block (``nothing_saveable``)
+``dots``            save matmul and convolution outputs (``dots_saveable`` plus the ``conv_out``
+                    and ``dot_out`` names the models tag), recompute the cheap elementwise ops
+``save:A,B``        save only the activations tagged ``checkpoint_name(x, "A")`` / ``"B"``
+``every:K``         Chen et al. segments: save only the input of every K-th block; the backward
+                    pass recomputes a segment of K blocks, saving their inputs, then each block
+                    (``n/K + K`` block inputs live instead of ``n``; ``every:1`` == ``full``)
+``sqrt``            ``every:K`` with ``K = ceil(sqrt(n))`` for a stack of ``n`` blocks
+==================  ============================================================================
+
+Blocks with identical shapes are stacked by :class:`ScannedBlocks`, which stores their
+parameters with a leading ``[n]`` axis and runs them with ``lax.scan``. Segmenting reshapes the
+stack to ``[n // K, K]`` and nests two scans, checkpointing the outer body, so the parameter
+layout does not depend on the policy: the same parameters work under every policy.
+
+On XLA:CPU, the ``cse_barrier_expander`` pass removes the optimization barriers that keep a
+recomputation separate from the forward pass, and CSE then merges the two: remat saves nothing.
+:func:`compiler_options` returns the per-computation option that disables that pass
+(``jax.jit(f, compiler_options=...)``); it changes no result, only what XLA may merge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "RematSpec",
+    "parse_policy",
+    "POLICY_NAMES",
+    "compiler_options",
+    "ScannedBlocks",
+]
+
+POLICY_NAMES = ("none", "full", "dots", "save:NAME[,NAME...]", "every:K", "sqrt")
+
+# Names the bundled models tag with `jax.ad_checkpoint.checkpoint_name`.
+CONV_OUT = "conv_out"
+DOT_OUT = "dot_out"
+
+
+@dataclasses.dataclass(frozen=True)
+class RematSpec:
+    """A parsed remat policy.
+
+    Attributes:
+      name: the policy string it was parsed from.
+      policy: the ``jax.checkpoint`` policy applied per block, or ``None`` for no remat.
+      segment: blocks per checkpointed segment (``0``: per block; ``-1``: ``ceil(sqrt(n))``).
+    """
+
+    name: str
+    policy: Callable[..., bool] | None
+    segment: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy is not None
+
+    def segment_length(self, num_blocks: int) -> int:
+        """Blocks per segment for a stack of ``num_blocks`` (1 unless segmenting)."""
+        if self.segment == -1:
+            return max(1, math.ceil(math.sqrt(num_blocks)))
+        return max(1, min(self.segment, num_blocks))
+
+
+def parse_policy(name: str | RematSpec) -> RematSpec:
+    """Parses a remat policy name (see the module docstring).
+
+    Raises:
+      ValueError: naming ``remat`` and the allowed values, for an unknown or malformed name.
+    """
+    if isinstance(name, RematSpec):
+        return name
+    cp = jax.checkpoint_policies
+    if name == "none":
+        return RematSpec(name, None)
+    if name == "full":
+        return RematSpec(name, cp.nothing_saveable)
+    if name == "dots":
+        named = cp.save_only_these_names(CONV_OUT, DOT_OUT)
+        return RematSpec(name, cp.save_from_both_policies(cp.dots_saveable, named))
+    if name == "sqrt":
+        return RematSpec(name, cp.nothing_saveable, segment=-1)
+    if isinstance(name, str) and name.startswith("save:"):
+        names = [n for n in name[len("save:") :].split(",") if n]
+        if names:
+            return RematSpec(name, cp.save_only_these_names(*names))
+    if isinstance(name, str) and name.startswith("every:"):
+        k = name[len("every:") :]
+        if k.isdigit() and int(k) >= 1:
+            return RematSpec(name, cp.nothing_saveable, segment=int(k))
+    raise ValueError(f"Unknown remat={name!r}; allowed values: {list(POLICY_NAMES)}")
+
+
+def compiler_options(remat: str | RematSpec = "full", backend: str | None = None) -> dict[str, str]:
+    """XLA options under which ``remat`` takes effect on ``backend`` (default: JAX's default).
+
+    On CPU with remat enabled: ``{"xla_disable_hlo_passes": "cse_barrier_expander"}``; otherwise
+    ``{}``. Pass it to ``jax.jit(..., compiler_options=...)`` or ``.compile(compiler_options)``.
+    """
+    spec = parse_policy(remat)
+    backend = backend or jax.default_backend()
+    if spec.enabled and backend == "cpu":
+        return {"xla_disable_hlo_passes": "cse_barrier_expander"}
+    return {}
+
+
+class ScannedBlocks(nn.Module):
+    """``length`` blocks of identical shapes, applied in sequence with ``lax.scan`` and remat.
+
+    Each block maps ``x -> block(x)`` with the same shape and dtype. Variables of the block are
+    stored stacked: every leaf of the block's ``params`` (and of any other collection, such as
+    ``batch_stats``) gets a leading ``[length]`` axis, under ``params/stack`` and
+    ``<collection>/stack``.
+
+    Attributes:
+      make_block: a zero-argument callable returning a fresh (unbound) block module, e.g.
+        ``functools.partial(PreActBlock, features=64)``. It is called as
+        ``block(x, train=train)``.
+      length: number of blocks ``n >= 1``.
+      remat: a policy name or :class:`RematSpec` (module docstring).
+    """
+
+    make_block: Callable[[], nn.Module]
+    length: int
+    remat: str | RematSpec = "none"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        if self.length < 1:
+            raise ValueError(f"length must be >= 1, got {self.length}")
+        spec = parse_policy(self.remat)
+        block = self.make_block()
+
+        def init_stack(rng):
+            keys = jax.random.split(rng, self.length)
+            return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x, train=False))(
+                keys
+            )
+
+        if self.is_initializing():
+            stacked = init_stack(self.make_rng("params"))
+            params = self.param("stack", lambda _: stacked["params"])
+            others = {c: v for c, v in stacked.items() if c != "params"}
+        else:
+            params = self.get_variable("params", "stack")
+            others = {
+                c: v["stack"] for c, v in self.variables.items() if c != "params" and "stack" in v
+            }
+        mutable = [c for c in others if train and self.is_mutable_collection(c)]
+        use_dropout = train and self.has_rng("dropout")
+        keys = (
+            jax.random.split(self.make_rng("dropout"), self.length)
+            if use_dropout
+            else jnp.zeros((self.length,), jnp.uint32)
+        )
+
+        def apply_block(h, xs):
+            p, state, key = xs
+            rngs = {"dropout": key} if use_dropout else {}
+            out = block.apply(
+                {"params": p, **state}, h, train=train, rngs=rngs, mutable=mutable or False
+            )
+            h, new_state = out if mutable else (out, {})
+            return h, {c: new_state.get(c, state[c]) for c in state}
+
+        xs = (params, others, keys)
+        segment = spec.segment_length(self.length) if spec.segment else 1
+        if self.length == 1:
+            # A lone block may change the shape (stride, width), which a scan carry cannot;
+            # outside a loop, CSE must be prevented explicitly for remat to hold.
+            if spec.enabled:
+                apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=True)
+            x, new_others = apply_block(x, jax.tree.map(lambda a: a[0], xs))
+            new_others = jax.tree.map(lambda a: a[None], new_others)
+        elif segment == 1:
+            if spec.enabled:
+                apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
+            x, new_others = jax.lax.scan(apply_block, x, xs)
+        else:
+            x, new_others = _segmented_scan(apply_block, x, xs, self.length, segment, spec)
+
+        if self.is_initializing():
+            for c, v in others.items():
+                self.variable(c, "stack", lambda v=v: v)
+        elif mutable:
+            for c in mutable:
+                self.put_variable(c, "stack", new_others[c])
+        return x
+
+
+def _segmented_scan(apply_block, x, xs, length: int, segment: int, spec: RematSpec):
+    """Scans ``length`` blocks in checkpointed segments of ``segment`` blocks (plus a remainder)."""
+    full = length // segment * segment
+    # Blocks inside a segment are checkpointed too: the backward pass of a segment then holds K
+    # block inputs plus one block's internals, not K blocks' internals (n/K + K inputs overall).
+    apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
+
+    def run_segment(h, seg_xs):
+        return jax.lax.scan(apply_block, h, seg_xs)
+
+    run_segment = jax.checkpoint(run_segment, policy=spec.policy, prevent_cse=False)
+    head = jax.tree.map(lambda a: a[:full].reshape((-1, segment) + a.shape[1:]), xs)
+    x, ys = jax.lax.scan(run_segment, x, head)
+    ys = jax.tree.map(lambda a: a.reshape((full,) + a.shape[2:]), ys)
+    if full < length:
+        tail = jax.tree.map(lambda a: a[full:], xs)
+        x, tail_ys = run_segment(x, tail)
+        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, tail_ys)
+    return x, ys

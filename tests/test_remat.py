@@ -1,0 +1,99 @@
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowmem_jax as lm
+
+POLICIES = ["full", "dots", "save:conv_out", "every:2", "every:3", "sqrt"]
+
+
+def _wrn_grads(remat, depth=28, batch=4, size=8):
+    model = lm.models.WideResNet(depth=depth, width=1, num_classes=10, remat=remat)
+    rng = np.random.default_rng(0)
+    images = jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
+    variables = lm.models.WideResNet(depth=depth, width=1).init(
+        jax.random.key(0), images, train=False
+    )
+    loss_fn = lm.classifier_loss_fn(model)
+    state = {"batch_stats": variables["batch_stats"]}
+    grad_fn = jax.jit(
+        lambda p: jax.grad(loss_fn, has_aux=True)(p, state, {"image": images, "label": labels}, None),
+        compiler_options=lm.compiler_options(remat) or None,
+    )
+    return grad_fn(variables["params"])
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return _wrn_grads("none")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_remat_gradients_equal_no_remat(baseline, policy):
+    grads, (new_state, _) = _wrn_grads(policy)
+    ref_grads, (ref_state, _) = baseline
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), grads, ref_grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new_state, ref_state)
+
+
+class Block(nn.Module):
+    features: int = 64
+
+    @nn.compact
+    def __call__(self, x, train):
+        h = jnp.tanh(nn.Dense(self.features)(x))
+        h = jnp.tanh(nn.Dense(self.features)(h))
+        return x + nn.Dense(self.features)(h)
+
+
+def _stack_temp_bytes(remat, length=16, batch=1024):
+    stack = lm.ScannedBlocks(functools.partial(Block, 64), length, remat)
+    x = jnp.ones((batch, 64))
+    params = stack.init(jax.random.key(0), x, train=False)["params"]
+
+    def loss(p, x):
+        return jnp.sum(stack.apply({"params": p}, x, train=True) ** 2)
+
+    grad = jax.jit(jax.grad(loss), compiler_options=lm.compiler_options(remat) or None)
+    return grad.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_temp_bytes_fall_as_remat_saves_less():
+    temps = {p: _stack_temp_bytes(p) for p in ["none", "dots", "full", "every:4"]}
+    assert temps["none"] > temps["dots"] > temps["full"] > temps["every:4"], temps
+
+
+def test_remat_needs_the_cpu_compiler_option_to_take_effect():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the pass in question is XLA:CPU's")
+    assert lm.compiler_options("full") == {"xla_disable_hlo_passes": "cse_barrier_expander"}
+    assert lm.compiler_options("none") == {}
+
+
+def test_parameters_do_not_depend_on_policy():
+    x = jnp.ones((2, 8, 8, 3))
+    shapes = {
+        p: jax.tree.map(
+            jnp.shape,
+            lm.models.WideResNet(depth=28, width=1, remat=p).init(jax.random.key(0), x, train=False),
+        )
+        for p in ["none", "full", "sqrt", "every:2"]
+    }
+    assert all(s == shapes["none"] for s in shapes.values())
+
+
+@pytest.mark.parametrize("name", ["some", "every:0", "every:x", "save:", "", None])
+def test_unknown_policy_raises(name):
+    with pytest.raises(ValueError, match=r"remat=.*allowed values"):
+        lm.parse_policy(name)
+
+
+@pytest.mark.parametrize("name, length, expected", [("sqrt", 9, 3), ("sqrt", 3, 2),
+                                                   ("every:4", 3, 3), ("full", 5, 1)])
+def test_segment_length(name, length, expected):
+    assert lm.parse_policy(name).segment_length(length) == expected

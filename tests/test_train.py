@@ -1,0 +1,160 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowmem_jax as lm
+
+
+class TinyBNNet(nn.Module):
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Dense(8, dtype=self.dtype)(x)
+        x = nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x)
+        return nn.Dense(3, dtype=self.dtype)(nn.relu(x))
+
+
+def _weighted(loss_fn, weight):
+    def weighted(*args):
+        loss, aux = loss_fn(*args)
+        return loss * weight, aux
+
+    return weighted
+
+
+def _state_and_step(plan, tx, batch_size=8, loss_weight=1.0, seed=0):
+    model = plan.configure_model(TinyBNNet())
+    rng = np.random.default_rng(seed)
+    batch = {
+        "image": jnp.asarray(rng.normal(size=(batch_size, 5)), jnp.float32),
+        "label": jnp.asarray(rng.integers(0, 3, size=batch_size), jnp.int32),
+    }
+    variables = model.init(jax.random.key(seed), batch["image"], train=False)
+    state = lm.TrainState.create(
+        params=variables["params"],
+        model_state={"batch_stats": variables["batch_stats"]},
+        tx=tx,
+        plan=plan,
+    )
+    loss_fn = _weighted(lm.classifier_loss_fn(model), loss_weight)
+    step = lm.make_train_step(loss_fn, tx, plan, donate=False)
+    return state, step, batch
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: np.array(x), tree)
+
+
+def test_fp32_step_matches_a_handwritten_step():
+    plan = lm.Plan()
+    tx = optax.sgd(0.1, momentum=0.9)
+    state, step, batch = _state_and_step(plan, tx)
+    model = TinyBNNet()
+
+    def loss(p):
+        logits, upd = model.apply(
+            {"params": p, **state.model_state}, batch["image"], train=True, mutable=["batch_stats"]
+        )
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), upd
+
+    grads, upd = jax.grad(loss, has_aux=True)(state.params)
+    updates, _ = tx.update(grads, state.opt_state, state.params)
+    expected = optax.apply_updates(state.params, updates)
+    new_state, metrics = step(state, batch)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 new_state.params, expected)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+                 new_state.model_state["batch_stats"], upd["batch_stats"])
+    assert int(new_state.step) == 1 and bool(metrics["grads_finite"])
+
+
+def test_fp16_overflow_skips_whole_update_halves_scale_then_recovers():
+    # A loss weight of 1e3 makes loss x 2**15 overflow float16 (max 65504) in the backward pass.
+    plan = lm.Plan(precision="mixed_fp16", loss_scale="dynamic")
+    tx = optax.adam(1e-3)
+    state, step, batch = _state_and_step(plan, tx, loss_weight=1e3)
+    before = _copy(state)
+    new, metrics = step(state, batch)
+    assert not bool(metrics["grads_finite"])
+    assert int(new.skipped_steps) == 1 and int(metrics["skipped_steps"]) == 1
+    assert float(new.loss_scale.loss_scale) == 2.0**14
+    for name in ("params", "opt_state", "model_state"):
+        jax.tree.map(np.testing.assert_array_equal, _copy(getattr(new, name)), getattr(before, name))
+    assert int(optax.tree_utils.tree_get(new.opt_state, "count")) == 0  # adam's own counter
+
+    state = new
+    for _ in range(30):
+        state, metrics = step(state, batch)
+        if bool(metrics["grads_finite"]):
+            break
+    assert bool(metrics["grads_finite"]), "loss scale never backed off far enough"
+    assert int(optax.tree_utils.tree_get(state.opt_state, "count")) == 1
+    assert float(state.loss_scale.loss_scale) < 2.0**14
+    assert int(state.skipped_steps) == int(state.step) - 1
+    changed = jax.tree.map(lambda a, b: bool((np.asarray(a) != b).any()), state.params, before.params)
+    assert all(jax.tree.leaves(changed))
+
+
+def test_loss_scale_floor_survives_the_jitted_step():
+    plan = lm.Plan(precision="fp16", loss_scale="dynamic", initial_loss_scale=8.0,
+                   min_loss_scale=4.0)
+    state, step, batch = _state_and_step(plan, optax.sgd(0.1))
+    batch = {**batch, "image": batch["image"].at[0, 0].set(jnp.inf)}  # every step overflows
+    for _ in range(3):
+        state, _ = step(state, batch)
+    assert state.loss_scale.min_loss_scale == 4.0
+    assert float(state.loss_scale.loss_scale) == 4.0 and int(state.skipped_steps) == 3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_param_policies_store_half_params(precision):
+    plan = lm.Plan(precision=precision)
+    state, step, batch = _state_and_step(plan, optax.sgd(0.01))
+    dtype = plan.policy.param_dtype
+    assert all(x.dtype == dtype for x in jax.tree.leaves(state.params))
+    new, metrics = step(state, batch)
+    assert all(x.dtype == dtype for x in jax.tree.leaves(new.params))
+    assert metrics["loss"].dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.model_state))
+
+
+def test_microbatched_step_trains_and_threads_batchnorm():
+    plan = lm.Plan(microbatches=4)
+    state, step, batch = _state_and_step(plan, optax.sgd(0.1), batch_size=16)
+    new, metrics = step(state, batch)
+    assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
+    diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()),
+                        new.model_state, state.model_state)
+    assert max(jax.tree.leaves(diff)) > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"precision": "fp64"}, "precision"),
+        ({"loss_scale": "huge"}, "loss_scale"),
+        ({"microbatches": 0}, "num_microbatches"),
+        ({"remat": "some"}, "remat"),
+        ({"remat": "every:0"}, "remat"),
+        ({"loss_scale": "dynamic", "min_loss_scale": 0}, "min_loss_scale"),
+    ],
+)
+def test_plan_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lm.Plan(**kwargs)
+
+
+def test_plan_remat_needs_a_model_with_remat():
+    with pytest.raises(ValueError, match="remat"):
+        lm.Plan(remat="full").configure_model(TinyBNNet())
+
+
+def test_auto_loss_scale_is_dynamic_only_for_fp16_compute():
+    assert lm.Plan(precision="mixed_fp16").loss_scale_kind == "dynamic"
+    assert lm.Plan(precision="fp16").loss_scale_kind == "dynamic"
+    assert lm.Plan(precision="mixed_bf16").loss_scale_kind == "none"
+    assert lm.Plan().loss_scale_kind == "none"
