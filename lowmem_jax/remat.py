@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -136,11 +135,14 @@ class ScannedBlocks(nn.Module):
         ``block(x, train=train)``.
       length: number of blocks ``n >= 1``.
       remat: a policy name or :class:`RematSpec` (module docstring).
+      unroll: unroll the scan into straight-line code (``lax.scan(unroll=True)``): same
+        parameters and results; XLA then schedules the blocks as it would a Python loop.
     """
 
     make_block: Callable[[], nn.Module]
     length: int
     remat: str | RematSpec = "none"
+    unroll: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
@@ -151,9 +153,7 @@ class ScannedBlocks(nn.Module):
 
         def init_stack(rng):
             keys = jax.random.split(rng, self.length)
-            return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x, train=False))(
-                keys
-            )
+            return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x, train=False))(keys)
 
         if self.is_initializing():
             stacked = init_stack(self.make_rng("params"))
@@ -193,9 +193,11 @@ class ScannedBlocks(nn.Module):
         elif segment == 1:
             if spec.enabled:
                 apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
-            x, new_others = jax.lax.scan(apply_block, x, xs)
+            x, new_others = jax.lax.scan(apply_block, x, xs, unroll=self.unroll)
         else:
-            x, new_others = _segmented_scan(apply_block, x, xs, self.length, segment, spec)
+            x, new_others = _segmented_scan(
+                apply_block, x, xs, self.length, segment, spec, self.unroll
+            )
 
         if self.is_initializing():
             for c, v in others.items():
@@ -206,7 +208,7 @@ class ScannedBlocks(nn.Module):
         return x
 
 
-def _segmented_scan(apply_block, x, xs, length: int, segment: int, spec: RematSpec):
+def _segmented_scan(apply_block, x, xs, length: int, segment: int, spec: RematSpec, unroll: bool):
     """Scans ``length`` blocks in checkpointed segments of ``segment`` blocks (plus a remainder)."""
     full = length // segment * segment
     # Blocks inside a segment are checkpointed too: the backward pass of a segment then holds K
@@ -214,11 +216,11 @@ def _segmented_scan(apply_block, x, xs, length: int, segment: int, spec: RematSp
     apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
 
     def run_segment(h, seg_xs):
-        return jax.lax.scan(apply_block, h, seg_xs)
+        return jax.lax.scan(apply_block, h, seg_xs, unroll=unroll)
 
     run_segment = jax.checkpoint(run_segment, policy=spec.policy, prevent_cse=False)
     head = jax.tree.map(lambda a: a[:full].reshape((-1, segment) + a.shape[1:]), xs)
-    x, ys = jax.lax.scan(run_segment, x, head)
+    x, ys = jax.lax.scan(run_segment, x, head, unroll=unroll)
     ys = jax.tree.map(lambda a: a.reshape((full,) + a.shape[2:]), ys)
     if full < length:
         tail = jax.tree.map(lambda a: a[full:], xs)

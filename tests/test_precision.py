@@ -37,7 +37,11 @@ def test_cast_loss_fn_computes_in_half_and_returns_fp32_master_grads():
     seen = {}
 
     def loss_fn(params, model_state, batch, rng):
-        seen["w"], seen["x"], seen["label"] = params["w"].dtype, batch["x"].dtype, batch["label"].dtype
+        seen["w"], seen["x"], seen["label"] = (
+            params["w"].dtype,
+            batch["x"].dtype,
+            batch["label"].dtype,
+        )
         seen["state"] = model_state["count"].dtype
         loss = jnp.sum(params["w"] * batch["x"])
         return loss, (model_state, {"loss": loss})

@@ -22,7 +22,9 @@ def _wrn_grads(remat, depth=28, batch=4, size=8):
     loss_fn = lm.classifier_loss_fn(model)
     state = {"batch_stats": variables["batch_stats"]}
     grad_fn = jax.jit(
-        lambda p: jax.grad(loss_fn, has_aux=True)(p, state, {"image": images, "label": labels}, None),
+        lambda p: jax.grad(loss_fn, has_aux=True)(
+            p, state, {"image": images, "label": labels}, None
+        ),
         compiler_options=lm.compiler_options(remat) or None,
     )
     return grad_fn(variables["params"])
@@ -37,7 +39,9 @@ def baseline():
 def test_remat_gradients_equal_no_remat(baseline, policy):
     grads, (new_state, _) = _wrn_grads(policy)
     ref_grads, (ref_state, _) = baseline
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), grads, ref_grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), grads, ref_grads
+    )
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new_state, ref_state)
 
 
@@ -80,7 +84,9 @@ def test_parameters_do_not_depend_on_policy():
     shapes = {
         p: jax.tree.map(
             jnp.shape,
-            lm.models.WideResNet(depth=28, width=1, remat=p).init(jax.random.key(0), x, train=False),
+            lm.models.WideResNet(depth=28, width=1, remat=p).init(
+                jax.random.key(0), x, train=False
+            ),
         )
         for p in ["none", "full", "sqrt", "every:2"]
     }
@@ -93,7 +99,8 @@ def test_unknown_policy_raises(name):
         lm.parse_policy(name)
 
 
-@pytest.mark.parametrize("name, length, expected", [("sqrt", 9, 3), ("sqrt", 3, 2),
-                                                   ("every:4", 3, 3), ("full", 5, 1)])
+@pytest.mark.parametrize(
+    "name, length, expected", [("sqrt", 9, 3), ("sqrt", 3, 2), ("every:4", 3, 3), ("full", 5, 1)]
+)
 def test_segment_length(name, length, expected):
     assert lm.parse_policy(name).segment_length(length) == expected

@@ -65,10 +65,16 @@ def test_fp32_step_matches_a_handwritten_step():
     updates, _ = tx.update(grads, state.opt_state, state.params)
     expected = optax.apply_updates(state.params, updates)
     new_state, metrics = step(state, batch)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                 new_state.params, expected)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
-                 new_state.model_state["batch_stats"], upd["batch_stats"])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        new_state.params,
+        expected,
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+        new_state.model_state["batch_stats"],
+        upd["batch_stats"],
+    )
     assert int(new_state.step) == 1 and bool(metrics["grads_finite"])
 
 
@@ -83,7 +89,9 @@ def test_fp16_overflow_skips_whole_update_halves_scale_then_recovers():
     assert int(new.skipped_steps) == 1 and int(metrics["skipped_steps"]) == 1
     assert float(new.loss_scale.loss_scale) == 2.0**14
     for name in ("params", "opt_state", "model_state"):
-        jax.tree.map(np.testing.assert_array_equal, _copy(getattr(new, name)), getattr(before, name))
+        jax.tree.map(
+            np.testing.assert_array_equal, _copy(getattr(new, name)), getattr(before, name)
+        )
     assert int(optax.tree_utils.tree_get(new.opt_state, "count")) == 0  # adam's own counter
 
     state = new
@@ -95,13 +103,16 @@ def test_fp16_overflow_skips_whole_update_halves_scale_then_recovers():
     assert int(optax.tree_utils.tree_get(state.opt_state, "count")) == 1
     assert float(state.loss_scale.loss_scale) < 2.0**14
     assert int(state.skipped_steps) == int(state.step) - 1
-    changed = jax.tree.map(lambda a, b: bool((np.asarray(a) != b).any()), state.params, before.params)
+    changed = jax.tree.map(
+        lambda a, b: bool((np.asarray(a) != b).any()), state.params, before.params
+    )
     assert all(jax.tree.leaves(changed))
 
 
 def test_loss_scale_floor_survives_the_jitted_step():
-    plan = lm.Plan(precision="fp16", loss_scale="dynamic", initial_loss_scale=8.0,
-                   min_loss_scale=4.0)
+    plan = lm.Plan(
+        precision="fp16", loss_scale="dynamic", initial_loss_scale=8.0, min_loss_scale=4.0
+    )
     state, step, batch = _state_and_step(plan, optax.sgd(0.1))
     batch = {**batch, "image": batch["image"].at[0, 0].set(jnp.inf)}  # every step overflows
     for _ in range(3):
@@ -127,8 +138,9 @@ def test_microbatched_step_trains_and_threads_batchnorm():
     state, step, batch = _state_and_step(plan, optax.sgd(0.1), batch_size=16)
     new, metrics = step(state, batch)
     assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
-    diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()),
-                        new.model_state, state.model_state)
+    diff = jax.tree.map(
+        lambda a, b: float(jnp.abs(a - b).max()), new.model_state, state.model_state
+    )
     assert max(jax.tree.leaves(diff)) > 0
 
 

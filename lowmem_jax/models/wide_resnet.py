@@ -57,9 +57,9 @@ class PreActBlock(nn.Module):
         out = nn.relu(norm(name="bn1")(x))
         shortcut = x
         if x.shape[-1] != self.features or s != 1:
-            shortcut = conv(self.features, (1, 1), strides=(s, s), padding="VALID", name="shortcut")(
-                out
-            )
+            shortcut = conv(
+                self.features, (1, 1), strides=(s, s), padding="VALID", name="shortcut"
+            )(out)
         # Explicit symmetric padding as in the reference PyTorch code (SAME would pad (0, 1)
         # for stride 2).
         y = conv(self.features, (3, 3), strides=(s, s), padding=((1, 1), (1, 1)), name="conv1")(out)
@@ -80,6 +80,8 @@ class WideResNet(nn.Module):
       dtype: computation dtype (``None``: follow inputs and parameters).
       remat: remat policy name applied per block (see :mod:`lowmem_jax.remat`).
       conv_impl: ``"auto" | "xla" | "loop_friendly"`` (see :mod:`lowmem_jax.ops.conv`).
+      unroll: run the stacks of identical blocks as straight-line code instead of a loop (same
+        parameters and results; ``conv_impl="xla", unroll=True`` is the plain Flax baseline).
     """
 
     depth: int = 28
@@ -88,11 +90,14 @@ class WideResNet(nn.Module):
     dtype: Any = None
     remat: str = "none"
     conv_impl: str = "auto"
+    unroll: bool = False
     bn_momentum: float = 0.9
 
     def __post_init__(self):
         if self.depth < 10 or (self.depth - 4) % 6:
-            raise ValueError(f"depth must be 6n + 4 with n >= 1 (10, 16, 22, 28, ...), got {self.depth}")
+            raise ValueError(
+                f"depth must be 6n + 4 with n >= 1 (10, 16, 22, 28, ...), got {self.depth}"
+            )
         if self.width < 1:
             raise ValueError(f"width must be >= 1, got {self.width}")
         super().__post_init__()
@@ -103,18 +108,24 @@ class WideResNet(nn.Module):
         block = functools.partial(
             PreActBlock, dtype=self.dtype, bn_momentum=self.bn_momentum, conv_impl=self.conv_impl
         )
-        x = Conv(16, (3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype, impl=self.conv_impl,
-                 name="stem")(images)
+        x = Conv(
+            16, (3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype, impl=self.conv_impl, name="stem"
+        )(images)
         for g, (features, strides) in enumerate(zip((16, 32, 64), (1, 2, 2), strict=True)):
             features *= self.width
             first = functools.partial(block, features=features, strides=strides)
-            x = ScannedBlocks(first, 1, self.remat, name=f"group{g}_first")(x, train)
+            x = ScannedBlocks(first, 1, self.remat, self.unroll, name=f"group{g}_first")(x, train)
             if n > 1:
                 rest = functools.partial(block, features=features)
-                x = ScannedBlocks(rest, n - 1, self.remat, name=f"group{g}_rest")(x, train)
+                x = ScannedBlocks(rest, n - 1, self.remat, self.unroll, name=f"group{g}_rest")(
+                    x, train
+                )
         x = nn.BatchNorm(
-            use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5,
-            dtype=self.dtype, name="bn_final",
+            use_running_average=not train,
+            momentum=self.bn_momentum,
+            epsilon=1e-5,
+            dtype=self.dtype,
+            name="bn_final",
         )(x)
         x = jnp.mean(nn.relu(x), axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="classifier")(x)

@@ -1,0 +1,60 @@
+import json
+
+import pytest
+
+from lowmem_jax import cli
+
+
+def test_train_runs_end_to_end_and_learns(capsys, tmp_path):
+    out = tmp_path / "summary.json"
+    code = cli.main(
+        [
+            "train",
+            "--model",
+            "wrn-10-1",
+            "--epochs",
+            "4",
+            "--batch-size",
+            "64",
+            "--microbatches",
+            "2",
+            "--remat",
+            "full",
+            "--precision",
+            "mixed_fp16",
+            "--no-progress",
+            "--json",
+            "--output",
+            str(out),
+        ]
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary == json.loads(out.read_text())
+    assert summary["plan"]["loss_scale"] == "dynamic" and summary["plan"]["microbatches"] == 2
+    assert len(summary["history"]) == 4
+    assert summary["test_accuracy"] >= 0.9, summary["history"]
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--remat", "sometimes"], "remat"),
+        (["--microbatches", "3"], "microbatches"),
+        (["--model", "resnet-50"], "model"),
+        (["--precision", "fp8"], "precision"),
+    ],
+)
+def test_bad_flags_exit_with_a_clear_message(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *argv])
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_help_explains_every_technique(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--precision", "--loss-scale", "--microbatches", "--remat"):
+        assert flag in text
