@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from lowmem_jax.models.layers import BatchNorm
 from lowmem_jax.ops import Conv
 from lowmem_jax.remat import CONV_OUT, ScannedBlocks
 
@@ -46,7 +47,7 @@ class PreActBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
         norm = functools.partial(
-            nn.BatchNorm,
+            BatchNorm,
             use_running_average=not train,
             momentum=self.bn_momentum,
             epsilon=1e-5,
@@ -120,7 +121,7 @@ class WideResNet(nn.Module):
                 x = ScannedBlocks(rest, n - 1, self.remat, self.unroll, name=f"group{g}_rest")(
                     x, train
                 )
-        x = nn.BatchNorm(
+        x = BatchNorm(
             use_running_average=not train,
             momentum=self.bn_momentum,
             epsilon=1e-5,

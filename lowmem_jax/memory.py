@@ -1,0 +1,346 @@
+"""Compile-only memory analysis of a train step: XLA's figures and the report's breakdown.
+
+:func:`analyze` lowers and compiles a train step for example inputs (``jax.ShapeDtypeStruct``
+leaves are enough: nothing runs and no data is needed) and returns a :class:`MemoryReport`:
+
+* ``xla``: what the compiled program allocates, from ``compiled.memory_analysis()``: argument,
+  output, alias and temp bytes and ``total = argument + output + temp - alias`` (donated
+  arguments are aliased to outputs and counted once). On XLA:CPU ``peak_memory_in_bytes`` leaves
+  out temporaries, so ``total`` is the figure to compare. Source: ``XLA:<BACKEND>``.
+* ``analytic``: the technical report's breakdown, by summing tensor sizes (source: ``analytic``):
+
+  - **model**: the parameters as stored (by dtype);
+  - **optimizer**: the gradients (one parameter-sized buffer in the parameter dtype), the
+    float32 gradient accumulator when microbatching, and every optimizer slot that mirrors the
+    parameters (momentum, Adam moments, ...), by slot name;
+  - **activations**: the residuals one microbatch's forward pass saves for the backward pass
+    (from ``jax.vjp``'s jaxpr, the mechanism behind ``saved_residuals``), excluding the
+    parameters and inputs themselves; with remat, only what the policy saves;
+  - **inputs**: the batch;
+  - **state**: everything else in the train state (BatchNorm statistics, loss scale, counters).
+
+* ``flops``: counted from the step's jaxpr (``2 * MACs`` of every matmul and convolution plus one
+  per element of every other arithmetic op; loop bodies multiplied by their trip counts, remat
+  recomputation included), and XLA's own ``cost_analysis()`` figure, which counts a loop body
+  once (so it under-counts scanned layers and microbatch loops).
+
+The two views differ by design: XLA's temp bytes include transient buffers (the backward pass's
+own intermediates, fusion scratch, the gradient being built) and reflect XLA's buffer reuse,
+while the analytic view counts what must persist between the forward and the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+PyTree = Any
+
+__all__ = [
+    "MemoryReport",
+    "analyze",
+    "xla_memory",
+    "analytic_breakdown",
+    "saved_activation_bytes",
+    "count_flops",
+    "tree_bytes",
+]
+
+
+def _nbytes(x) -> int:
+    return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+
+
+def tree_bytes(tree: PyTree) -> int:
+    """Bytes of every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x = jax.eval_shape(jax.random.key_data, x)
+            total += _nbytes(x)
+    return total
+
+
+def _bytes_by_dtype(tree: PyTree) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for x in jax.tree.leaves(tree):
+        out[jnp.dtype(x.dtype).name] += _nbytes(x)
+    return dict(out)
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """The result of :func:`analyze`. ``to_dict()`` gives the JSON form."""
+
+    config: dict[str, Any]
+    backend: str
+    param_count: int
+    xla: dict[str, Any]
+    analytic: dict[str, Any]
+    flops: dict[str, Any]
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def xla_memory(compiled) -> dict[str, Any]:
+    """XLA's compiled memory figures in bytes, with ``total_bytes`` and ``source``."""
+    stats = compiled.memory_analysis()
+    backend = jax.default_backend()
+    out = {
+        "source": f"XLA:{backend.upper()}",
+        "argument_bytes": int(stats.argument_size_in_bytes),
+        "output_bytes": int(stats.output_size_in_bytes),
+        "alias_bytes": int(stats.alias_size_in_bytes),
+        "temp_bytes": int(stats.temp_size_in_bytes),
+    }
+    out["total_bytes"] = (
+        out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+    )
+    out["peak_bytes"] = int(getattr(stats, "peak_memory_in_bytes", 0)) or None
+    out["generated_code_bytes"] = int(stats.generated_code_size_in_bytes) or None
+    host = {
+        k: int(getattr(stats, f"host_{k}_size_in_bytes", 0))
+        for k in ("argument", "output", "alias", "temp")
+    }
+    out["host_bytes"] = host if any(host.values()) else None
+    return out
+
+
+def _slot_name(path) -> str:
+    names = [getattr(k, "name", None) or getattr(k, "key", None) for k in path]
+    names = [str(n) for n in names if n is not None and not isinstance(n, int)]
+    return names[0] if names else "state"
+
+
+def optimizer_breakdown(
+    params: PyTree, opt_state: PyTree, microbatches: int = 1
+) -> dict[str, int]:
+    """Bytes of gradients, accumulator and optimizer slots (see the module docstring)."""
+    grads = tree_bytes(params)
+    out = {"gradients": grads}
+    if microbatches > 1:
+        out["gradient_accumulator"] = sum(
+            int(np.prod(x.shape, dtype=np.int64)) * 4 for x in jax.tree.leaves(params)
+        )
+    slots: dict[str, int] = defaultdict(int)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        if hasattr(leaf, "shape"):
+            slots[_slot_name(path)] += _nbytes(leaf)
+    for name, nbytes in slots.items():
+        out[f"slot:{name}"] = nbytes
+    return out
+
+
+def saved_activation_bytes(
+    loss_fn: Callable, params: PyTree, model_state: PyTree, batch: PyTree, rng
+) -> dict[str, Any]:
+    """Residuals saved by one forward pass of ``loss_fn`` for the gradient w.r.t. ``params``.
+
+    ``loss_fn(params, model_state, batch, rng) -> (loss, aux)``; inputs may be abstract. Returns
+    ``{"bytes", "count", "largest": [(shape, dtype, source), ...]}``; residuals that are the
+    arguments themselves (parameters, inputs) are not counted: they are already in memory.
+    """
+    leaves, tree = jax.tree.flatten((model_state, batch, rng))
+
+    def vjp_wrt_params(p, *leaves):
+        # Only the parameters are differentiated; the rest is closed over, so a residual that
+        # is an input (the batch) stays recognisable as one of the jaxpr's arguments.
+        s, b, r = jax.tree.unflatten(tree, leaves)
+        return jax.vjp(lambda p_: loss_fn(p_, s, b, r), p)
+
+    closed, out_shape = jax.make_jaxpr(vjp_wrt_params, return_shape=True)(params, *leaves)
+    jaxpr = closed.jaxpr
+    num_res = len(jax.tree.leaves(out_shape[1]))
+    residuals = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
+    invars = set(jaxpr.invars)
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    seen, total, items = set(), 0, []
+    for v in residuals:
+        if isinstance(v, jex_core.Literal) or v in invars or v in seen:
+            continue
+        seen.add(v)
+        nbytes = _nbytes(v.aval)
+        total += nbytes
+        eqn = producers.get(v)
+        items.append((nbytes, str(v.aval.str_short()), eqn.primitive.name if eqn else "const"))
+    items.sort(reverse=True)
+    return {"bytes": total, "count": len(items), "largest": items[:60]}
+
+
+def analytic_breakdown(
+    *,
+    state,
+    batch: PyTree,
+    loss_fn: Callable | None = None,
+    microbatches: int = 1,
+) -> dict[str, Any]:
+    """The report's model / optimizer / activations / inputs breakdown, in bytes.
+
+    ``state`` is a :class:`~lowmem_jax.TrainState` (or its ``jax.eval_shape``); ``loss_fn``
+    is the loss as the step differentiates it (after the precision cast); without it the
+    activation figure is ``None``.
+    """
+    optimizer = optimizer_breakdown(state.params, state.opt_state, microbatches)
+    activations = None
+    if loss_fn is not None:
+        micro = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // microbatches,) + x.shape[1:], x.dtype),
+            batch,
+        )
+        activations = saved_activation_bytes(
+            loss_fn, state.params, state.model_state, micro, state.rng
+        )
+    out = {
+        "source": "analytic",
+        "model_bytes": tree_bytes(state.params),
+        "model_bytes_by_dtype": _bytes_by_dtype(state.params),
+        "optimizer_bytes": sum(optimizer.values()),
+        "optimizer_breakdown": optimizer,
+        "activation_bytes": None if activations is None else activations["bytes"],
+        "activation_residuals": activations,
+        "input_bytes": tree_bytes(batch),
+        "state_bytes": tree_bytes(
+            (state.model_state, state.loss_scale, state.step, state.skipped_steps, state.rng)
+        ),
+    }
+    parts = ("model_bytes", "optimizer_bytes", "activation_bytes", "input_bytes", "state_bytes")
+    out["total_bytes"] = sum(out[k] or 0 for k in parts)
+    return out
+
+
+# --- FLOPs --------------------------------------------------------------------------------
+
+_FREE = {
+    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
+    "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "scatter",
+    "convert_element_type", "copy", "copy_p", "iota", "select_n", "rev", "stop_gradient",
+    "name", "optimization_barrier", "random_bits", "random_wrap", "random_unwrap",
+    "random_fold_in", "random_seed", "threefry2x32", "bitcast_convert_type", "device_put",
+    "split", "pjit", "jit", "closed_call", "remat", "checkpoint", "scan", "while",
+    "cond", "custom_vjp_call", "custom_jvp_call", "shard_map", "sharding_constraint",
+}
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jex_core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jex_core.Jaxpr):
+                yield item
+
+
+def _eqn_flops(eqn) -> float:
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval
+        k = math.prod(lhs.shape[d] for d in lhs_contract)
+        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval
+        spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, spatial...)
+        k = math.prod(rhs.shape[d] for d in spec[1:])  # C_in/groups x kernel window
+        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+    if name in _FREE:
+        return 0.0
+    return float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
+
+
+def _jaxpr_flops(jaxpr, notes: set[str]) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = list(_sub_jaxprs(eqn))
+        if name == "scan":
+            total += eqn.params["length"] * _jaxpr_flops(eqn.params["jaxpr"].jaxpr, notes)
+        elif name == "cond":
+            total += max(_jaxpr_flops(j, notes) for j in subs)
+        elif name == "while":
+            notes.add("a while loop's body was counted once (unknown trip count)")
+            total += sum(_jaxpr_flops(j, notes) for j in subs)
+        elif name in ("custom_vjp_call", "custom_jvp_call"):
+            jaxpr_ = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+            if jaxpr_ is not None:
+                total += _jaxpr_flops(getattr(jaxpr_, "jaxpr", jaxpr_), notes)
+        elif subs:
+            total += sum(_jaxpr_flops(j, notes) for j in subs)
+        else:
+            total += _eqn_flops(eqn)
+    return total
+
+
+def count_flops(fn: Callable, *args) -> tuple[float, list[str]]:
+    """FLOPs of one call of ``fn(*args)`` counted from its jaxpr (module docstring)."""
+    notes: set[str] = set()
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return _jaxpr_flops(jaxpr, notes), sorted(notes)
+
+
+def _xla_flops(compiled) -> float | None:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    flops = (cost or {}).get("flops")
+    return None if flops is None else float(flops)
+
+
+def analyze(
+    train_step: Callable,
+    state,
+    batch: PyTree,
+    *,
+    loss_fn: Callable | None = None,
+    microbatches: int = 1,
+    config: dict[str, Any] | None = None,
+) -> MemoryReport:
+    """Compiles ``train_step(state, batch)`` (never runs it) and reports its memory and FLOPs.
+
+    Args:
+      train_step: a jitted step (``lowmem_jax.make_train_step``) or any function of
+        ``(state, batch)``; a plain function is jitted here.
+      state: the train state, concrete or abstract (``jax.eval_shape``).
+      batch: the batch, concrete or ``jax.ShapeDtypeStruct`` leaves.
+      loss_fn: the loss as differentiated by the step (after the precision cast), for the
+        analytic activation figure; ``None`` leaves that figure out.
+      microbatches: the step's microbatch count (activations are per microbatch).
+      config: recorded in the report as is.
+    """
+    step = train_step if hasattr(train_step, "lower") else jax.jit(train_step)
+    lowered = step.lower(state, batch)
+    compiled = lowered.compile()
+    xla = xla_memory(compiled)
+    analytic = analytic_breakdown(
+        state=state, batch=batch, loss_fn=loss_fn, microbatches=microbatches
+    )
+    flops, flop_notes = count_flops(getattr(step, "__wrapped__", step), state, batch)
+    notes = [
+        "xla.total_bytes = argument + output + temp - alias (donated state counted once)",
+        "flops.jaxpr counts loop bodies times their trip count; flops.xla counts them once",
+        *flop_notes,
+    ]
+    if xla["source"] == "XLA:CPU":
+        notes.append(
+            "XLA:CPU computes convolutions in float32, so half precision shrinks parameter "
+            "bytes but not temp bytes here; measure activation savings on a GPU"
+        )
+    return MemoryReport(
+        config=dict(config or {}),
+        backend=jax.default_backend(),
+        param_count=int(sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))),
+        xla=xla,
+        analytic=analytic,
+        flops={"jaxpr": flops, "xla": _xla_flops(compiled), "source": "analytic (jaxpr)"},
+        notes=notes,
+    )
