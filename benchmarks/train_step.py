@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 import lowmem_jax as lm
-from lowmem_jax.run import make_model
+from lowmem_jax.workloads import make_model
 
 # name -> Plan keyword arguments ("plain" is special: no lowmem transform at all).
 CONFIGS: dict[str, dict] = {

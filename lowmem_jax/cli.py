@@ -1,5 +1,7 @@
 """The ``lowmem`` command line.
 
+``lowmem analyze``: compile-only memory analysis of one configuration (``--json`` for machines).
+``lowmem report``: the standard grid of configurations, as a table, JSON, markdown and plots.
 ``lowmem train``: train a WideResNet on the digits dataset that ships with scikit-learn, with any
 combination of the techniques (nothing is downloaded).
 """
@@ -14,11 +16,11 @@ from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import precision as precision_lib
 
 
-def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
+def _add_plan_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
     group = parser.add_argument_group("techniques (composed into one jitted train step)")
     group.add_argument(
         "--precision",
-        default="mixed_fp16",
+        default=defaults["precision"],
         choices=sorted(precision_lib.POLICIES),
         help="dtype policy: fp32; bf16/fp16 (params and compute half); mixed_bf16/mixed_fp16 "
         "(fp32 master weights, half compute). Default: %(default)s",
@@ -33,13 +35,13 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--microbatches",
         type=int,
-        default=4,
+        default=defaults["microbatches"],
         help="split each batch into K microbatches and accumulate gradients with lax.scan "
         "(BatchNorm uses per-microbatch statistics). Default: %(default)s",
     )
     group.add_argument(
         "--remat",
-        default="full",
+        default=defaults["remat"],
         help="rematerialization policy per residual block: none, full (save block inputs), dots "
         "(save conv/matmul outputs), save:NAME[,NAME] (save tagged activations, e.g. "
         "save:conv_out), every:K (checkpoint segments of K blocks), sqrt. Default: %(default)s",
@@ -92,11 +94,83 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0
 
 
+def _cmd_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lowmem_jax.workloads import analyze_model
+
+    try:
+        plan = _plan(args)
+        report = analyze_model(args.model, args.batch_size, plan)
+    except ValueError as err:
+        parser.error(str(err))
+    result = {"model": args.model, "batch_size": args.batch_size, **report.to_dict()}
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    mib = 2.0**20
+    x, a = result["xla"], result["analytic"]
+    print(f"{args.model}, batch {args.batch_size}, {result['param_count']:,} parameters, "
+          f"backend {result['backend']}; plan {result['config']}")
+    print(f"  {x['source']:>9}: argument {x['argument_bytes'] / mib:9.2f} MiB  "
+          f"output {x['output_bytes'] / mib:9.2f}  alias {x['alias_bytes'] / mib:9.2f}  "
+          f"temp {x['temp_bytes'] / mib:9.2f}  total {x['total_bytes'] / mib:9.2f}")
+    print(f"   analytic: model {a['model_bytes'] / mib:9.2f} MiB  optimizer "
+          f"{a['optimizer_bytes'] / mib:9.2f}  activations {a['activation_bytes'] / mib:9.2f}  "
+          f"inputs {a['input_bytes'] / mib:7.2f}  total {a['total_bytes'] / mib:9.2f}")
+    print(f"      FLOPs: {result['flops']:.4g} per step (jaxpr; XLA cost analysis: "
+          f"{result['flops_xla'] or 0:.4g}, loop bodies counted once)")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lowmem_jax.report import run_report, to_markdown, write_report
+
+    try:
+        from lowmem_jax.workloads import make_model
+
+        make_model(args.model)
+    except ValueError as err:
+        parser.error(str(err))
+    print(f"lowmem report: {args.model}, batch {args.batch_size} (compile-only, no step runs)")
+    result = run_report(args.model, args.batch_size)
+    command = "lowmem report " + " ".join(
+        [f"--model {args.model}", f"--batch-size {args.batch_size}", f"--out-dir {args.out_dir}"]
+    )
+    paths = write_report(result, args.out_dir, command=command)
+    print(to_markdown(result))
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lowmem", description="How much memory does training take, and how to make it fit."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    analyze = sub.add_parser(
+        "analyze",
+        help="compile-only memory analysis of one configuration",
+        description="Lower and compile one train step for abstract inputs (nothing runs, no "
+        "data) and report XLA's memory figures next to the analytic model / optimizer / "
+        "activation breakdown.",
+    )
+    analyze.add_argument("--model", default="wrn-28-2", help="wrn-D-K. Default: %(default)s")
+    analyze.add_argument("--batch-size", type=int, default=128, help="Default: %(default)s")
+    _add_plan_flags(analyze, {"precision": "fp32", "microbatches": 1, "remat": "none"})
+    analyze.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    analyze.set_defaults(func=_cmd_analyze)
+
+    report = sub.add_parser(
+        "report",
+        help="the standard grid: baseline, each technique, combinations (tables and plots)",
+        description="Memory analysis of the baseline, each technique alone at several settings "
+        "and combinations; prints a table and writes report.json, report.md, breakdown.png and "
+        "tradeoff.png.",
+    )
+    report.add_argument("--model", default="wrn-28-2", help="wrn-D-K. Default: %(default)s")
+    report.add_argument("--batch-size", type=int, default=128, help="Default: %(default)s")
+    report.add_argument("--out-dir", default="lowmem_report", help="Default: %(default)s")
+    report.set_defaults(func=_cmd_report)
 
     train = sub.add_parser(
         "train",
@@ -106,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--model", default="wrn-16-2", help="wrn-D-K. Default: %(default)s")
     train.add_argument("--dataset", default="digits", choices=["digits"], help="Default: digits")
-    _add_plan_flags(train)
+    _add_plan_flags(train, {"precision": "mixed_fp16", "microbatches": 4, "remat": "full"})
     train.add_argument("--batch-size", type=int, default=128, help="Default: %(default)s")
     train.add_argument("--epochs", type=int, default=10, help="Default: %(default)s")
     train.add_argument(

@@ -79,14 +79,26 @@ def _bytes_by_dtype(tree: PyTree) -> dict[str, int]:
 
 @dataclasses.dataclass
 class MemoryReport:
-    """The result of :func:`analyze`. ``to_dict()`` gives the JSON form."""
+    """The result of :func:`analyze`. ``to_dict()`` gives the JSON form.
+
+    Attributes:
+      config: what produced it (model, batch size, plan), as given.
+      backend: JAX's backend name (``cpu``, ``gpu``, ``tpu``).
+      param_count: number of parameters.
+      xla: XLA's compiled figures in bytes (``source`` names the backend).
+      analytic: the model / optimizer / activations / inputs / state breakdown in bytes.
+      flops: FLOPs of one step counted from the jaxpr (source: analytic).
+      flops_xla: XLA's ``cost_analysis()`` FLOPs (loop bodies counted once).
+      notes: how to read the figures.
+    """
 
     config: dict[str, Any]
     backend: str
     param_count: int
     xla: dict[str, Any]
     analytic: dict[str, Any]
-    flops: dict[str, Any]
+    flops: float
+    flops_xla: float | None
     notes: list[str]
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,9 +177,15 @@ def saved_activation_bytes(
     residuals = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
     invars = set(jaxpr.invars)
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    # Values that depend on no input (e.g. the zeros relu's derivative selects from) are
+    # constants XLA folds into the consumer: not stored, not counted.
+    dynamic = set(invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, jex_core.Literal) and v in dynamic for v in eqn.invars):
+            dynamic.update(eqn.outvars)
     seen, total, items = set(), 0, []
     for v in residuals:
-        if isinstance(v, jex_core.Literal) or v in invars or v in seen:
+        if isinstance(v, jex_core.Literal) or v in invars or v not in dynamic or v in seen:
             continue
         seen.add(v)
         nbytes = _nbytes(v.aval)
@@ -327,7 +345,8 @@ def analyze(
     flops, flop_notes = count_flops(getattr(step, "__wrapped__", step), state, batch)
     notes = [
         "xla.total_bytes = argument + output + temp - alias (donated state counted once)",
-        "flops.jaxpr counts loop bodies times their trip count; flops.xla counts them once",
+        "flops: counted from the jaxpr, loop bodies times their trip count; flops_xla: XLA's "
+        "cost_analysis, which counts a loop body once",
         *flop_notes,
     ]
     if xla["source"] == "XLA:CPU":
@@ -341,6 +360,7 @@ def analyze(
         param_count=int(sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))),
         xla=xla,
         analytic=analytic,
-        flops={"jaxpr": flops, "xla": _xla_flops(compiled), "source": "analytic (jaxpr)"},
+        flops=flops,
+        flops_xla=_xla_flops(compiled),
         notes=notes,
     )

@@ -8,7 +8,6 @@ one jitted step, epochs with evaluation).
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from typing import Any
 
@@ -18,10 +17,10 @@ import numpy as np
 import optax
 
 from lowmem_jax import data as data_lib
-from lowmem_jax import models
 from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step
+from lowmem_jax.workloads import make_model, sgd_nesterov
 
-__all__ = ["TrainConfig", "train_and_evaluate", "make_model", "DATASETS"]
+__all__ = ["TrainConfig", "train_and_evaluate", "DATASETS"]
 
 DATASETS = ("digits",)
 
@@ -55,34 +54,6 @@ class TrainConfig:
             )
 
 
-def make_model(name: str, num_classes: int, **kwargs: Any) -> models.WideResNet:
-    """``wrn-D-K`` -> ``WideResNet(depth=D, width=K)``.
-
-    Raises:
-      ValueError: naming ``model`` and the accepted pattern.
-    """
-    match = re.fullmatch(r"wrn-(\d+)-(\d+)", name or "")
-    if not match:
-        raise ValueError(f"Unknown model={name!r}; allowed values: 'wrn-D-K' (e.g. wrn-28-2)")
-    depth, width = map(int, match.groups())
-    return models.WideResNet(depth=depth, width=width, num_classes=num_classes, **kwargs)
-
-
-def _optimizer(config: TrainConfig, steps_per_epoch: int) -> optax.GradientTransformation:
-    """SGD with Nesterov momentum, cosine decay, and weight decay on conv/dense kernels only."""
-    schedule = optax.cosine_decay_schedule(config.learning_rate, config.epochs * steps_per_epoch)
-
-    def kernels_only(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: getattr(path[-1], "key", None) == "kernel", params
-        )
-
-    return optax.chain(
-        optax.add_decayed_weights(config.weight_decay, mask=kernels_only),
-        optax.sgd(schedule, momentum=config.momentum, nesterov=True),
-    )
-
-
 def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     """Trains ``config.model`` on ``config.dataset``; returns a summary with the per-epoch history.
 
@@ -98,7 +69,8 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     model = plan.configure_model(make_model(config.model, num_classes=10))
     rng = jax.random.PRNGKey(config.seed)
     variables = model.init(rng, jnp.asarray(train["image"][:2]), train=False)
-    tx = _optimizer(config, steps_per_epoch)
+    schedule = optax.cosine_decay_schedule(config.learning_rate, config.epochs * steps_per_epoch)
+    tx = sgd_nesterov(schedule, config.momentum, config.weight_decay)
     state = TrainState.create(
         params=variables["params"],
         model_state={"batch_stats": variables["batch_stats"]},
