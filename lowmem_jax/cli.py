@@ -108,16 +108,24 @@ def _cmd_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         return 0
     mib = 2.0**20
     x, a = result["xla"], result["analytic"]
-    print(f"{args.model}, batch {args.batch_size}, {result['param_count']:,} parameters, "
-          f"backend {result['backend']}; plan {result['config']}")
-    print(f"  {x['source']:>9}: argument {x['argument_bytes'] / mib:9.2f} MiB  "
-          f"output {x['output_bytes'] / mib:9.2f}  alias {x['alias_bytes'] / mib:9.2f}  "
-          f"temp {x['temp_bytes'] / mib:9.2f}  total {x['total_bytes'] / mib:9.2f}")
-    print(f"   analytic: model {a['model_bytes'] / mib:9.2f} MiB  optimizer "
-          f"{a['optimizer_bytes'] / mib:9.2f}  activations {a['activation_bytes'] / mib:9.2f}  "
-          f"inputs {a['input_bytes'] / mib:7.2f}  total {a['total_bytes'] / mib:9.2f}")
-    print(f"      FLOPs: {result['flops']:.4g} per step (jaxpr; XLA cost analysis: "
-          f"{result['flops_xla'] or 0:.4g}, loop bodies counted once)")
+    print(
+        f"{args.model}, batch {args.batch_size}, {result['param_count']:,} parameters, "
+        f"backend {result['backend']}; plan {result['config']}"
+    )
+    print(
+        f"  {x['source']:>9}: argument {x['argument_bytes'] / mib:9.2f} MiB  "
+        f"output {x['output_bytes'] / mib:9.2f}  alias {x['alias_bytes'] / mib:9.2f}  "
+        f"temp {x['temp_bytes'] / mib:9.2f}  total {x['total_bytes'] / mib:9.2f}"
+    )
+    print(
+        f"   analytic: model {a['model_bytes'] / mib:9.2f} MiB  optimizer "
+        f"{a['optimizer_bytes'] / mib:9.2f}  activations {a['activation_bytes'] / mib:9.2f}  "
+        f"inputs {a['input_bytes'] / mib:7.2f}  total {a['total_bytes'] / mib:9.2f}"
+    )
+    print(
+        f"      FLOPs: {result['flops']:.4g} per step (jaxpr; XLA cost analysis: "
+        f"{result['flops_xla'] or 0:.4g}, loop bodies counted once)"
+    )
     return 0
 
 

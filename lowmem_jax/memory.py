@@ -135,9 +135,7 @@ def _slot_name(path) -> str:
     return names[0] if names else "state"
 
 
-def optimizer_breakdown(
-    params: PyTree, opt_state: PyTree, microbatches: int = 1
-) -> dict[str, int]:
+def optimizer_breakdown(params: PyTree, opt_state: PyTree, microbatches: int = 1) -> dict[str, int]:
     """Bytes of gradients, accumulator and optimizer slots (see the module docstring)."""
     grads = tree_bytes(params)
     out = {"gradients": grads}
@@ -240,13 +238,48 @@ def analytic_breakdown(
 # --- FLOPs --------------------------------------------------------------------------------
 
 _FREE = {
-    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
-    "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "scatter",
-    "convert_element_type", "copy", "copy_p", "iota", "select_n", "rev", "stop_gradient",
-    "name", "optimization_barrier", "random_bits", "random_wrap", "random_unwrap",
-    "random_fold_in", "random_seed", "threefry2x32", "bitcast_convert_type", "device_put",
-    "split", "pjit", "jit", "closed_call", "remat", "checkpoint", "scan", "while",
-    "cond", "custom_vjp_call", "custom_jvp_call", "shard_map", "sharding_constraint",
+    "reshape",
+    "broadcast_in_dim",
+    "squeeze",
+    "expand_dims",
+    "transpose",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "concatenate",
+    "pad",
+    "gather",
+    "scatter",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "iota",
+    "select_n",
+    "rev",
+    "stop_gradient",
+    "name",
+    "optimization_barrier",
+    "random_bits",
+    "random_wrap",
+    "random_unwrap",
+    "random_fold_in",
+    "random_seed",
+    "threefry2x32",
+    "bitcast_convert_type",
+    "device_put",
+    "split",
+    "pjit",
+    "jit",
+    "closed_call",
+    "remat",
+    "checkpoint",
+    "scan",
+    "while",
+    "cond",
+    "custom_vjp_call",
+    "custom_jvp_call",
+    "shard_map",
+    "sharding_constraint",
 }
 
 

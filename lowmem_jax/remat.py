@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -124,7 +125,9 @@ def compiler_options(remat: str | RematSpec = "full", backend: str | None = None
 class ScannedBlocks(nn.Module):
     """``length`` blocks of identical shapes, applied in sequence with ``lax.scan`` and remat.
 
-    Each block maps ``x -> block(x)`` with the same shape and dtype. Variables of the block are
+    Each block maps ``x -> block(x, *context, train=train)`` with the same shape and dtype;
+    ``context`` (e.g. an encoder's output and masks) is the same for every block. Variables of
+    the block are
     stored stacked: every leaf of the block's ``params`` (and of any other collection, such as
     ``batch_stats``) gets a leading ``[length]`` axis, under ``params/stack`` and
     ``<collection>/stack``.
@@ -132,7 +135,7 @@ class ScannedBlocks(nn.Module):
     Attributes:
       make_block: a zero-argument callable returning a fresh (unbound) block module, e.g.
         ``functools.partial(PreActBlock, features=64)``. It is called as
-        ``block(x, train=train)``.
+        ``block(x, *context, train=train)``.
       length: number of blocks ``n >= 1``.
       remat: a policy name or :class:`RematSpec` (module docstring).
       unroll: unroll the scan into straight-line code (``lax.scan(unroll=True)``): same
@@ -145,7 +148,7 @@ class ScannedBlocks(nn.Module):
     unroll: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, *context: Any, train: bool) -> jax.Array:
         if self.length < 1:
             raise ValueError(f"length must be >= 1, got {self.length}")
         spec = parse_policy(self.remat)
@@ -153,7 +156,9 @@ class ScannedBlocks(nn.Module):
 
         def init_stack(rng):
             keys = jax.random.split(rng, self.length)
-            return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x, train=False))(keys)
+            return jax.vmap(
+                lambda k: block.init({"params": k, "dropout": k}, x, *context, train=False)
+            )(keys)
 
         if self.is_initializing():
             stacked = init_stack(self.make_rng("params"))
@@ -176,7 +181,12 @@ class ScannedBlocks(nn.Module):
             p, state, key = xs
             rngs = {"dropout": key} if use_dropout else {}
             out = block.apply(
-                {"params": p, **state}, h, train=train, rngs=rngs, mutable=mutable or False
+                {"params": p, **state},
+                h,
+                *context,
+                train=train,
+                rngs=rngs,
+                mutable=mutable or False,
             )
             h, new_state = out if mutable else (out, {})
             return h, {c: new_state.get(c, state[c]) for c in state}

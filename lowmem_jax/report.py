@@ -149,15 +149,28 @@ def _plots(result: dict[str, Any], out_dir: str) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(11, 0.38 * len(rows) + 1.5))
     left = [0.0] * len(rows)
-    parts = [("model_bytes", "model"), ("optimizer_bytes", "optimizer"),
-             ("activation_bytes", "activations"), ("input_bytes", "inputs")]
+    parts = [
+        ("model_bytes", "model"),
+        ("optimizer_bytes", "optimizer"),
+        ("activation_bytes", "activations"),
+        ("input_bytes", "inputs"),
+    ]
     for key, label in parts:
         widths = [r["analytic"][key] / MIB for r in rows]
         ax.barh(names, widths, left=left, label=f"{label} (analytic)")
         left = [a + b for a, b in zip(left, widths, strict=True)]
-    ax.scatter([r["xla"]["total_bytes"] / MIB for r in rows], names, color="k", marker="|",
-               s=200, zorder=3, label=f"total ({src})")
+    ax.scatter(
+        [r["xla"]["total_bytes"] / MIB for r in rows],
+        names,
+        color="k",
+        marker="|",
+        s=200,
+        zorder=3,
+        label=f"total ({src})",
+    )
     ax.set_xscale("log")
+    smallest = min(r["analytic"]["model_bytes"] for r in rows) / MIB
+    ax.set_xlim(left=smallest / 2)  # on a log axis the first segment needs room to show
     ax.invert_yaxis()
     ax.set_xlabel("MiB (log scale)")
     ax.set_title(f"Training memory breakdown: {result['model']}, batch {result['batch_size']}")
@@ -171,11 +184,17 @@ def _plots(result: dict[str, Any], out_dir: str) -> list[str]:
     groups = sorted({r["group"] for r in rows})
     for group in groups:
         sel = [r for r in rows if r["group"] == group]
-        ax.scatter([r["flops_overhead"] for r in sel], [r["reduction_xla"] for r in sel],
-                   label=group, s=40)
+        ax.scatter(
+            [r["flops_overhead"] for r in sel], [r["reduction_xla"] for r in sel], label=group, s=40
+        )
         for r in sel:
-            ax.annotate(r["name"], (r["flops_overhead"], r["reduction_xla"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
+            ax.annotate(
+                r["name"],
+                (r["flops_overhead"], r["reduction_xla"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
     ax.set_yscale("log")
     ax.set_xlabel("FLOPs per step / baseline (analytic, jaxpr)")
     ax.set_ylabel(f"memory reduction, {src} total bytes (x)")

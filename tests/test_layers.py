@@ -11,7 +11,8 @@ from lowmem_jax.models.layers import BatchNorm
 def _run(module, variables, x, train):
     def f(params, x):
         out, upd = module.apply(
-            {"params": params, "batch_stats": variables["batch_stats"]}, x,
+            {"params": params, "batch_stats": variables["batch_stats"]},
+            x,
             mutable=["batch_stats"],
         )
         return jnp.sum(jnp.sin(out)), (out, upd)
@@ -50,9 +51,7 @@ def test_half_precision_saves_only_half_precision_activations():
         variables = jax.eval_shape(module.init, jax.random.key(0), x)
 
         def loss_fn(params, state, batch, rng):
-            out, upd = module.apply(
-                {"params": params, **state}, batch, mutable=["batch_stats"]
-            )
+            out, upd = module.apply({"params": params, **state}, batch, mutable=["batch_stats"])
             return jnp.sum(jnp.tanh(out).astype(jnp.float32)), upd
 
         return saved_activation_bytes(

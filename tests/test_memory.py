@@ -10,7 +10,7 @@ from lowmem_jax import cli, memory
 from lowmem_jax.report import run_report, standard_grid, write_report
 from lowmem_jax.workloads import analyze_model
 
-B, D, H, O = 16, 12, 32, 5
+B, D, H, OUT = 16, 12, 32, 5
 F32 = 4
 
 
@@ -36,49 +36,51 @@ def _abstract(tree):
 
 
 def test_mlp_breakdown_matches_hand_count():
-    params = {"w1": jnp.zeros((D, H)), "b1": jnp.zeros(H), "w2": jnp.zeros((H, O))}
-    batch = {"x": jnp.zeros((B, D)), "y": jnp.zeros((B, O))}
+    params = {"w1": jnp.zeros((D, H)), "b1": jnp.zeros(H), "w2": jnp.zeros((H, OUT))}
+    batch = {"x": jnp.zeros((B, D)), "y": jnp.zeros((B, OUT))}
     plan = lm.Plan()
     tx = optax.sgd(0.1, momentum=0.9)
     state = lm.TrainState.create(params=params, tx=tx, plan=plan)
     step = lm.make_train_step(mlp_loss, tx, plan)
     report = memory.analyze(step, _abstract(state), _abstract(batch), loss_fn=mlp_loss)
     a = report.analytic
-    n_params = D * H + H + H * O
+    n_params = D * H + H + H * OUT
     assert report.param_count == n_params
     assert a["model_bytes"] == n_params * F32
     # gradients + one momentum ("trace") buffer, both parameter-sized float32
     assert a["optimizer_breakdown"] == {"gradients": n_params * F32, "slot:trace": n_params * F32}
     # saved for backprop: h = tanh(.) [B, H] for dW2, tanh's derivative 1 - h^2 [B, H] (JAX's
-    # linearization keeps it rather than recomputing it from h) and 2 (y - t) [B, O]
-    assert a["activation_bytes"] == (2 * B * H + B * O) * F32
-    assert a["input_bytes"] == (B * D + B * O) * F32
+    # linearization keeps it rather than recomputing it from h) and 2 (y - t) [B, OUT]
+    assert a["activation_bytes"] == (2 * B * H + B * OUT) * F32
+    assert a["input_bytes"] == (B * D + B * OUT) * F32
     x = report.xla
-    assert x["total_bytes"] == x["argument_bytes"] + x["output_bytes"] + x["temp_bytes"] - x[
-        "alias_bytes"
-    ]
+    assert (
+        x["total_bytes"]
+        == x["argument_bytes"] + x["output_bytes"] + x["temp_bytes"] - x["alias_bytes"]
+    )
     assert x["source"] == f"XLA:{jax.default_backend().upper()}"
     # 2 matmuls forward (x@w1, h@w2) + 3 backward (dW2, dh, dW1): 2*MACs each
-    matmul_flops = 2 * (B * D * H + B * H * O) + 2 * (B * H * O * 2 + B * D * H)
+    matmul_flops = 2 * (B * D * H + B * H * OUT) + 2 * (B * H * OUT * 2 + B * D * H)
     assert matmul_flops <= report.flops <= matmul_flops * 1.2
 
 
 def test_cnn_breakdown_matches_hand_count():
     C, S = 8, 6
-    params = {"k": jnp.zeros((3, 3, 3, C)), "w": jnp.zeros((C, O))}
-    batch = {"x": jnp.zeros((B, S, S, 3)), "y": jnp.zeros((B, O))}
+    params = {"k": jnp.zeros((3, 3, 3, C)), "w": jnp.zeros((C, OUT))}
+    batch = {"x": jnp.zeros((B, S, S, 3)), "y": jnp.zeros((B, OUT))}
     tx = optax.adam(1e-3)
     plan = lm.Plan(microbatches=2)
     state = lm.TrainState.create(params=params, tx=tx, plan=plan)
     step = lm.make_train_step(cnn_loss, tx, plan)
-    report = memory.analyze(step, _abstract(state), _abstract(batch), loss_fn=cnn_loss,
-                            microbatches=2)
+    report = memory.analyze(
+        step, _abstract(state), _abstract(batch), loss_fn=cnn_loss, microbatches=2
+    )
     a = report.analytic
-    n_params = 3 * 3 * 3 * C + C * O
+    n_params = 3 * 3 * 3 * C + C * OUT
     mb = B // 2  # activations are per microbatch
     # relu keeps a bool mask [mb, S, S, C]; the mean keeps 1/(S*S)-scaled feats [mb, C] for the
-    # dense layer's weight gradient; the loss keeps 2 (y - t) [mb, O]
-    assert a["activation_bytes"] == mb * S * S * C * 1 + (mb * C + mb * O) * F32
+    # dense layer's weight gradient; the loss keeps 2 (y - t) [mb, OUT]
+    assert a["activation_bytes"] == mb * S * S * C * 1 + (mb * C + mb * OUT) * F32
     breakdown = a["optimizer_breakdown"]
     assert breakdown["gradients"] == n_params * F32
     assert breakdown["gradient_accumulator"] == n_params * F32
@@ -117,22 +119,46 @@ def test_xla_temp_falls_as_remat_saves_less():
 
 
 def test_analyze_cli_prints_exactly_one_json_object(capsys):
-    assert cli.main(["analyze", "--model", "wrn-10-1", "--batch-size", "8", "--microbatches",
-                     "2", "--remat", "full", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "analyze",
+                "--model",
+                "wrn-10-1",
+                "--batch-size",
+                "8",
+                "--microbatches",
+                "2",
+                "--remat",
+                "full",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
-    for key in ("model", "batch_size", "config", "param_count", "backend", "xla", "analytic",
-                "flops"):
+    for key in (
+        "model",
+        "batch_size",
+        "config",
+        "param_count",
+        "backend",
+        "xla",
+        "analytic",
+        "flops",
+    ):
         assert key in result
     for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "total_bytes"):
         assert isinstance(result["xla"][key], int)
-    for key in ("model_bytes", "optimizer_bytes", "activation_bytes", "input_bytes",
-                "total_bytes"):
+    for key in ("model_bytes", "optimizer_bytes", "activation_bytes", "input_bytes", "total_bytes"):
         assert isinstance(result["analytic"][key], int)
     assert result["config"]["microbatches"] == 2 and result["config"]["remat"] == "full"
 
 
-@pytest.mark.parametrize("argv", [["--remat", "bogus"], ["--model", "vgg"],
-                                  ["--microbatches", "3"], ["--sparsity", "0.9"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--remat", "bogus"], ["--model", "vgg"], ["--microbatches", "3"], ["--sparsity", "0.9"]],
+)
 def test_analyze_cli_rejects_bad_options(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["analyze", "--batch-size", "8", *argv])
@@ -144,8 +170,12 @@ def test_report_writes_tables_and_plots(tmp_path):
     grid = [g for g in standard_grid(8) if g[0] in ("baseline", "microbatch 4", "remat full")]
     result = run_report("wrn-10-1", 8, grid=grid, progress=None)
     paths = write_report(result, str(tmp_path), command="test")
-    assert {p.split("/")[-1] for p in paths} == {"report.json", "report.md", "breakdown.png",
-                                                 "tradeoff.png"}
+    assert {p.split("/")[-1] for p in paths} == {
+        "report.json",
+        "report.md",
+        "breakdown.png",
+        "tradeoff.png",
+    }
     rows = {r["name"]: r for r in result["configs"]}
     assert rows["baseline"]["reduction_xla"] == 1.0
     assert rows["microbatch 4"]["reduction_xla"] > 1.0

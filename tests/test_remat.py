@@ -104,3 +104,22 @@ def test_unknown_policy_raises(name):
 )
 def test_segment_length(name, length, expected):
     assert lm.parse_policy(name).segment_length(length) == expected
+
+
+class ContextBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, memory, scale, train):
+        return x + scale * nn.Dense(x.shape[-1])(memory)
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "every:2"])
+def test_scanned_blocks_pass_context_to_every_block(remat):
+    stack = lm.ScannedBlocks(ContextBlock, 3, remat)
+    x, memory = jnp.zeros((2, 4)), jnp.ones((2, 4))
+    params = stack.init(jax.random.key(0), x, memory, 2.0, train=False)["params"]
+    out = stack.apply({"params": params}, x, memory, 2.0, train=True)
+    expected = x
+    for i in range(3):
+        p = jax.tree.map(lambda a, i=i: a[i], params["stack"])
+        expected = expected + 2.0 * ContextBlock().apply({"params": p}, x, memory, 1.0, False)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)

@@ -115,7 +115,9 @@ class WideResNet(nn.Module):
         for g, (features, strides) in enumerate(zip((16, 32, 64), (1, 2, 2), strict=True)):
             features *= self.width
             first = functools.partial(block, features=features, strides=strides)
-            x = ScannedBlocks(first, 1, self.remat, self.unroll, name=f"group{g}_first")(x, train)
+            x = ScannedBlocks(first, 1, self.remat, self.unroll, name=f"group{g}_first")(
+                x, train=train
+            )
             if n > 1:
                 rest = functools.partial(block, features=features)
                 x = ScannedBlocks(rest, n - 1, self.remat, self.unroll, name=f"group{g}_rest")(
