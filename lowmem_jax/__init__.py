@@ -7,7 +7,7 @@ Each technique is a pure transform; :func:`make_train_step` composes them into o
 >>> model = plan.configure_model(lm.models.WideResNet(depth=10, width=1, num_classes=10))
 """
 
-from lowmem_jax import loss_scale, microbatch, models, ops, precision, remat
+from lowmem_jax import loss_scale, memory, microbatch, models, ops, precision, remat
 from lowmem_jax.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -16,10 +16,12 @@ from lowmem_jax.loss_scale import (
     make_loss_scale,
     select_tree,
 )
+from lowmem_jax.memory import MemoryReport, analyze
 from lowmem_jax.microbatch import accumulate_gradients
 from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
 from lowmem_jax.remat import ScannedBlocks, compiler_options, parse_policy
 from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step, scaled_grad_fn
+from lowmem_jax.workloads import analyze_model
 
 __version__ = "0.1.0"
 
@@ -43,7 +45,11 @@ __all__ = [
     "parse_policy",
     "compiler_options",
     "ScannedBlocks",
+    "analyze",
+    "analyze_model",
+    "MemoryReport",
     "loss_scale",
+    "memory",
     "microbatch",
     "models",
     "ops",

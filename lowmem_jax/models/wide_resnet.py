@@ -121,7 +121,7 @@ class WideResNet(nn.Module):
             if n > 1:
                 rest = functools.partial(block, features=features)
                 x = ScannedBlocks(rest, n - 1, self.remat, self.unroll, name=f"group{g}_rest")(
-                    x, train
+                    x, train=train
                 )
         x = BatchNorm(
             use_running_average=not train,
