@@ -16,6 +16,11 @@ from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import precision as precision_lib
 
 
+def _add_workload_flags(parser: argparse.ArgumentParser, *, model: str, batch_size: int) -> None:
+    parser.add_argument("--model", default=model, help="wrn-D-K. Default: %(default)s")
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="Default: %(default)s")
+
+
 def _add_plan_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
     group = parser.add_argument_group("techniques (composed into one jitted train step)")
     group.add_argument(
@@ -162,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "data) and report XLA's memory figures next to the analytic model / optimizer / "
         "activation breakdown.",
     )
-    analyze.add_argument("--model", default="wrn-28-2", help="wrn-D-K. Default: %(default)s")
-    analyze.add_argument("--batch-size", type=int, default=128, help="Default: %(default)s")
+    _add_workload_flags(analyze, model="wrn-28-2", batch_size=128)
     _add_plan_flags(analyze, {"precision": "fp32", "microbatches": 1, "remat": "none"})
     analyze.add_argument("--json", action="store_true", help="print exactly one JSON object")
     analyze.set_defaults(func=_cmd_analyze)
@@ -175,8 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and combinations; prints a table and writes report.json, report.md, breakdown.png and "
         "tradeoff.png.",
     )
-    report.add_argument("--model", default="wrn-28-2", help="wrn-D-K. Default: %(default)s")
-    report.add_argument("--batch-size", type=int, default=128, help="Default: %(default)s")
+    _add_workload_flags(report, model="wrn-28-2", batch_size=128)
     report.add_argument("--out-dir", default="lowmem_report", help="Default: %(default)s")
     report.set_defaults(func=_cmd_report)
 
@@ -186,10 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a WideResNet on the scikit-learn digits dataset (1,797 8x8 images "
         "upsampled to 32x32; ships with scikit-learn, nothing is downloaded).",
     )
-    train.add_argument("--model", default="wrn-16-2", help="wrn-D-K. Default: %(default)s")
+    _add_workload_flags(train, model="wrn-16-2", batch_size=128)
     train.add_argument("--dataset", default="digits", choices=["digits"], help="Default: digits")
     _add_plan_flags(train, {"precision": "mixed_fp16", "microbatches": 4, "remat": "full"})
-    train.add_argument("--batch-size", type=int, default=128, help="Default: %(default)s")
     train.add_argument("--epochs", type=int, default=10, help="Default: %(default)s")
     train.add_argument(
         "--lr",
