@@ -8,6 +8,9 @@ one jitted step, epochs with evaluation).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import time
 from typing import Any
 
@@ -17,17 +20,27 @@ import numpy as np
 import optax
 
 from lowmem_jax import data as data_lib
+from lowmem_jax.checkpointing import Checkpointer
+from lowmem_jax.data.cifar10 import augment as augment_images
 from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step
 from lowmem_jax.workloads import make_model, sgd_nesterov
 
-__all__ = ["TrainConfig", "train_and_evaluate", "DATASETS"]
+__all__ = ["TrainConfig", "train_and_evaluate", "param_checksum", "DATASETS"]
 
-DATASETS = ("digits",)
+DATASETS = ("digits", "cifar10")
+SCHEDULES = ("cosine", "step")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One training run. The defaults are the embedded default job (``lowmem train``)."""
+    """One training run. The defaults are the embedded default job (``lowmem train``).
+
+    ``lr_schedule``: ``cosine`` decay to 0, or ``step`` (x0.2 at 30%, 60% and 80% of training:
+    epochs 60/120/160 of 200, the WRN recipe). With ``checkpoint_dir`` the state is saved every
+    ``checkpoint_every`` steps (keeping ``keep_checkpoints``) and at the end, and per-epoch
+    metrics are appended to ``<checkpoint_dir>/metrics.jsonl``; ``resume`` continues from the
+    newest checkpoint there, exactly.
+    """
 
     model: str = "wrn-16-2"
     dataset: str = "digits"
@@ -35,16 +48,26 @@ class TrainConfig:
     batch_size: int = 128
     epochs: int = 10
     learning_rate: float = 0.1
+    lr_schedule: str = "cosine"
     momentum: float = 0.9
     weight_decay: float = 5e-4
     seed: int = 0
+    data_dir: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    resume: bool = False
     progress: bool = True
 
     def __post_init__(self):
         if self.dataset not in DATASETS:
             raise ValueError(f"Unknown dataset={self.dataset!r}; allowed values: {list(DATASETS)}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(
+                f"Unknown lr_schedule={self.lr_schedule!r}; allowed values: {list(SCHEDULES)}"
+            )
         make_model(self.model, 10)  # validates the name
-        for name in ("batch_size", "epochs"):
+        for name in ("batch_size", "epochs", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % self.plan.microbatches:
@@ -52,6 +75,37 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not divisible by "
                 f"microbatches={self.plan.microbatches}"
             )
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume=True needs a checkpoint_dir")
+
+
+def load_splits(config: TrainConfig) -> tuple[dict, dict, bool]:
+    """(train, test, augment) for ``config.dataset``; nothing is downloaded."""
+    if config.dataset == "digits":
+        splits = data_lib.load_digits(seed=config.seed)
+        return splits["train"], splits["test"], False
+    from lowmem_jax.data.cifar10 import load_cifar10
+
+    return (
+        load_cifar10("train", config.data_dir),
+        load_cifar10("test", config.data_dir),
+        True,
+    )
+
+
+def learning_rate_schedule(config: TrainConfig, total_steps: int) -> optax.Schedule:
+    if config.lr_schedule == "cosine":
+        return optax.cosine_decay_schedule(config.learning_rate, total_steps)
+    bounds = {int(total_steps * f): 0.2 for f in (0.3, 0.6, 0.8)}
+    return optax.piecewise_constant_schedule(config.learning_rate, bounds)
+
+
+def param_checksum(params) -> str:
+    """sha256 of the parameters' bytes in tree order: equal iff bitwise-equal parameters."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        digest.update(np.asarray(leaf).tobytes())
+    return digest.hexdigest()
 
 
 def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
@@ -61,16 +115,17 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     """
     from tqdm.auto import tqdm
 
-    splits = data_lib.load_digits(seed=config.seed)
-    train, test = splits["train"], splits["test"]
+    train, test, augment = load_splits(config)
     steps_per_epoch = len(train["label"]) // config.batch_size
+    total_steps = config.epochs * steps_per_epoch
 
     plan = config.plan
     model = plan.configure_model(make_model(config.model, num_classes=10))
     rng = jax.random.PRNGKey(config.seed)
     variables = model.init(rng, jnp.asarray(train["image"][:2]), train=False)
-    schedule = optax.cosine_decay_schedule(config.learning_rate, config.epochs * steps_per_epoch)
-    tx = sgd_nesterov(schedule, config.momentum, config.weight_decay)
+    tx = sgd_nesterov(
+        learning_rate_schedule(config, total_steps), config.momentum, config.weight_decay
+    )
     state = TrainState.create(
         params=variables["params"],
         model_state={"batch_stats": variables["batch_stats"]},
@@ -79,6 +134,18 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
         rng=rng,
     )
     train_step = make_train_step(classifier_loss_fn(model), tx, plan)
+
+    checkpointer = metrics_file = None
+    if config.checkpoint_dir:
+        checkpointer = Checkpointer(
+            config.checkpoint_dir, every=config.checkpoint_every, keep=config.keep_checkpoints
+        )
+        if config.resume and checkpointer.latest_step() is not None:
+            state = checkpointer.restore(state)
+        metrics_file = os.path.join(config.checkpoint_dir, "metrics.jsonl")
+    start_step = int(state.step)
+    if log and start_step:
+        log(f"resumed from step {start_step} in {config.checkpoint_dir}")
 
     @jax.jit
     def predict(state, images):
@@ -93,10 +160,13 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
 
     history = []
     start = time.perf_counter()
-    for epoch in range(1, config.epochs + 1):
+    for epoch in range(start_step // steps_per_epoch + 1, config.epochs + 1):
         epoch_start = time.perf_counter()
+        # The data order is a function of (seed, epoch): a resumed run skips what was consumed.
         batches = data_lib.iterate_batches(train, config.batch_size, seed=config.seed + epoch)
-        sums = {"loss": 0.0, "accuracy": 0.0}
+        augment_rng = np.random.default_rng([config.seed, epoch])
+        skip = max(0, start_step - (epoch - 1) * steps_per_epoch)
+        sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
         bar = tqdm(
             batches,
             total=steps_per_epoch,
@@ -104,21 +174,32 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
             disable=not config.progress,
             leave=False,
         )
-        for batch in bar:
+        for i, batch in enumerate(bar):
+            if augment:
+                batch = {**batch, "image": augment_images(batch["image"], augment_rng)}
+            if i < skip:
+                continue
             state, metrics = train_step(state, batch)
+            seen += 1
             for k in sums:
                 sums[k] += float(metrics[k])
             bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+            if checkpointer:
+                checkpointer.save(int(state.step), state)
         record = {
             "epoch": epoch,
-            "train_loss": sums["loss"] / steps_per_epoch,
-            "train_accuracy": sums["accuracy"] / steps_per_epoch,
+            "step": int(state.step),
+            "train_loss": sums["loss"] / max(seen, 1),
+            "train_accuracy": sums["accuracy"] / max(seen, 1),
             "test_accuracy": evaluate(state, test),
             "skipped_steps": int(state.skipped_steps),
             "loss_scale": float(state.loss_scale.loss_scale),
             "epoch_seconds": time.perf_counter() - epoch_start,
         }
         history.append(record)
+        if metrics_file:
+            with open(metrics_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
         if log:
             log(
                 f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  "
@@ -127,6 +208,9 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
                 f"skipped {record['skipped_steps']}  scale {record['loss_scale']:.0f}  "
                 f"{record['epoch_seconds']:.1f}s"
             )
+    if checkpointer:
+        checkpointer.save(int(state.step), state, force=True)
+        checkpointer.close()
     return {
         "model": config.model,
         "dataset": config.dataset,
@@ -135,7 +219,9 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
         "epochs": config.epochs,
         "seed": config.seed,
         "param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
-        "test_accuracy": history[-1]["test_accuracy"],
+        "param_checksum": param_checksum(state.params),
+        "steps": int(state.step),
+        "test_accuracy": evaluate(state, test) if not history else history[-1]["test_accuracy"],
         "skipped_steps": int(state.skipped_steps),
         "train_seconds": time.perf_counter() - start,
         "backend": jax.default_backend(),
