@@ -24,9 +24,12 @@ stack to ``[n // K, K]`` and nests two scans, checkpointing the outer body, so t
 layout does not depend on the policy: the same parameters work under every policy.
 
 On XLA:CPU, the ``cse_barrier_expander`` pass removes the optimization barriers that keep a
-recomputation separate from the forward pass, and CSE then merges the two: remat saves nothing.
+recomputation separate from the forward pass, and CSE then merges the two: remat of a block
+outside a loop saves nothing (measured: 8 unscanned blocks, temp 6.8 MB with and without remat).
+Inside ``lax.scan`` the loop boundary keeps them apart and remat holds without help.
 :func:`compiler_options` returns the per-computation option that disables that pass
-(``jax.jit(f, compiler_options=...)``); it changes no result, only what XLA may merge.
+(``jax.jit(f, compiler_options=...)``; the same 8 blocks: 2.9 MB); it changes no result, only
+what XLA may merge, and ``make_train_step`` applies it whenever the plan uses remat on CPU.
 """
 
 from __future__ import annotations

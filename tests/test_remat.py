@@ -55,7 +55,7 @@ class Block(nn.Module):
         return x + nn.Dense(self.features)(h)
 
 
-def _stack_temp_bytes(remat, length=16, batch=1024):
+def _stack_temp_bytes(remat, length=16, batch=1024, options=None):
     stack = lm.ScannedBlocks(functools.partial(Block, 64), length, remat)
     x = jnp.ones((batch, 64))
     params = stack.init(jax.random.key(0), x, train=False)["params"]
@@ -63,7 +63,8 @@ def _stack_temp_bytes(remat, length=16, batch=1024):
     def loss(p, x):
         return jnp.sum(stack.apply({"params": p}, x, train=True) ** 2)
 
-    grad = jax.jit(jax.grad(loss), compiler_options=lm.compiler_options(remat) or None)
+    options = lm.compiler_options(remat) if options is None else options
+    grad = jax.jit(jax.grad(loss), compiler_options=options or None)
     return grad.lower(params, x).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -72,11 +73,45 @@ def test_temp_bytes_fall_as_remat_saves_less():
     assert temps["none"] > temps["dots"] > temps["full"] > temps["every:4"], temps
 
 
-def test_remat_needs_the_cpu_compiler_option_to_take_effect():
+class Chain(nn.Module):
+    """8 blocks that are not scanned (stacks of length 1), like the first block of a WRN group."""
+
+    remat: str
+
+    @nn.compact
+    def __call__(self, x, train):
+        for i in range(8):
+            x = lm.ScannedBlocks(functools.partial(Block, 64), 1, self.remat, name=f"b{i}")(
+                x, train=train
+            )
+        return x
+
+
+def _chain_temp_bytes(remat, options):
+    model, x = Chain(remat), jnp.ones((1024, 64))
+    params = model.init(jax.random.key(0), x, train=False)["params"]
+
+    def loss(p, x):
+        return jnp.sum(model.apply({"params": p}, x, train=True) ** 2)
+
+    grad = jax.jit(jax.grad(loss), compiler_options=options or None)
+    return grad.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_unscanned_remat_needs_the_cpu_compiler_option():
     if jax.default_backend() != "cpu":
         pytest.skip("the pass in question is XLA:CPU's")
     assert lm.compiler_options("full") == {"xla_disable_hlo_passes": "cse_barrier_expander"}
     assert lm.compiler_options("none") == {}
+    baseline = _chain_temp_bytes("none", {})
+    # Without the option XLA:CPU merges the recomputation back into the forward pass.
+    assert _chain_temp_bytes("full", {}) == baseline
+    assert _chain_temp_bytes("full", lm.compiler_options("full")) < 0.5 * baseline
+
+
+def test_scanned_remat_holds_without_the_option():
+    # Inside lax.scan the loop keeps forward and recomputation apart (prevent_cse=False).
+    assert _stack_temp_bytes("full", options={}) < 0.5 * _stack_temp_bytes("none", options={})
 
 
 def test_parameters_do_not_depend_on_policy():
