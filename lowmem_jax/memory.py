@@ -56,18 +56,15 @@ __all__ = [
 
 
 def _nbytes(x) -> int:
+    """Bytes of an array or abstract value; typed PRNG keys count as their key data."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
     return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
 
 
 def tree_bytes(tree: PyTree) -> int:
     """Bytes of every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-                x = jax.eval_shape(jax.random.key_data, x)
-            total += _nbytes(x)
-    return total
+    return sum(_nbytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
 
 
 def _bytes_by_dtype(tree: PyTree) -> dict[str, int]:

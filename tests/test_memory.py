@@ -181,3 +181,22 @@ def test_report_writes_tables_and_plots(tmp_path):
     assert rows["microbatch 4"]["reduction_xla"] > 1.0
     assert result["best"]["name"] in rows
     assert "| remat full |" in (tmp_path / "report.md").read_text()
+
+
+def test_typed_prng_keys_saved_for_backward_are_counted():
+    @jax.checkpoint
+    def dropout_matmul(w, x, key):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.where(keep, x, 0.0) @ w
+
+    def loss_fn(params, model_state, batch, rng):
+        key = jax.random.fold_in(rng, 1)  # a derived typed key: the remat block saves it
+        loss = jnp.sum(dropout_matmul(params["w"], batch["x"], key) ** 2)
+        return loss, (model_state, {})
+
+    params = {"w": jnp.ones((4, 4))}
+    out = memory.saved_activation_bytes(
+        loss_fn, params, {}, {"x": jnp.ones((2, 4))}, jax.random.key(0)
+    )
+    key_bytes = jax.random.key_data(jax.random.key(0)).nbytes
+    assert out["bytes"] >= key_bytes

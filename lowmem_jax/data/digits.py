@@ -48,13 +48,15 @@ def iterate_batches(
     seed: int | None = None,
     drop_remainder: bool = True,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Yields batches of ``batch_size`` examples; shuffled per ``seed`` when it is not None.
+    """Yields batches of ``batch_size`` rows of every array of ``split``.
 
-    With ``drop_remainder`` every batch has the same shape, so a jitted step compiles once.
+    ``split`` maps names to arrays sharing their leading axis (images and labels; src, tgt_in
+    and tgt_out). Rows are shuffled per ``seed`` when it is not None. With ``drop_remainder``
+    every batch has the same shape, so a jitted step compiles once.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    n = len(split["label"])
+    n = len(next(iter(split.values())))
     order = np.arange(n) if seed is None else np.random.default_rng(seed).permutation(n)
     stop = n - n % batch_size if drop_remainder else n
     for start in range(0, stop, batch_size):
