@@ -14,11 +14,20 @@ import sys
 
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import precision as precision_lib
+from lowmem_jax.workloads import MODEL_PATTERN as MODELS
 
 
-def _add_workload_flags(parser: argparse.ArgumentParser, *, model: str, batch_size: int) -> None:
-    parser.add_argument("--model", default=model, help="wrn-D-K. Default: %(default)s")
-    parser.add_argument("--batch-size", type=int, default=batch_size, help="Default: %(default)s")
+def _add_workload_flags(
+    parser: argparse.ArgumentParser, *, model: str, batch_size: int | None, models: str
+) -> None:
+    parser.add_argument("--model", default=model, help=f"{models}. Default: %(default)s")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        help="examples (sentences for dynamicconv-iwslt) per batch. Default: "
+        + ("%(default)s" if batch_size else "128 for wrn-D-K, 100 for dynamicconv-iwslt"),
+    )
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
@@ -110,17 +119,17 @@ def _cmd_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
     try:
         plan = _plan(args)
-        report = analyze_model(args.model, args.batch_size, plan)
+        report = analyze_model(args.model, args.batch_size, plan, seq_len=args.seq_len)
     except ValueError as err:
         parser.error(str(err))
-    result = {"model": args.model, "batch_size": args.batch_size, **report.to_dict()}
+    result = {"model": args.model, "batch_size": report.config["batch_size"], **report.to_dict()}
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
     mib = 2.0**20
     x, a = result["xla"], result["analytic"]
     print(
-        f"{args.model}, batch {args.batch_size}, {result['param_count']:,} parameters, "
+        f"{args.model}, batch {result['batch_size']}, {result['param_count']:,} parameters, "
         f"backend {result['backend']}; plan {result['config']}"
     )
     print(
@@ -142,17 +151,18 @@ def _cmd_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lowmem_jax.report import run_report, to_markdown, write_report
+    from lowmem_jax.workloads import make_workload
 
     try:
-        from lowmem_jax.workloads import make_model
-
-        make_model(args.model)
+        work = make_workload(args.model, args.batch_size, seq_len=args.seq_len)
     except ValueError as err:
         parser.error(str(err))
-    print(f"lowmem report: {args.model}, batch {args.batch_size} (compile-only, no step runs)")
-    result = run_report(args.model, args.batch_size)
+    batch_size = next(iter(work.batch.values())).shape[0]
+    print(f"lowmem report: {args.model}, batch {batch_size} (compile-only, no step runs)")
+    result = run_report(args.model, batch_size, seq_len=args.seq_len)
     command = "lowmem report " + " ".join(
-        [f"--model {args.model}", f"--batch-size {args.batch_size}", f"--out-dir {args.out_dir}"]
+        [f"--model {args.model}", f"--batch-size {batch_size}", f"--out-dir {args.out_dir}"]
+        + ([f"--seq-len {args.seq_len}"] if args.model == "dynamicconv-iwslt" else [])
     )
     paths = write_report(result, args.out_dir, command=command)
     print(to_markdown(result))
@@ -173,7 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         "data) and report XLA's memory figures next to the analytic model / optimizer / "
         "activation breakdown.",
     )
-    _add_workload_flags(analyze, model="wrn-28-2", batch_size=128)
+    _add_workload_flags(analyze, model="wrn-28-2", batch_size=None, models=MODELS)
+    analyze.add_argument(
+        "--seq-len",
+        type=int,
+        default=40,
+        help="tokens per sentence for dynamicconv-iwslt (100 x 40 = the recipe's 4,000 tokens). "
+        "Default: %(default)s",
+    )
     _add_plan_flags(analyze, {"precision": "fp32", "microbatches": 1, "remat": "none"})
     analyze.add_argument("--json", action="store_true", help="print exactly one JSON object")
     analyze.set_defaults(func=_cmd_analyze)
@@ -185,7 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
         "and combinations; prints a table and writes report.json, report.md, breakdown.png and "
         "tradeoff.png.",
     )
-    _add_workload_flags(report, model="wrn-28-2", batch_size=128)
+    _add_workload_flags(report, model="wrn-28-2", batch_size=None, models=MODELS)
+    report.add_argument(
+        "--seq-len",
+        type=int,
+        default=40,
+        help="tokens per sentence for dynamicconv-iwslt (100 x 40 = the recipe's 4,000 tokens). "
+        "Default: %(default)s",
+    )
     report.add_argument("--out-dir", default="lowmem_report", help="Default: %(default)s")
     report.set_defaults(func=_cmd_report)
 
@@ -198,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dataset cifar10 --model wrn-28-2 --epochs 200 --lr-schedule step --precision fp32 "
         "--microbatches 1 --remat none.",
     )
-    _add_workload_flags(train, model="wrn-16-2", batch_size=128)
+    _add_workload_flags(train, model="wrn-16-2", batch_size=128, models="wrn-D-K")
     train.add_argument(
         "--dataset", default="digits", choices=["digits", "cifar10"], help="Default: digits"
     )

@@ -58,6 +58,7 @@ def run_report(
     batch_size: int = 128,
     grid: list[tuple[str, str, Plan]] | None = None,
     progress: Callable[[str], None] | None = print,
+    seq_len: int = 40,
 ) -> dict[str, Any]:
     """Analyses every configuration of ``grid``; returns the report as a JSON-able dict."""
     grid = grid if grid is not None else standard_grid(batch_size)
@@ -65,7 +66,7 @@ def run_report(
     start = time.perf_counter()
     for i, (name, group, plan) in enumerate(grid, 1):
         t0 = time.perf_counter()
-        report = analyze_model(model, batch_size, plan).to_dict()
+        report = analyze_model(model, batch_size, plan, seq_len=seq_len).to_dict()
         rows.append({"name": name, "group": group, **report})
         if progress:
             progress(

@@ -66,6 +66,8 @@ class TrainConfig:
             raise ValueError(
                 f"Unknown lr_schedule={self.lr_schedule!r}; allowed values: {list(SCHEDULES)}"
             )
+        if not self.model.startswith("wrn-"):
+            raise ValueError(f"model={self.model!r}: lowmem train supports wrn-D-K models")
         make_model(self.model, 10)  # validates the name
         for name in ("batch_size", "epochs", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:

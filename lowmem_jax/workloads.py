@@ -1,15 +1,26 @@
 """Named workloads: a model, its input shapes, loss and optimizer recipe, under a :class:`Plan`.
 
-One place that turns ``("wrn-28-2", batch 128, plan)`` into the pieces the training loop, the
-memory analysis, the report and the benchmarks all need, so that every figure they print refers
-to the same step.
+One place that turns ``("wrn-28-2", batch 128, plan)`` or ``("dynamicconv-iwslt", 100 x 40
+tokens, plan)`` into the pieces the training loop, the memory analysis, the report and the
+benchmarks all need, so that every figure they print refers to the same step.
+
+Models:
+
+* ``wrn-D-K``: WideResNet-D-K on 32x32x3 images, 10 classes; SGD Nesterov recipe; batch =
+  ``{"image": [B, 32, 32, 3] float32, "label": [B] int32}``; default batch 128.
+* ``dynamicconv-iwslt``: fairseq's ``lightconv_iwslt_de_en`` (vocabularies 8,848 / 6,632); Adam
+  (0.9, 0.98) with weight decay 1e-4; batch = ``{"src", "tgt_in", "tgt_out": [B, T] int32}``;
+  default 100 sentences x 40 tokens = 4,000 tokens per side, the recipe's token budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,17 +28,27 @@ import optax
 from lowmem_jax import memory, models, precision
 from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step
 
-__all__ = ["make_model", "sgd_nesterov", "abstract_state", "analyze_model", "MODEL_PATTERN"]
+__all__ = [
+    "Workload",
+    "make_workload",
+    "make_model",
+    "sgd_nesterov",
+    "abstract_state",
+    "analyze_model",
+    "MODEL_PATTERN",
+]
 
-MODEL_PATTERN = "wrn-D-K (e.g. wrn-28-2)"
+MODEL_PATTERN = "wrn-D-K (e.g. wrn-28-2) or dynamicconv-iwslt"
 
 
-def make_model(name: str, num_classes: int = 10, **kwargs: Any) -> models.WideResNet:
-    """``wrn-D-K`` -> ``WideResNet(depth=D, width=K, num_classes=...)``.
+def make_model(name: str, num_classes: int = 10, **kwargs: Any) -> nn.Module:
+    """``wrn-D-K`` -> ``WideResNet(depth=D, width=K)``; ``dynamicconv-iwslt`` -> the IWSLT preset.
 
     Raises:
-      ValueError: naming ``model`` and the accepted pattern.
+      ValueError: naming ``model`` and the accepted names.
     """
+    if name == "dynamicconv-iwslt":
+        return models.DynamicConvTransformer.iwslt_de_en(**kwargs)
     match = re.fullmatch(r"wrn-(\d+)-(\d+)", name or "")
     if not match:
         raise ValueError(f"Unknown model={name!r}; allowed values: {MODEL_PATTERN}")
@@ -51,26 +72,80 @@ def sgd_nesterov(
     )
 
 
-def abstract_state(model, tx, plan: Plan, input_shape) -> TrainState:
-    """The train state's shapes and dtypes (``jax.eval_shape``: nothing is allocated)."""
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model with its batch shapes, loss and optimizer.
 
-    def init():
-        variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, *input_shape)), train=False)
+    Attributes:
+      name: the model name it was made from.
+      model: the (unconfigured) Flax module; ``Plan.configure_model`` sets remat and dtype.
+      batch: ``jax.ShapeDtypeStruct`` leaves of one batch.
+      init_inputs: the batch leaves ``model.init`` takes, in order, after the rng.
+      loss_fn: ``model -> loss_fn(params, model_state, batch, rng)``.
+      tx: the recipe's optimizer.
+    """
+
+    name: str
+    model: nn.Module
+    batch: dict[str, jax.ShapeDtypeStruct]
+    init_inputs: tuple[str, ...]
+    loss_fn: Callable[[nn.Module], Callable]
+    tx: optax.GradientTransformation
+
+
+def make_workload(
+    model: str, batch_size: int | None = None, *, seq_len: int = 40, image_size: int = 32
+) -> Workload:
+    """The named workload at ``batch_size`` (None: the model's default, see the module doc).
+
+    Raises:
+      ValueError: for an unknown model or a batch size / sequence length below 1.
+    """
+    flax_model = make_model(model)
+    if model == "dynamicconv-iwslt":
+        batch_size = 100 if batch_size is None else batch_size
+        tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+        batch = {"src": tokens, "tgt_in": tokens, "tgt_out": tokens}
+        init_inputs = ("src", "tgt_in")
+        loss_fn = models.translation_loss_fn
+        tx = optax.adamw(5e-4, b1=0.9, b2=0.98, weight_decay=1e-4)
+    else:
+        batch_size = 128 if batch_size is None else batch_size
+        batch = {
+            "image": jax.ShapeDtypeStruct((batch_size, image_size, image_size, 3), jnp.float32),
+            "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+        }
+        init_inputs = ("image",)
+        loss_fn = classifier_loss_fn
+        tx = sgd_nesterov()
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+    return Workload(model, flax_model, batch, init_inputs, loss_fn, tx)
+
+
+def abstract_state(model: nn.Module, tx, plan: Plan, init_inputs) -> TrainState:
+    """The train state's shapes and dtypes (``jax.eval_shape``: nothing is allocated).
+
+    ``init_inputs``: example inputs for ``model.init`` (arrays or ``ShapeDtypeStruct``).
+    """
+
+    def init(*inputs):
+        variables = model.init(jax.random.PRNGKey(0), *inputs, train=False)
         model_state = {k: v for k, v in variables.items() if k != "params"}
         return TrainState.create(
             params=variables["params"], tx=tx, plan=plan, model_state=model_state
         )
 
-    return jax.eval_shape(init)
+    return jax.eval_shape(init, *init_inputs)
 
 
 def analyze_model(
     model: str,
-    batch_size: int,
+    batch_size: int | None,
     plan: Plan,
     *,
-    input_shape: tuple[int, ...] = (32, 32, 3),
-    num_classes: int = 10,
+    seq_len: int = 40,
+    image_size: int = 32,
     tx: optax.GradientTransformation | None = None,
 ) -> memory.MemoryReport:
     """Memory analysis of one train step of a named model: compile-only, no data, no step run.
@@ -78,26 +153,20 @@ def analyze_model(
     Raises:
       ValueError: for an unknown model, a bad plan, or a batch size the microbatches don't divide.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if batch_size % plan.microbatches:
-        raise ValueError(
-            f"batch_size={batch_size} is not divisible by microbatches={plan.microbatches}"
-        )
-    flax_model = plan.configure_model(make_model(model, num_classes))
-    tx = tx or sgd_nesterov()
-    state = abstract_state(flax_model, tx, plan, input_shape)
-    batch = {
-        "image": jax.ShapeDtypeStruct((batch_size, *input_shape), jnp.float32),
-        "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
-    }
-    loss_fn = classifier_loss_fn(flax_model)
+    work = make_workload(model, batch_size, seq_len=seq_len, image_size=image_size)
+    size = next(iter(work.batch.values())).shape[0]
+    if size % plan.microbatches:
+        raise ValueError(f"batch_size={size} is not divisible by microbatches={plan.microbatches}")
+    flax_model = plan.configure_model(work.model)
+    tx = tx or work.tx
+    state = abstract_state(flax_model, tx, plan, [work.batch[k] for k in work.init_inputs])
+    loss_fn = work.loss_fn(flax_model)
     step = make_train_step(loss_fn, tx, plan)
     return memory.analyze(
         step,
         state,
-        batch,
+        work.batch,
         loss_fn=precision.cast_loss_fn(loss_fn, plan.policy),
         microbatches=plan.microbatches,
-        config={"model": model, "batch_size": batch_size, **plan.to_dict()},
+        config={"model": model, "batch_size": size, **plan.to_dict()},
     )

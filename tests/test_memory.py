@@ -88,8 +88,8 @@ def test_cnn_breakdown_matches_hand_count():
 
 
 def test_half_precision_halves_model_bytes():
-    full = analyze_model("wrn-10-1", 8, lm.Plan(), input_shape=(8, 8, 3))
-    half = analyze_model("wrn-10-1", 8, lm.Plan(precision="bf16"), input_shape=(8, 8, 3))
+    full = analyze_model("wrn-10-1", 8, lm.Plan(), image_size=8)
+    half = analyze_model("wrn-10-1", 8, lm.Plan(precision="bf16"), image_size=8)
     assert half.analytic["model_bytes"] * 2 == full.analytic["model_bytes"]
     assert half.analytic["model_bytes_by_dtype"] == {"bfloat16": half.analytic["model_bytes"]}
     assert half.analytic["activation_bytes"] < full.analytic["activation_bytes"]
@@ -97,9 +97,7 @@ def test_half_precision_halves_model_bytes():
 
 def test_xla_temp_falls_as_microbatches_grow():
     temps = [
-        analyze_model("wrn-16-1", 64, lm.Plan(microbatches=k), input_shape=(16, 16, 3)).xla[
-            "temp_bytes"
-        ]
+        analyze_model("wrn-16-1", 64, lm.Plan(microbatches=k), image_size=16).xla["temp_bytes"]
         for k in (1, 2, 4, 8)
     ]
     assert temps == sorted(temps, reverse=True) and temps[0] > 3 * temps[-1], temps
@@ -107,7 +105,7 @@ def test_xla_temp_falls_as_microbatches_grow():
 
 def test_xla_temp_falls_as_remat_saves_less():
     reports = {
-        p: analyze_model("wrn-28-1", 32, lm.Plan(remat=p), input_shape=(16, 16, 3))
+        p: analyze_model("wrn-28-1", 32, lm.Plan(remat=p), image_size=16)
         for p in ("none", "dots", "full")
     }
     temps = [reports[p].xla["temp_bytes"] for p in ("none", "dots", "full")]
@@ -200,3 +198,15 @@ def test_typed_prng_keys_saved_for_backward_are_counted():
     )
     key_bytes = jax.random.key_data(jax.random.key(0)).nbytes
     assert out["bytes"] >= key_bytes
+
+
+def test_analyze_cli_dynamicconv_iwslt(capsys):
+    argv = ["analyze", "--model", "dynamicconv-iwslt", "--batch-size", "4", "--seq-len", "8"]
+    assert cli.main([*argv, "--precision", "mixed_bf16", "--remat", "full", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["param_count"] == 38_685_184 and result["batch_size"] == 4
+    a = result["analytic"]
+    assert a["model_bytes"] == 38_685_184 * 4
+    # adamw: gradients + mu + nu, all parameter-sized float32 (+ a step count)
+    assert a["optimizer_bytes"] >= 3 * a["model_bytes"]
+    assert a["input_bytes"] == 3 * 4 * 8 * 4
