@@ -7,7 +7,7 @@ Each technique is a pure transform; :func:`make_train_step` composes them into o
 >>> model = plan.configure_model(lm.models.WideResNet(depth=10, width=1, num_classes=10))
 """
 
-from lowmem_jax import loss_scale, memory, microbatch, models, ops, precision, remat
+from lowmem_jax import loss_scale, memory, microbatch, models, ops, precision, remat, sparsity
 from lowmem_jax.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -55,4 +55,5 @@ __all__ = [
     "ops",
     "precision",
     "remat",
+    "sparsity",
 ]

@@ -201,12 +201,20 @@ def make_train_step(
     *,
     jit: bool = True,
     donate: bool = True,
+    materialize: Callable[[PyTree, PyTree], PyTree] | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds ``train_step(state, batch) -> (state, metrics)``, jitted once, state donated.
 
     ``metrics`` holds the loss function's metrics (averaged over microbatches, float32) plus
     ``loss_scale`` (the scale used in this step), ``grads_finite`` (bool: was the update
     applied) and ``skipped_steps`` (running count).
+
+    ``materialize(params, opt_state) -> model_params``, when given, builds the parameters the
+    model sees from the stored ones (e.g. dense weights from compressed sparse storage,
+    :mod:`lowmem_jax.sparsity`); it runs inside the step, so what it builds is transient. The
+    loss is differentiated w.r.t. ``model_params``, and ``tx.update(grads, opt_state, params)``
+    receives those gradients (in the model's layout) with the stored ``params``. ``None``
+    (default): the model sees the stored parameters.
     """
     policy_loss_fn = precision_lib.cast_loss_fn(loss_fn, plan.policy)
 
@@ -214,7 +222,10 @@ def make_train_step(
         rng = jax.random.fold_in(state.rng, state.step)
         grad_fn = scaled_grad_fn(policy_loss_fn, state.loss_scale)
         grad_fn = microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches)
-        grads, model_state, metrics = grad_fn(state.params, state.model_state, batch, rng)
+        model_params = (
+            state.params if materialize is None else materialize(state.params, state.opt_state)
+        )
+        grads, model_state, metrics = grad_fn(model_params, state.model_state, batch, rng)
 
         finite = loss_scale_lib.all_finite(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -1,0 +1,82 @@
+"""Exact-count selection on flat per-layer vectors, and budget allocation across layers.
+
+All functions are pure and jit-safe; counts may be traced ``int32`` scalars. Selections are made
+by ranking (a stable ``argsort``), so a selection of ``c`` elements has exactly ``c`` elements
+whenever at least ``c`` are eligible, ties broken by position: identical inputs give identical
+masks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["smallest", "largest", "allocate", "greedy_fill", "top_k_mask"]
+
+
+def _ranks(key: jax.Array) -> jax.Array:
+    """Rank of each position in a stable ascending sort of ``key``, int32 ``[n]``."""
+    order = jnp.argsort(key, stable=True)
+    n = order.shape[0]
+    return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+
+
+def smallest(eligible: jax.Array, score: jax.Array, count: jax.Array) -> jax.Array:
+    """Bool ``[n]``: the ``count`` eligible positions with the smallest ``score``.
+
+    ``eligible`` bool ``[n]``, ``score`` float ``[n]``, ``count`` int scalar (``<= sum(eligible)``
+    for an exact count).
+    """
+    ranks = _ranks(jnp.where(eligible, score.astype(jnp.float32), jnp.inf))
+    return eligible & (ranks < count)
+
+
+def largest(
+    eligible: jax.Array, score: jax.Array, count: jax.Array, prefer: jax.Array | None = None
+) -> jax.Array:
+    """Bool ``[n]``: the ``count`` eligible positions with the largest ``score`` (``>= 0``).
+
+    Positions where ``prefer`` is True come first whatever their score (used to regrow at
+    positions that were zero before, falling back to just-pruned ones only when a layer is too
+    dense to have enough of them). Scores are normalised to ``[0, 1]`` and preferred ones
+    offset by 2, so one sort does it.
+    """
+    score = jnp.abs(score.astype(jnp.float32))
+    score = score / jnp.maximum(jnp.max(jnp.where(eligible, score, 0.0)), 1e-30)
+    if prefer is not None:
+        score = score + 2.0 * prefer
+    ranks = _ranks(jnp.where(eligible, -score, jnp.inf))
+    return eligible & (ranks < count)
+
+
+def top_k_mask(score: jax.Array, k: int) -> jax.Array:
+    """Bool ``[n]`` with True at the static ``k`` largest ``score`` entries."""
+    _, idx = jax.lax.top_k(score, k)
+    return jnp.zeros(score.shape, bool).at[idx].set(True)
+
+
+def greedy_fill(alloc: jax.Array, room: jax.Array, remainder: jax.Array) -> jax.Array:
+    """Adds ``remainder`` to ``alloc`` (int32 ``[L]``) layer by layer, within ``room - alloc``."""
+    free = jnp.maximum(room - alloc, 0)
+    before = jnp.cumsum(free) - free
+    return alloc + jnp.clip(remainder - before, 0, free)
+
+
+def allocate(total: jax.Array, weights: jax.Array, room: jax.Array) -> jax.Array:
+    """Splits ``total`` (int scalar) across layers in proportion to ``weights`` (float ``[L]``).
+
+    Returns int32 ``[L]`` summing exactly to ``total`` (when ``sum(room) >= total``), with layer
+    ``l`` getting at most ``room[l]``: the proportional share is rounded by cumulative flooring,
+    capped at ``room``, and what the caps left over is filled greedily in layer order. All-zero
+    weights share in proportion to ``room``.
+    """
+    total = jnp.asarray(total, jnp.int32)
+    room = room.astype(jnp.int32)
+    weights = jnp.maximum(weights.astype(jnp.float32), 0.0)
+    weights = jnp.where(weights.sum() > 0, weights, room.astype(jnp.float32))
+    cum = jnp.cumsum(weights) / jnp.maximum(weights.sum(), 1e-30)
+    target = jnp.floor(total.astype(jnp.float32) * cum).astype(jnp.int32)
+    target = jnp.clip(jax.lax.cummax(target), 0, total).at[-1].set(total)
+    share = jnp.diff(target, prepend=jnp.zeros((1,), jnp.int32))
+    share = jnp.minimum(share, room)
+    return greedy_fill(share, room, total - share.sum())

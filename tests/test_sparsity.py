@@ -1,0 +1,300 @@
+"""Sparse training (lowmem_jax.sparsity): config, layout, selection, the optax wrapper."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import sparsity
+from lowmem_jax.sparsity import masks as masks_lib
+
+
+def tiny_params(seed=0):
+    rng = np.random.default_rng(seed)
+
+    def f(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    return {
+        "conv": {"kernel": f(3, 3, 2, 4), "bias": f(4)},
+        "stack": {"dense": {"kernel": f(2, 6, 5)}},
+        "dense": {"kernel": f(10, 7)},
+        "classifier": {"kernel": f(7, 3), "bias": f(3)},
+    }
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "inject_sgd": lambda: optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
+}
+
+
+# --- configuration and layout ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"density": 0.0}, "density"),
+        ({"density": 1.5}, "density"),
+        ({"density": -0.1}, "density"),
+        ({"algorithm": "lottery"}, "algorithm"),
+        ({"distribution": "normal"}, "distribution"),
+        ({"init": "grasp"}, "init"),
+        ({"update_period": 0}, "update_period"),
+        ({"update_period": ((5, 100),)}, "update_period"),
+        ({"update_period": ((0, 100), (50, 0))}, "update_period"),
+        ({"drop_fraction": 1.5}, "drop_fraction"),
+        ({"start_step": 10, "end_step": 5}, "end_step"),
+        ({"capacity_factor": 0.5}, "capacity_factor"),
+        ({"anneal": "linear"}, "anneal"),
+    ],
+)
+def test_config_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sparsity.SparseConfig(**kwargs)
+
+
+def test_layer_densities_reject_bad_input():
+    with pytest.raises(ValueError, match="distribution"):
+        sparsity.layer_densities([(3, 3)], 0.5, "gaussian")
+    with pytest.raises(ValueError, match="density"):
+        sparsity.layer_densities([(3, 3)], 0.0, "erk")
+
+
+def test_default_selection_and_budgets_on_wrn():
+    model = lm.models.WideResNet(depth=22, width=1)  # stacks of 2 blocks
+    params = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)), train=False)
+    )["params"]
+    for dist in ("uniform", "erk"):
+        cfg = sparsity.SparseConfig(density=0.1, distribution=dist)
+        layout = sparsity.make_layout(params, cfg)
+        keys = layout.keys
+        assert "stem/kernel" in keys and "group0_first/stack/conv1/kernel" in keys
+        assert layout.by_key()["group1_rest/stack/conv1/kernel"].shape == (2, 3, 3, 32, 32)
+        assert not any("classifier" in k or "bn" in k or "bias" in k for k in keys)
+        total = sum(s.size for s in layout.leaves)
+        assert abs(layout.total_budget - 0.1 * total) <= len(keys)
+        assert all(s.capacity == s.budget for s in layout.leaves)
+    erk = sparsity.make_layout(params, sparsity.SparseConfig(distribution="erk")).by_key()
+    # ERK gives the small stem a higher density than a wide 3x3 conv.
+    stem, conv = erk["stem/kernel"], erk["group2_first/stack/conv2/kernel"]
+    assert stem.budget / stem.size > conv.budget / conv.size
+
+
+def test_erk_densities_are_capped_at_one_and_keep_the_mean():
+    shapes = [(3, 3, 3, 16), (3, 3, 64, 64), (64, 10)]
+    d = sparsity.layer_densities(shapes, 0.5, "erk")
+    sizes = [np.prod(s) for s in shapes]
+    assert max(d) <= 1.0
+    assert np.isclose(np.dot(d, sizes), 0.5 * sum(sizes))
+
+
+def test_allocate_is_exact_and_respects_room():
+    total = jnp.int32(100)
+    room = jnp.array([5, 200, 40, 0], jnp.int32)
+    got = masks_lib.allocate(total, jnp.array([10.0, 1.0, 3.0, 7.0]), room)
+    assert int(got.sum()) == 100 and bool((got <= room).all()) and int(got[3]) == 0
+    got = masks_lib.allocate(jnp.int32(7), jnp.zeros(3), jnp.array([3, 3, 3]))
+    assert int(got.sum()) == 7
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_mirror_slots_are_found_structurally(name):
+    params = tiny_params()
+    state = OPTIMIZERS[name]().init(params)
+    mirrors = sparsity.find_mirrors(state, params)
+    assert len(mirrors) == (2 if name.startswith("adam") else 1)
+    zeroed = sparsity.map_mirrors(lambda m: jax.tree.map(jnp.ones_like, m), state, params)
+    assert all(
+        float(x.min()) == 1.0
+        for m in sparsity.find_mirrors(zeroed, params)
+        for x in jax.tree.leaves(m)
+    )
+
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _layers(*arrays):
+    return [jnp.asarray(a, jnp.float32) for a in arrays]
+
+
+def test_rigl_grows_where_the_gradient_is_largest_and_drops_the_smallest():
+    w = _layers([0.0, 5.0, 0.1, 0.0, 3.0, 0.0, 0.0, 0.0])
+    m = [w[0] != 0]
+    g = _layers([9.0, 0.0, 0.0, 1.0, 0.0, 7.0, 0.0, 2.0])
+    out = sparsity.rewire(
+        "rigl", weights=w, masks=m, caps=(8,), rng=jax.random.key(0), fraction=0.67, grads=g
+    )
+    # floor(0.67 * 3) = 2 dropped (|w| = 0.1 and 3.0), 2 grown (g = 9 and 7 among the zeros).
+    np.testing.assert_array_equal(out.survivors[0], [0, 1, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(out.masks[0], [1, 1, 0, 0, 0, 1, 0, 0])
+
+
+def test_dsr_prunes_below_threshold_regrows_by_survivors_and_adapts_threshold():
+    rng = np.random.default_rng(0)
+    big = _layers(rng.uniform(1, 2, 40), rng.uniform(1, 2, 40))
+    small = jnp.zeros(40).at[:10].set(0.01).at[10:20].set(1.5)
+    weights = [big[0].at[20:].set(0), small, big[1].at[10:].set(0)]
+    masks = [w != 0 for w in weights]
+    out = sparsity.rewire(
+        "dsr",
+        weights=weights,
+        masks=masks,
+        caps=(40, 40, 40),
+        rng=jax.random.key(0),
+        fraction=0.0,
+        threshold=jnp.float32(0.1),
+        target_pruned=100,
+    )
+    assert int(out.num_pruned) == 10  # the ten 0.01 weights of layer 1
+    kept = [int(s.sum()) for s in out.survivors]
+    grown = [int(m.sum()) - k for m, k in zip(out.masks, kept, strict=True)]
+    assert kept == [20, 10, 10] and sum(grown) == 10
+    assert grown == [5, 2, 3]  # proportional to 20:10:10, cumulative flooring
+    assert float(out.threshold) == np.float32(0.2)  # K = 10 < 0.9 * 100: doubled
+    out = sparsity.rewire(
+        "dsr",
+        weights=weights,
+        masks=masks,
+        caps=(40, 40, 40),
+        rng=jax.random.key(0),
+        fraction=0.0,
+        threshold=jnp.float32(0.1),
+        target_pruned=5,
+    )
+    assert float(out.threshold) == np.float32(0.05)  # K = 10 > 1.1 * 5: halved
+
+
+def test_snfs_shares_regrowth_by_mean_momentum():
+    w = _layers(np.r_[np.arange(1, 11), np.zeros(30)], np.r_[np.arange(1, 11), np.zeros(30)])
+    masks = [x != 0 for x in w]
+    mom = [jnp.where(masks[0], 10.0, 0.0).at[30].set(1.0), jnp.where(masks[1], 1.0, 0.0)]
+    out = sparsity.rewire(
+        "snfs",
+        weights=w,
+        masks=masks,
+        caps=(40, 40),
+        rng=jax.random.key(0),
+        fraction=0.5,
+        momentum=mom,
+    )
+    counts = [int(m.sum()) for m in out.masks]
+    assert sum(counts) == 20 and counts[0] > counts[1]
+    assert bool(out.masks[0][30])  # grown where |momentum| is largest
+
+
+def test_rewire_rejects_bad_input():
+    w = _layers([1.0, 0.0])
+    with pytest.raises(ValueError, match="algorithm"):
+        sparsity.rewire("magic", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
+    with pytest.raises(ValueError, match="grads"):
+        sparsity.rewire("rigl", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
+
+
+def test_initial_masks_random_magnitude_and_snip():
+    params = tiny_params()
+    grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
+    for init in ("random", "magnitude", "snip"):
+        cfg = sparsity.SparseConfig(density=0.2, init=init, distribution="uniform")
+        sp = sparsity.sparse_training(optax.sgd(0.1), cfg, params)
+        masks = sp.initial_masks(params, grads)
+        assert sum(int(m.sum()) for m in masks.values()) == sp.layout.total_budget
+        leaves = sparsity.transform._by_key(params, sp.layout.keys)
+        if init == "magnitude":
+            for s in sp.layout.leaves:
+                a = np.abs(np.asarray(leaves[s.key])).reshape(-1)
+                m = np.asarray(masks[s.key]).reshape(-1)
+                assert int(m.sum()) == s.budget and a[m].min() >= a[~m].max()
+        if init == "snip":
+            g = sparsity.transform._by_key(grads, sp.layout.keys)
+            score = np.concatenate(
+                [np.abs(np.asarray(leaves[k] * g[k])).reshape(-1) for k in sp.layout.keys]
+            )
+            m = np.concatenate([np.asarray(masks[k]).reshape(-1) for k in sp.layout.keys])
+            assert score[m].min() >= score[~m].max()
+    with pytest.raises(ValueError, match="snip"):
+        sp.initial_masks(params)
+
+
+def test_compressed_init_and_unselected_params_raise():
+    params = tiny_params()
+    sp = sparsity.sparse_training(optax.sgd(0.1), sparsity.SparseConfig(compressed=True), params)
+    with pytest.raises(ValueError, match="compressed"):
+        sp.init(params)
+    with pytest.raises(ValueError, match="is_sparse"):
+        sparsity.sparse_training(
+            optax.sgd(0.1), sparsity.SparseConfig(is_sparse=lambda p, s: False), params
+        )
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_update_resets_slots_of_regrown_weights_for_any_optimizer(name):
+    params = tiny_params()
+    cfg = sparsity.SparseConfig(algorithm="set", density=0.3, update_period=2, drop_fraction=0.5)
+    sp = sparsity.sparse_training(OPTIMIZERS[name](), cfg, params)
+    stored, state = sp.prepare(params)
+    assert sp.init(stored).masks.keys() == state.masks.keys()
+    update = jax.jit(sp.update, compiler_options=FAST_COMPILE)
+    grads = jax.tree.map(jnp.sin, params)
+    for t in range(2):
+        old_masks = state.masks
+        updates, state = update(grads, state, stored)
+        stored = optax.apply_updates(stored, updates)
+        mirrors = sparsity.find_mirrors(state.inner, stored)
+        assert mirrors
+        for k in sp.layout.keys:
+            regrown = np.asarray(state.masks[k] & ~old_masks[k])
+            assert regrown.any() == (t == 1)  # rewired on the 2nd applied step only
+            for mirror in mirrors:
+                slot = np.asarray(sparsity.transform._by_key(mirror, [k])[k])
+                assert not slot[regrown].any() and not slot[~np.asarray(state.masks[k])].any()
+                if t == 1:  # surviving weights kept their (non-zero) slots
+                    assert slot[np.asarray(state.masks[k] & old_masks[k])].any()
+
+
+def test_static_sparsity_never_changes_the_mask():
+    params = tiny_params()
+    cfg = sparsity.SparseConfig(algorithm="static", init="magnitude", density=0.3)
+    sp = sparsity.sparse_training(optax.adam(1e-2), cfg, params)
+    stored, state = sp.prepare(params)
+    masks = state.masks
+    update = jax.jit(sp.update, compiler_options=FAST_COMPILE)
+    for _ in range(3):
+        updates, state = update(jax.tree.map(jnp.cos, params), state, stored)
+        stored = optax.apply_updates(stored, updates)
+    jax.tree.map(np.testing.assert_array_equal, state.masks, masks)
+    for k in sp.layout.keys:
+        leaf = np.asarray(sparsity.transform._by_key(stored, [k])[k])
+        assert not leaf[~np.asarray(masks[k])].any()
+
+
+def test_drop_fraction_is_cosine_annealed():
+    assert np.isclose(float(sparsity.drop_fraction(0.3, jnp.int32(0), 100)), 0.3)
+    assert np.isclose(float(sparsity.drop_fraction(0.3, jnp.int32(50), 100)), 0.15)
+    assert np.isclose(float(sparsity.drop_fraction(0.3, jnp.int32(100), 100)), 0.0, atol=1e-7)
+    assert float(sparsity.drop_fraction(0.3, jnp.int32(50), None)) == np.float32(0.3)
+
+
+def test_period_schedule_grows():
+    params = tiny_params()
+    cfg = sparsity.SparseConfig(
+        algorithm="set", density=0.3, update_period=((0, 2), (4, 3)), drop_fraction=0.5
+    )
+    sp = sparsity.sparse_training(optax.sgd(0.1, momentum=0.9), cfg, params)
+    stored, state = sp.prepare(params)
+    update = jax.jit(sp.update, compiler_options=FAST_COMPILE)
+    rewired = []
+    for t in range(1, 10):
+        old = state.masks
+        updates, state = update(jax.tree.map(jnp.sin, params), state, stored)
+        stored = optax.apply_updates(stored, updates)
+        if any(bool((state.masks[k] != old[k]).any()) for k in sp.layout.keys):
+            rewired.append(t)
+    assert rewired == [2, 6, 9]

@@ -1,0 +1,185 @@
+"""Sparse training inside `lm.make_train_step`: the materialize hook, masked vs compressed
+storage through the step, a skipped fp16 step, and the WRN-28-2 storage bytes at 90%."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import lowmem_jax as lm
+from lowmem_jax import sparsity
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _fast_jit(step, plan):
+    """``jax.jit`` with the plan's options plus cheap-compile ones (tests compile a lot)."""
+    return jax.jit(step, compiler_options={**plan.compiler_options(), **FAST_COMPILE})
+
+
+class TinyMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.relu(nn.Dense(16, name="hidden")(x))
+        x = nn.relu(nn.Dense(12, name="hidden2")(x))
+        return nn.Dense(3, name="classifier")(x)
+
+
+def _mlp_batch(n=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "image": jnp.asarray(rng.normal(size=(n, 6)), jnp.float32),
+        "label": jnp.asarray(rng.integers(0, 3, size=n), jnp.int32),
+    }
+
+
+def test_materialize_hook_differentiates_the_materialized_params():
+    plan = lm.Plan()
+    model, batch = TinyMLP(), _mlp_batch()
+    params = model.init(jax.random.key(0), batch["image"])["params"]
+    loss_fn = lm.classifier_loss_fn(model)
+    tx = optax.sgd(0.1)
+    state = lm.TrainState.create(params=params, tx=tx, plan=plan)
+
+    def double(p, opt_state):
+        del opt_state
+        return jax.tree.map(lambda x: 2 * x, p)
+
+    step = lm.make_train_step(loss_fn, tx, plan, donate=False, materialize=double)
+    new, _ = step(state, batch)
+    grads = jax.grad(lambda p: loss_fn(p, {}, batch, None)[0])(double(params, None))
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), new.params, expected)
+
+
+def _sparse_run(compressed, algorithm, steps=4):
+    plan = lm.Plan(microbatches=2)
+    model, batch = TinyMLP(), _mlp_batch()
+    params = model.init(jax.random.key(0), batch["image"])["params"]
+    cfg = sparsity.SparseConfig(
+        algorithm=algorithm,
+        density=0.3,
+        update_period=2,
+        compressed=compressed,
+        capacity_factor=1 / 0.3 if compressed else None,
+        dsr_threshold=0.1,
+        dsr_target_pruned=10,
+    )
+    sp = sparsity.sparse_training(optax.sgd(0.1, momentum=0.9), cfg, params)
+    state = sp.create_train_state(params=params, plan=plan)
+    step = lm.make_train_step(
+        lm.classifier_loss_fn(model), sp, plan, jit=False, materialize=sp.materialize
+    )
+    step = _fast_jit(step, plan)
+    losses, dense = [], []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        dense.append(jax.tree.map(np.asarray, sp.materialize(state.params, state.opt_state)))
+    return sp, state, losses, dense
+
+
+def test_masked_and_compressed_storage_train_identically_through_the_step():
+    for algorithm in ("dsr",):  # RigL: see the property tests
+        _, _, loss_a, dense_a = _sparse_run(False, algorithm)
+        sp, state, loss_b, dense_b = _sparse_run(True, algorithm)
+        np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+        for a, b in zip(dense_a, dense_b, strict=True):
+            jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), a, b)
+        # Stored: values [capacity] for sparse kernels, dense classifier and biases.
+        assert state.params["hidden"]["kernel"].ndim == 1
+        assert state.params["classifier"]["kernel"].shape == (12, 3)
+        report = sparsity.density_report(sp, state.params, state.opt_state)
+        assert report["nnz"] == sp.layout.total_budget
+
+
+def test_skipped_fp16_step_changes_no_mask_then_rigl_rewires_a_wrn():
+    plan = lm.Plan(precision="mixed_fp16", microbatches=2, remat="full")
+    model = plan.configure_model(lm.models.WideResNet(depth=10, width=1, num_classes=10))
+    rng = np.random.default_rng(0)
+    batch = {
+        "image": jnp.asarray(rng.normal(size=(4, 8, 8, 3)), jnp.float32),
+        "label": jnp.arange(4) % 10,
+    }
+    # Jitted: eager init / mask selection would dispatch op by op (slow on CPU).
+    variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(batch["image"][:2])
+    cfg = sparsity.SparseConfig(algorithm="rigl", density=0.2, update_period=1, drop_fraction=0.3)
+    sp = sparsity.sparse_training(optax.sgd(0.1, momentum=0.9), cfg, variables["params"])
+    assert "group0_rest" not in " ".join(sp.layout.keys)  # depth 10: one block per group
+    state = jax.jit(
+        lambda v: sp.create_train_state(
+            params=v["params"], plan=plan, model_state={"batch_stats": v["batch_stats"]}
+        )
+    )(variables)
+    step = _fast_jit(lm.make_train_step(lm.classifier_loss_fn(model), sp, plan, jit=False), plan)
+    before = jax.tree.map(np.asarray, state)
+
+    bad = {**batch, "image": batch["image"].at[0, 0, 0, 0].set(jnp.inf)}
+    state, metrics = step(state, bad)
+    assert not bool(metrics["grads_finite"]) and int(state.skipped_steps) == 1
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.tree.map(np.asarray, state.opt_state), before.opt_state
+    )  # masks, counter, slots
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before.params
+    )
+
+    state, metrics = step(state, batch)
+    assert bool(metrics["grads_finite"]) and int(state.opt_state.count) == 1
+    changed = [
+        bool((np.asarray(state.opt_state.masks[k]) != before.opt_state.masks[k]).any())
+        for k in sp.layout.keys
+    ]
+    assert any(changed)
+    for s in sp.layout.leaves:
+        mask = np.asarray(state.opt_state.masks[s.key])
+        assert int(mask.sum()) == s.budget
+        leaf = sparsity.transform._by_key(state.params, [s.key])[s.key]
+        assert not np.asarray(leaf)[~mask].any()
+    # The classifier and BatchNorm stay dense.
+    assert np.asarray(state.params["classifier"]["kernel"]).all()
+
+
+def test_compressed_wrn_28_2_stores_at_most_a_quarter_of_dense_at_90_percent():
+    plan = lm.Plan()
+    model = lm.models.WideResNet(depth=28, width=2)
+    images = jnp.zeros((2, 32, 32, 3))
+    batch = {
+        "image": jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32),
+        "label": jax.ShapeDtypeStruct((2,), jnp.int32),
+    }
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def dense_state():
+        v = model.init(jax.random.key(0), images, train=False)
+        return lm.TrainState.create(params=v["params"], tx=tx, plan=plan)
+
+    dense = jax.eval_shape(dense_state)
+    dense_bytes = lm.memory.tree_bytes((dense.params, dense.opt_state))
+    params = dense.params
+    loss_fn = lm.classifier_loss_fn(model)
+    for algorithm in ("static", "rigl", "dsr"):
+        cfg = sparsity.SparseConfig(algorithm=algorithm, density=0.1, compressed=True)
+        sp = sparsity.sparse_training(tx, cfg, params)
+
+        def sparse_state(sp=sp):
+            v = model.init(jax.random.key(0), images, train=False)
+            return sp.create_train_state(
+                params=v["params"], plan=plan, model_state={"batch_stats": v["batch_stats"]}
+            )
+
+        state = jax.eval_shape(sparse_state)
+        analytic = lm.memory.analytic_breakdown(state=state, batch=batch)
+        stored = analytic["model_bytes"] + sum(
+            v for k, v in analytic["optimizer_breakdown"].items() if k.startswith("slot:")
+        )
+        assert stored <= 0.25 * dense_bytes, (algorithm, stored / dense_bytes)
+        if algorithm == "static":  # same stored layout as SET / RigL; cheapest to compile
+            step = lm.make_train_step(loss_fn, sp, plan, materialize=sp.materialize)
+            compiled = step.lower(state, batch).compile(FAST_COMPILE)
+            args = compiled.memory_analysis().argument_size_in_bytes
+            extra = lm.memory.tree_bytes(batch) + lm.memory.tree_bytes(
+                (state.model_state, state.step, state.skipped_steps, state.rng, state.loss_scale)
+            )
+            assert args - extra <= 0.25 * dense_bytes, (args - extra) / dense_bytes
