@@ -1,0 +1,358 @@
+"""Translation decoding and evaluation: beam search, BLEU, checkpoint averaging.
+
+For a :class:`~lowmem_jax.models.DynamicConvTransformer` (or any model with the same
+``encode`` / ``decode`` methods) and the token conventions of :mod:`lowmem_jax.data`
+(``PAD = 0``, ``BOS = 1``, ``EOS = 2``):
+
+- :func:`beam_search`: fairseq's beam search with static shapes (``jit``-able): hypotheses are
+  scored by ``sum_t log p(y_t | y_<t, x) / len(y) ** length_penalty`` (``len`` counts EOS);
+  a sentence stops once ``beam_size`` hypotheses have ended, so ``beam_size=1`` is greedy
+  decoding. :func:`sequence_log_prob` scores given hypotheses with the same log-probabilities.
+- :func:`detokenize` and :func:`bleu`: token rows -> strings -> sacreBLEU corpus BLEU.
+- :func:`average_checkpoints` (pure) and :func:`average_last_checkpoints` (from an Orbax
+  :class:`~lowmem_jax.checkpointing.Checkpointer` directory): fairseq's
+  ``scripts/average_checkpoints.py``.
+
+There is no incremental decoder state: each step re-runs the causal decoder over the whole
+``[B * K, max_len]`` prefix buffer, so decoding costs ``O(max_len^2)`` decoder token-positions
+(like :func:`lowmem_jax.models.greedy_decode`), ``K`` times greedy's for beam size ``K``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowmem_jax.checkpointing import Checkpointer
+from lowmem_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from lowmem_jax.train import TrainState
+
+__all__ = [
+    "beam_search",
+    "sequence_log_prob",
+    "detokenize",
+    "bleu",
+    "average_checkpoints",
+    "checkpoint_steps",
+    "average_last_checkpoints",
+]
+
+PyTree = Any
+_NEG_INF = -jnp.inf
+
+
+def _step_log_probs(logits: jax.Array, pad_id: int) -> jax.Array:
+    """``[..., V]`` logits -> float32 log-probabilities with the pad token excluded.
+
+    The pad token is never emitted (it would read as padding on the next step), so its
+    probability mass is removed before normalising, as ``greedy_decode`` excludes it.
+    """
+    logits = logits.astype(jnp.float32).at[..., pad_id].set(_NEG_INF)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def _length_penalty(length: jax.Array, alpha: float) -> jax.Array:
+    """fairseq's normaliser ``length ** alpha`` (``length`` counts EOS), float32."""
+    return jnp.power(jnp.asarray(length, jnp.float32), alpha)
+
+
+def beam_search(
+    model: Any,
+    params: PyTree,
+    src_tokens: jax.Array,
+    *,
+    max_len: int,
+    beam_size: int = 4,
+    length_penalty: float = 1.0,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+    stop_early: bool = True,
+    return_scores: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Beam search: ``src_tokens [B, S]`` int -> best hypothesis ``[B, max_len]`` int32.
+
+    Each output row is ``y_1 .. y_n EOS PAD ..`` (or ``max_len`` tokens without EOS when no
+    hypothesis ended within ``max_len``), the layout of ``tgt_out`` and of ``greedy_decode``.
+
+    Algorithm (fairseq ``SequenceGenerator``, with fixed shapes): ``K = beam_size`` alive
+    hypotheses per sentence, cumulative log-probabilities ``a [B, K]`` (float32; pad excluded
+    from the softmax). At step ``t`` every alive hypothesis is extended by every token; of the
+    ``2K`` best candidates, those ending in EOS among the first ``K`` are *finished* with
+    score ``a / (t + 1) ** length_penalty``, and the best ``K`` not ending in EOS stay alive.
+    Finished hypotheses go to a pool of the ``K`` best scores. With ``stop_early`` (fairseq's
+    default) a sentence is done once ``K`` have finished, so ``beam_size=1`` is greedy decoding
+    whatever the length penalty; without it, a sentence is done only when no alive hypothesis
+    can still beat the pool's worst score (its best possible score is ``a / max_len ** alpha``,
+    as log-probabilities only decrease), which costs more steps and never returns a lower
+    score than ``stop_early=True`` (neither mode is guaranteed to beat greedy decoding: the
+    greedy prefix can fall out of the beam). The loop stops when every sentence is done or
+    after ``max_len`` steps; then alive hypotheses of unfinished sentences join the pool with
+    length ``max_len``. The output is the pool's best-scoring hypothesis.
+
+    Cost: step ``t`` re-runs the causal decoder on the ``[B * K, max_len]`` prefix buffer (no
+    incremental state): ``O(K * max_len^2)`` decoder token-positions per sentence.
+
+    Args:
+      model: a ``DynamicConvTransformer`` (``encode``, ``decode`` and ``pad_id``).
+      params: its parameters (in the dtype it should compute in).
+      src_tokens: ``[B, S]`` int, right-padded with ``model.pad_id``.
+      max_len: static output length (EOS included).
+      beam_size: ``K >= 1`` (with fewer than ``2K`` possible extensions, the surplus beams
+        score ``-inf`` and are never chosen).
+      length_penalty: ``alpha >= 0`` (0: raw log-probability; 1: per-token average).
+      bos_id, eos_id: the special ids.
+      stop_early: stop a sentence at ``K`` finished hypotheses (fairseq ``stop_early``).
+      return_scores: also return the best hypotheses' scores ``[B]`` float32 (normalised).
+
+    Raises:
+      ValueError: for ``max_len < 1``, ``beam_size < 1`` or ``length_penalty < 0``.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    if length_penalty < 0:
+        raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
+    variables = {"params": params}
+    pad, k = model.pad_id, beam_size
+    b = src_tokens.shape[0]
+    memory, src_mask = model.apply(variables, src_tokens, method=model.encode)
+    memory = jnp.repeat(memory, k, axis=0)  # [B * K, S, C], beams of a sentence adjacent
+    src_mask = jnp.repeat(src_mask, k, axis=0)
+
+    # Alive beams: tokens [B, K, max_len + 1] (column 0 = BOS), scores [B, K]; only beam 0
+    # starts alive so the first step does not pick K copies of the same extension.
+    alive = jnp.full((b, k, max_len + 1), pad, jnp.int32).at[:, :, 0].set(bos_id)
+    alive_logp = jnp.full((b, k), _NEG_INF, jnp.float32).at[:, 0].set(0.0)
+    fin = jnp.full((b, k, max_len), pad, jnp.int32)
+    fin_score = jnp.full((b, k), _NEG_INF, jnp.float32)
+    fin_count = jnp.zeros((b,), jnp.int32)
+    done = jnp.zeros((b,), bool)
+    batch_idx = jnp.arange(b)[:, None]
+    max_lp = _length_penalty(max_len, length_penalty)
+
+    def cond(carry):
+        t, *_, done = carry
+        return (t < max_len) & ~jnp.all(done)
+
+    def body(carry):
+        t, alive, alive_logp, fin, fin_score, fin_count, done = carry
+        logits = model.apply(
+            variables,
+            alive[:, :, :-1].reshape(b * k, max_len),
+            memory,
+            src_mask,
+            method=model.decode,
+        )
+        logits = jax.lax.dynamic_index_in_dim(logits, t, axis=1, keepdims=False)
+        logp = _step_log_probs(logits, pad).reshape(b, k, -1)
+        vocab = logp.shape[-1]
+        cand = (alive_logp[:, :, None] + logp).reshape(b, k * vocab)
+        cand_logp, cand_idx = jax.lax.top_k(cand, 2 * k)  # [B, 2K], best first
+        parent, token = cand_idx // vocab, (cand_idx % vocab).astype(jnp.int32)
+        cand_tokens = alive[batch_idx, parent]  # [B, 2K, max_len + 1]
+        cand_tokens = jax.lax.dynamic_update_index_in_dim(
+            cand_tokens, token[..., None], t + 1, axis=2
+        )
+        is_eos = token == eos_id
+
+        # Finished: EOS among the first K candidates, of sentences not yet done.
+        new_fin = is_eos & (jnp.arange(2 * k) < k) & ~done[:, None] & (cand_logp > _NEG_INF)
+        new_score = jnp.where(new_fin, cand_logp / _length_penalty(t + 1, length_penalty), _NEG_INF)
+        pool_score = jnp.concatenate([fin_score, new_score], axis=1)  # [B, 3K]
+        pool_tokens = jnp.concatenate([fin, cand_tokens[:, :, 1:]], axis=1)
+        fin_score, keep = jax.lax.top_k(pool_score, k)
+        fin = pool_tokens[batch_idx, keep]
+        fin_count = fin_count + new_fin.sum(axis=1, dtype=jnp.int32)
+
+        # Alive: the best K candidates not ending in EOS (at most K of the 2K end in EOS).
+        alive_logp, keep = jax.lax.top_k(jnp.where(is_eos, _NEG_INF, cand_logp), k)
+        alive = cand_tokens[batch_idx, keep]
+
+        full = fin_count >= k
+        if not stop_early:
+            # Done only when no alive hypothesis can still beat the pool's worst score.
+            full &= fin_score[:, k - 1] >= alive_logp[:, 0] / max_lp
+        return t + 1, alive, alive_logp, fin, fin_score, fin_count, done | full
+
+    carry = (jnp.int32(0), alive, alive_logp, fin, fin_score, fin_count, done)
+    _, alive, alive_logp, fin, fin_score, _, done = jax.lax.while_loop(cond, body, carry)
+
+    # Sentences still unfinished after max_len steps: alive hypotheses (max_len tokens, no EOS)
+    # compete with whatever finished.
+    open_score = jnp.where(done[:, None], _NEG_INF, alive_logp / max_lp)
+    pool_score = jnp.concatenate([fin_score, open_score], axis=1)
+    pool_tokens = jnp.concatenate([fin, alive[:, :, 1:]], axis=1)
+    best = jnp.argmax(pool_score, axis=1)
+    tokens = pool_tokens[jnp.arange(b), best]
+    if return_scores:
+        return tokens, pool_score[jnp.arange(b), best]
+    return tokens
+
+
+def sequence_log_prob(
+    model: Any,
+    params: PyTree,
+    src_tokens: jax.Array,
+    tokens: jax.Array,
+    *,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+) -> jax.Array:
+    """``sum_t log p(y_t | y_<t, x)`` of hypotheses ``tokens [B, T]`` -> ``[B]`` float32.
+
+    ``tokens`` is a decoder output (``y_1 .. y_n EOS PAD ..``); the sum runs up to and including
+    the first EOS (all ``T`` tokens if there is none), with the log-probabilities
+    :func:`beam_search` uses (pad excluded from the softmax), so it reproduces beam search's
+    scores at ``length_penalty=0``.
+    """
+    variables = {"params": params}
+    pad = model.pad_id
+    tokens = tokens.astype(jnp.int32)
+    tgt_in = jnp.concatenate(
+        [jnp.full((tokens.shape[0], 1), bos_id, jnp.int32), tokens[:, :-1]], axis=1
+    )
+    # Causal decoder: the logits at t see BOS y_1 .. y_t only, as during decoding; positions
+    # after the first EOS are left out of the sum.
+    is_eos = tokens == eos_id
+    after_eos = jnp.cumsum(is_eos, axis=1) - is_eos > 0  # strictly after the first EOS
+    memory, src_mask = model.apply(variables, src_tokens, method=model.encode)
+    logits = model.apply(variables, tgt_in, memory, src_mask, method=model.decode)
+    logp = jnp.take_along_axis(_step_log_probs(logits, pad), tokens[..., None], axis=-1)[..., 0]
+    return jnp.where(after_eos, 0.0, logp).sum(axis=1)
+
+
+def detokenize(rows: Any, tokenizer: Tokenizer | None = None) -> list[str]:
+    """Token rows ``[N, T]`` (or a list of id lists) -> ``N`` strings, each cut at its first EOS.
+
+    With a ``tokenizer``: :meth:`Tokenizer.decode` (subwords joined into text). Without: the ids
+    as space-separated decimal words (PAD and BOS skipped): ``[5, 9, 2, 0] -> "5 9"``, which is
+    how BLEU is computed on the synthetic tasks.
+    """
+    out = []
+    for row in rows:
+        if tokenizer is not None:
+            out.append(tokenizer.decode(row))
+            continue
+        words = []
+        for i in np.asarray(row).tolist():
+            if i == EOS_ID:
+                break
+            if i not in (PAD_ID, BOS_ID):
+                words.append(str(i))
+        out.append(" ".join(words))
+    return out
+
+
+def bleu(
+    hypotheses: Sequence[str],
+    references: Sequence[str],
+    *,
+    tokenize: str = "13a",
+    lowercase: bool = False,
+) -> float:
+    """sacreBLEU corpus BLEU (0..100) of detokenized ``hypotheses`` against one reference each.
+
+    ``tokenize`` is sacreBLEU's tokenizer (``13a`` the default, ``none`` for pre-tokenized text
+    such as the synthetic id strings). Identical corpora score 100, disjoint ones 0.
+
+    Raises:
+      ValueError: for empty or unequal-length inputs.
+    """
+    import sacrebleu
+
+    if len(hypotheses) != len(references):
+        raise ValueError(
+            f"hypotheses and references must have equal lengths, got {len(hypotheses)} and "
+            f"{len(references)}"
+        )
+    if not hypotheses:
+        raise ValueError("hypotheses must not be empty")
+    result = sacrebleu.corpus_bleu(
+        list(hypotheses), [list(references)], tokenize=tokenize, lowercase=lowercase
+    )
+    return float(result.score)
+
+
+def average_checkpoints(states_or_params: Sequence[Any]) -> PyTree:
+    """The element-wise mean of ``N`` parameter pytrees (fairseq ``average_checkpoints.py``).
+
+    ``states_or_params``: ``TrainState`` s (their ``params`` are used) or parameter pytrees of
+    one structure. Floating leaves: ``sum_i p_i / N`` accumulated in float32 (float64 stays
+    float64) and cast back to the leaf's dtype; integer leaves: ``sum_i p_i // N`` (as fairseq).
+
+    Raises:
+      ValueError: for an empty sequence or pytrees of different structures or shapes.
+    """
+    trees = [s.params if isinstance(s, TrainState) else s for s in states_or_params]
+    if not trees:
+        raise ValueError("states_or_params must hold at least one pytree")
+    structure = jax.tree.structure(trees[0])
+    for i, tree in enumerate(trees[1:], 1):
+        if jax.tree.structure(tree) != structure:
+            raise ValueError(f"states_or_params[{i}] has a different structure than [0]")
+    n = len(trees)
+
+    def mean(*leaves):
+        shapes = {jnp.shape(x) for x in leaves}
+        if len(shapes) != 1:
+            raise ValueError(f"leaf shapes differ across states_or_params: {sorted(shapes)}")
+        dtype = jnp.result_type(leaves[0])
+        if jnp.issubdtype(dtype, jnp.floating):
+            acc = jnp.promote_types(dtype, jnp.float32)
+            return (sum(jnp.asarray(x, acc) for x in leaves) / n).astype(dtype)
+        return (sum(jnp.asarray(x) for x in leaves) // n).astype(dtype)
+
+    return jax.tree.map(mean, *trees)
+
+
+def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
+    """The steps of the complete checkpoints in a :class:`Checkpointer` directory, ascending.
+
+    Orbax names each step's directory by the step; in-progress writes carry a temporary suffix
+    and are not listed.
+    """
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(p) for p in os.listdir(directory) if p.isdigit())
+
+
+def average_last_checkpoints(
+    checkpointer: Checkpointer | str | os.PathLike, target: Any, n: int
+) -> tuple[PyTree, list[int]]:
+    """Restores the newest ``n`` checkpoints and averages their parameters.
+
+    Args:
+      checkpointer: a :class:`Checkpointer` or its directory.
+      target: the saved structure (a ``TrainState`` or its ``jax.eval_shape``).
+      n: how many of the newest checkpoints to average (fairseq ``--num-epoch-checkpoints``).
+
+    Returns:
+      ``(params, steps)``: the averaged parameters and the steps averaged (ascending).
+
+    Raises:
+      ValueError: for ``n < 1``.
+      FileNotFoundError: if the directory holds fewer than ``n`` checkpoints.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    own = not isinstance(checkpointer, Checkpointer)
+    if own:
+        checkpointer = Checkpointer(str(checkpointer), keep=max(n, 1))
+    try:
+        steps = checkpoint_steps(checkpointer.directory)[-n:]
+        if len(steps) < n:
+            raise FileNotFoundError(
+                f"average of the last n={n} checkpoints needs {n}, found {len(steps)} in "
+                f"{checkpointer.directory}"
+            )
+        states = [checkpointer.restore(target, step=s) for s in steps]
+    finally:
+        if own:
+            checkpointer.close()
+    return average_checkpoints(states), steps

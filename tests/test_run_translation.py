@@ -1,0 +1,110 @@
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax.run_translation import (
+    TranslationConfig,
+    inverse_sqrt_schedule,
+    train_and_evaluate_translation,
+)
+
+# A 1 + 1 layer, 32-channel model, one batch shape (widths <= 9 round up to 16; 32 rows), no
+# dropout: a short run learns the copy task; compiles and steps stay short on CPU.
+TINY = {"embed_dim": 32, "ffn_dim": 64, "encoder_kernel_sizes": (3,), "decoder_kernel_sizes": (3,)}
+FAST = {
+    "model_overrides": TINY, "max_tokens": 512, "length_multiple": 16, "max_len_b": 0,
+    "dropout": 0.0, "learning_rate": 3e-3, "warmup": 50,
+}  # fmt: skip
+
+
+def test_config_validation_errors():
+    with pytest.raises(ValueError, match="model='big'"):
+        TranslationConfig(model="big")
+    with pytest.raises(ValueError, match="dataset='wmt'.*synthetic-copy"):
+        TranslationConfig(dataset="wmt")
+    with pytest.raises(ValueError, match="warmup"):
+        TranslationConfig(warmup=0)
+    with pytest.raises(ValueError, match="resume"):
+        TranslationConfig(resume=True)
+    with pytest.raises(ValueError, match="average_last"):
+        TranslationConfig(average_last=2)
+    with pytest.raises(ValueError, match="keep_checkpoints"):
+        TranslationConfig(average_last=4, keep_checkpoints=3, checkpoint_dir="x")
+
+
+def test_inverse_sqrt_schedule_matches_fairseq():
+    lr = inverse_sqrt_schedule(5e-4, 4000)
+    assert float(lr(0)) == pytest.approx(1e-7)
+    assert float(lr(2000)) == pytest.approx(1e-7 + (5e-4 - 1e-7) / 2)
+    assert float(lr(4000)) == pytest.approx(5e-4)
+    assert float(lr(16000)) == pytest.approx(2.5e-4)
+
+
+def test_synthetic_copy_learns_with_checkpoints_and_averaging(tmp_path):
+    config = TranslationConfig(
+        steps=200, checkpoint_dir=str(tmp_path), checkpoint_every=50, keep_checkpoints=2,
+        average_last=2, eval_every=100, **FAST,
+    )  # fmt: skip
+    summary = train_and_evaluate_translation(config, log=None)
+    assert summary["steps"] == 200 and summary["skipped_steps"] == 0
+    # Observed: token accuracy 0.983, BLEU greedy 94.9 / beam 96.2, exact match 0.92 / 0.92.
+    assert summary["token_accuracy"] > 0.95
+    assert summary["bleu_greedy"] > 85 and summary["bleu_beam"] > 85
+    assert summary["exact_match_greedy"] > 0.75 and summary["exact_match_beam"] > 0.75
+    assert summary["bleu_sentences"] == 256
+    averaged = summary["averaged"]
+    assert averaged["steps_averaged"] == [150, 200]
+    assert averaged["param_checksum"] != summary["param_checksum"]
+    assert averaged["test_accuracy"] > 0.85
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [100, 200]
+
+
+def test_resumed_run_continues_from_the_saved_step(tmp_path):
+    common = {"checkpoint_every": 10, "eval_every": 1000, "eval_sentences": 0, **FAST}
+    plan = lm.Plan(microbatches=2)  # every batch padded to an even number of rows
+    straight = train_and_evaluate_translation(
+        TranslationConfig(steps=30, plan=plan, **common), log=None
+    )
+    first = train_and_evaluate_translation(
+        TranslationConfig(steps=20, plan=plan, checkpoint_dir=str(tmp_path), **common), log=None
+    )
+    assert first["steps"] == 20 and "bleu_beam" not in first
+    lines = []
+    resumed = train_and_evaluate_translation(
+        TranslationConfig(steps=30, plan=plan, checkpoint_dir=str(tmp_path), resume=True, **common),
+        log=lines.append,
+    )
+    assert lines[0].startswith("resumed from step 20")
+    assert resumed["steps"] == 30
+    assert resumed["param_checksum"] == straight["param_checksum"]
+    assert resumed["token_accuracy"] == pytest.approx(straight["token_accuracy"])
+    assert np.isfinite(resumed["test_loss"]) and jnp.isfinite(resumed["test_nll_loss"])
+
+
+def test_tfds_dataset_path_trains_tokenizer_and_scores_bleu(tmp_path, monkeypatch):
+    from lowmem_jax.data import iwslt14
+
+    rng = np.random.default_rng(0)
+    de_words = "der die das haus katze hund ist klein groß und nicht ein".split()
+    en_words = "the the the house cat dog is small big and not a".split()
+
+    def fake_load(split, data_dir=None):
+        pairs = []
+        for _ in range(64 if split == "train" else 8):
+            idx = rng.integers(0, len(de_words), size=rng.integers(2, 7))
+            pairs.append((" ".join(de_words[i] for i in idx), " ".join(en_words[i] for i in idx)))
+        return pairs
+
+    monkeypatch.setattr(iwslt14, "load_iwslt14", fake_load)
+    config = TranslationConfig(
+        dataset="iwslt14", vocab_size=40, steps=3, checkpoint_dir=str(tmp_path),
+        **{**FAST, "max_len_b": 4},
+    )  # fmt: skip
+    summary = train_and_evaluate_translation(config, log=None)
+    assert (tmp_path / "tokenizer.model").is_file()
+    assert summary["steps"] == 3 and summary["bleu_sentences"] == 8
+    assert 0.0 <= summary["bleu_greedy"] <= 100.0 and 0.0 <= summary["bleu_beam"] <= 100.0
