@@ -62,6 +62,62 @@ def _add_plan_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
     )
 
 
+def _add_sparsity_flags(parser: argparse.ArgumentParser) -> None:
+    from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS
+
+    group = parser.add_argument_group("sparsity (lowmem_jax.sparsity)")
+    group.add_argument(
+        "--sparsity",
+        type=float,
+        default=0.0,
+        help="fraction of zeros in the sparse weights (conv and dense kernels except the "
+        "classifier), e.g. 0.9; 0 = dense. Default: %(default)s",
+    )
+    group.add_argument(
+        "--sparse-algorithm", default="dsr", choices=ALGORITHMS, help="Default: %(default)s"
+    )
+    group.add_argument(
+        "--sparse-distribution",
+        default="uniform",
+        choices=DISTRIBUTIONS,
+        help="per-layer densities. Default: %(default)s",
+    )
+    group.add_argument(
+        "--sparse-init", default="random", choices=INITS, help="initial mask. Default: %(default)s"
+    )
+    group.add_argument(
+        "--sparse-storage",
+        default="compressed",
+        choices=["compressed", "masked"],
+        help="compressed: non-zero values + int32 indices, dense weights only transient inside "
+        "the step; masked: dense weights + a mask (more memory than dense). Default: %(default)s",
+    )
+    group.add_argument(
+        "--sparse-period",
+        type=int,
+        default=100,
+        help="optimizer steps between mask updates. Default: %(default)s",
+    )
+
+
+def _sparse_config(args: argparse.Namespace):
+    """The SparseConfig the flags ask for, or None for dense training."""
+    if not 0.0 <= args.sparsity < 1.0:
+        raise ValueError(f"--sparsity must be in [0, 1) (fraction of zeros), got {args.sparsity}")
+    if args.sparsity == 0.0:
+        return None
+    from lowmem_jax.sparsity import SparseConfig
+
+    return SparseConfig(
+        algorithm=args.sparse_algorithm,
+        density=1.0 - args.sparsity,
+        distribution=args.sparse_distribution,
+        init=args.sparse_init,
+        update_period=args.sparse_period,
+        compressed=args.sparse_storage == "compressed",
+    )
+
+
 def _plan(args: argparse.Namespace):
     from lowmem_jax.train import Plan
 
@@ -81,6 +137,7 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             model=args.model,
             dataset=args.dataset,
             plan=_plan(args),
+            sparse=_sparse_config(args),
             batch_size=args.batch_size,
             epochs=args.epochs,
             learning_rate=args.lr,
@@ -119,7 +176,9 @@ def _cmd_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
     try:
         plan = _plan(args)
-        report = analyze_model(args.model, args.batch_size, plan, seq_len=args.seq_len)
+        report = analyze_model(
+            args.model, args.batch_size, plan, sparse=_sparse_config(args), seq_len=args.seq_len
+        )
     except ValueError as err:
         parser.error(str(err))
     result = {"model": args.model, "batch_size": report.config["batch_size"], **report.to_dict()}
@@ -192,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Default: %(default)s",
     )
     _add_plan_flags(analyze, {"precision": "fp32", "microbatches": 1, "remat": "none"})
+    _add_sparsity_flags(analyze)
     analyze.add_argument("--json", action="store_true", help="print exactly one JSON object")
     analyze.set_defaults(func=_cmd_analyze)
 
@@ -230,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir", metavar="DIR", help="TFDS data directory (cifar10); nothing is downloaded"
     )
     _add_plan_flags(train, {"precision": "mixed_fp16", "microbatches": 4, "remat": "full"})
+    _add_sparsity_flags(train)
     train.add_argument("--epochs", type=int, default=10, help="Default: %(default)s")
     train.add_argument(
         "--lr",

@@ -81,7 +81,7 @@ class MemoryReport:
     Attributes:
       config: what produced it (model, batch size, plan), as given.
       backend: JAX's backend name (``cpu``, ``gpu``, ``tpu``).
-      param_count: number of parameters.
+      param_count: number of parameters of the model (dense, also when stored compressed).
       xla: XLA's compiled figures in bytes (``source`` names the backend).
       analytic: the model / optimizer / activations / inputs / state breakdown in bytes.
       flops: FLOPs of one step counted from the jaxpr (source: analytic).
@@ -126,19 +126,31 @@ def xla_memory(compiled) -> dict[str, Any]:
     return out
 
 
+# Optimizer-state fields that only wrap another state: the slot is named by what is inside.
+_WRAPPERS = {"inner", "inner_state", "inner_states"}
+
+
 def _slot_name(path) -> str:
     names = [getattr(k, "name", None) or getattr(k, "key", None) for k in path]
     names = [str(n) for n in names if n is not None and not isinstance(n, int)]
+    names = [n for n in names if n not in _WRAPPERS]
     return names[0] if names else "state"
 
 
-def optimizer_breakdown(params: PyTree, opt_state: PyTree, microbatches: int = 1) -> dict[str, int]:
-    """Bytes of gradients, accumulator and optimizer slots (see the module docstring)."""
-    grads = tree_bytes(params)
-    out = {"gradients": grads}
+def optimizer_breakdown(
+    params: PyTree, opt_state: PyTree, microbatches: int = 1, model_params: PyTree | None = None
+) -> dict[str, int]:
+    """Bytes of gradients, accumulator and optimizer state (see the module docstring).
+
+    The gradient (and the float32 accumulator when microbatching) has the shape of the
+    parameters the model sees, ``model_params`` (default ``params``): with compressed sparse
+    storage that is the dense, transient layout, not the stored values.
+    """
+    grad_params = params if model_params is None else model_params
+    out = {"gradients": tree_bytes(grad_params)}
     if microbatches > 1:
         out["gradient_accumulator"] = sum(
-            int(np.prod(x.shape, dtype=np.int64)) * 4 for x in jax.tree.leaves(params)
+            int(np.prod(x.shape, dtype=np.int64)) * 4 for x in jax.tree.leaves(grad_params)
         )
     slots: dict[str, int] = defaultdict(int)
     for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
@@ -197,14 +209,18 @@ def analytic_breakdown(
     batch: PyTree,
     loss_fn: Callable | None = None,
     microbatches: int = 1,
+    model_params: PyTree | None = None,
 ) -> dict[str, Any]:
     """The report's model / optimizer / activations / inputs breakdown, in bytes.
 
     ``state`` is a :class:`~lowmem_jax.TrainState` (or its ``jax.eval_shape``); ``loss_fn``
     is the loss as the step differentiates it (after the precision cast); without it the
-    activation figure is ``None``.
+    activation figure is ``None``. ``model_params``: the parameters the loss sees when the
+    step materialises them from a different stored form (compressed sparse storage); the
+    model figure always counts the stored ``state.params``.
     """
-    optimizer = optimizer_breakdown(state.params, state.opt_state, microbatches)
+    model_params = state.params if model_params is None else model_params
+    optimizer = optimizer_breakdown(state.params, state.opt_state, microbatches, model_params)
     activations = None
     if loss_fn is not None:
         micro = jax.tree.map(
@@ -212,7 +228,7 @@ def analytic_breakdown(
             batch,
         )
         activations = saved_activation_bytes(
-            loss_fn, state.params, state.model_state, micro, state.rng
+            loss_fn, model_params, state.model_state, micro, state.rng
         )
     out = {
         "source": "analytic",
@@ -351,6 +367,7 @@ def analyze(
     *,
     loss_fn: Callable | None = None,
     microbatches: int = 1,
+    model_params: PyTree | None = None,
     config: dict[str, Any] | None = None,
 ) -> MemoryReport:
     """Compiles ``train_step(state, batch)`` (never runs it) and reports its memory and FLOPs.
@@ -363,6 +380,8 @@ def analyze(
       loss_fn: the loss as differentiated by the step (after the precision cast), for the
         analytic activation figure; ``None`` leaves that figure out.
       microbatches: the step's microbatch count (activations are per microbatch).
+      model_params: the parameters the loss sees, when the step builds them from a different
+        stored form (``make_train_step(..., materialize=...)``); default ``state.params``.
       config: recorded in the report as is.
     """
     step = train_step if hasattr(train_step, "lower") else jax.jit(train_step)
@@ -370,7 +389,11 @@ def analyze(
     compiled = lowered.compile()
     xla = xla_memory(compiled)
     analytic = analytic_breakdown(
-        state=state, batch=batch, loss_fn=loss_fn, microbatches=microbatches
+        state=state,
+        batch=batch,
+        loss_fn=loss_fn,
+        microbatches=microbatches,
+        model_params=model_params,
     )
     flops, flop_notes = count_flops(getattr(step, "__wrapped__", step), state, batch)
     notes = [
@@ -387,7 +410,12 @@ def analyze(
     return MemoryReport(
         config=dict(config or {}),
         backend=jax.default_backend(),
-        param_count=int(sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))),
+        param_count=int(
+            sum(
+                math.prod(x.shape)
+                for x in jax.tree.leaves(state.params if model_params is None else model_params)
+            )
+        ),
         xla=xla,
         analytic=analytic,
         flops=flops,

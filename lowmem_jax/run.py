@@ -22,6 +22,7 @@ import optax
 from lowmem_jax import data as data_lib
 from lowmem_jax.checkpointing import Checkpointer
 from lowmem_jax.data.cifar10 import augment as augment_images
+from lowmem_jax.sparsity import SparseConfig, density_report, sparse_training
 from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step
 from lowmem_jax.workloads import make_model, sgd_nesterov
 
@@ -35,16 +36,19 @@ SCHEDULES = ("cosine", "step")
 class TrainConfig:
     """One training run. The defaults are the embedded default job (``lowmem train``).
 
-    ``lr_schedule``: ``cosine`` decay to 0, or ``step`` (x0.2 at 30%, 60% and 80% of training:
-    epochs 60/120/160 of 200, the WRN recipe). With ``checkpoint_dir`` the state is saved every
-    ``checkpoint_every`` steps (keeping ``keep_checkpoints``) and at the end, and per-epoch
-    metrics are appended to ``<checkpoint_dir>/metrics.jsonl``; ``resume`` continues from the
-    newest checkpoint there, exactly.
+    ``sparse``: train sparsely (:mod:`lowmem_jax.sparsity`); its ``end_step`` defaults to 75% of
+    training (mask updates stop there). ``lr_schedule``: ``cosine`` decay to 0, or ``step``
+    (x0.2 at 30%, 60% and 80% of training: epochs 60/120/160 of 200, the WRN recipe). With
+    ``checkpoint_dir`` the state is saved every ``checkpoint_every`` steps (keeping
+    ``keep_checkpoints``) and at the end, and per-epoch metrics are appended to
+    ``<checkpoint_dir>/metrics.jsonl``; ``resume`` continues from the newest checkpoint there,
+    exactly.
     """
 
     model: str = "wrn-16-2"
     dataset: str = "digits"
     plan: Plan = Plan(precision="mixed_fp16", microbatches=4, remat="full")
+    sparse: SparseConfig | None = None
     batch_size: int = 128
     epochs: int = 10
     learning_rate: float = 0.1
@@ -128,14 +132,25 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     tx = sgd_nesterov(
         learning_rate_schedule(config, total_steps), config.momentum, config.weight_decay
     )
-    state = TrainState.create(
-        params=variables["params"],
-        model_state={"batch_stats": variables["batch_stats"]},
-        tx=tx,
-        plan=plan,
-        rng=rng,
-    )
-    train_step = make_train_step(classifier_loss_fn(model), tx, plan)
+    model_state = {"batch_stats": variables["batch_stats"]}
+    materialize = None
+    if config.sparse is None:
+        state = TrainState.create(
+            params=variables["params"], model_state=model_state, tx=tx, plan=plan, rng=rng
+        )
+    else:
+        sparse = config.sparse
+        if sparse.end_step is None:
+            sparse = dataclasses.replace(sparse, end_step=int(0.75 * total_steps))
+        tx = sparse_training(tx, sparse, variables["params"])
+        materialize = tx.materialize
+        state = tx.create_train_state(
+            params=variables["params"], plan=plan, model_state=model_state, rng=rng
+        )
+    train_step = make_train_step(classifier_loss_fn(model), tx, plan, materialize=materialize)
+
+    def model_params(state):
+        return state.params if materialize is None else materialize(state.params, state.opt_state)
 
     checkpointer = metrics_file = None
     if config.checkpoint_dir:
@@ -151,7 +166,8 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
 
     @jax.jit
     def predict(state, images):
-        variables = {"params": plan.policy.cast_to_compute(state.params), **state.model_state}
+        params = plan.policy.cast_to_compute(model_params(state))
+        variables = {"params": params, **state.model_state}
         return model.apply(variables, plan.policy.cast_to_compute(images), train=False).argmax(-1)
 
     def evaluate(state, split):
@@ -220,8 +236,15 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
         "batch_size": config.batch_size,
         "epochs": config.epochs,
         "seed": config.seed,
-        "param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
+        "param_count": int(sum(x.size for x in jax.tree.leaves(model_params(state)))),
         "param_checksum": param_checksum(state.params),
+        "sparsity": None
+        if config.sparse is None
+        else {
+            "algorithm": config.sparse.algorithm,
+            "storage": "compressed" if config.sparse.compressed else "masked",
+            "density": density_report(tx, state.params, state.opt_state)["density"],
+        },
         "steps": int(state.step),
         "test_accuracy": evaluate(state, test) if not history else history[-1]["test_accuracy"],
         "skipped_steps": int(state.skipped_steps),

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowmem_jax import memory, models, precision
+from lowmem_jax import memory, models, precision, sparsity
 from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step
 
 __all__ = [
@@ -144,11 +144,16 @@ def analyze_model(
     batch_size: int | None,
     plan: Plan,
     *,
+    sparse: sparsity.SparseConfig | None = None,
     seq_len: int = 40,
     image_size: int = 32,
     tx: optax.GradientTransformation | None = None,
 ) -> memory.MemoryReport:
     """Memory analysis of one train step of a named model: compile-only, no data, no step run.
+
+    ``sparse``: train sparsely (the recipe's optimizer wrapped by
+    :func:`lowmem_jax.sparsity.sparse_training`); with ``compressed=True`` the state stores only
+    the non-zeros and their indices, and the step materialises dense weights transiently.
 
     Raises:
       ValueError: for an unknown model, a bad plan, or a batch size the microbatches don't divide.
@@ -159,14 +164,43 @@ def analyze_model(
         raise ValueError(f"batch_size={size} is not divisible by microbatches={plan.microbatches}")
     flax_model = plan.configure_model(work.model)
     tx = tx or work.tx
-    state = abstract_state(flax_model, tx, plan, [work.batch[k] for k in work.init_inputs])
+    inputs = [work.batch[k] for k in work.init_inputs]
     loss_fn = work.loss_fn(flax_model)
-    step = make_train_step(loss_fn, tx, plan)
+    config = {"model": model, "batch_size": size, **plan.to_dict()}
+    if sparse is None:
+        state = abstract_state(flax_model, tx, plan, inputs)
+        step = make_train_step(loss_fn, tx, plan)
+        model_params = None
+    else:
+
+        def init_variables(*x):
+            return flax_model.init(jax.random.PRNGKey(0), *x, train=False)
+
+        variables = jax.eval_shape(init_variables, *inputs)
+        model_params = plan.policy.cast_to_param(variables["params"])
+        sparse_tx = sparsity.sparse_training(tx, sparse, variables["params"])
+
+        def init_state(*x):
+            v = init_variables(*x)
+            model_state = {k: val for k, val in v.items() if k != "params"}
+            return sparse_tx.create_train_state(
+                params=v["params"], plan=plan, model_state=model_state
+            )
+
+        state = jax.eval_shape(init_state, *inputs)
+        step = make_train_step(loss_fn, sparse_tx, plan, materialize=sparse_tx.materialize)
+        config["sparsity"] = {
+            "algorithm": sparse.algorithm,
+            "sparsity": 1.0 - sparse.density,
+            "distribution": sparse.distribution,
+            "storage": "compressed" if sparse.compressed else "masked",
+        }
     return memory.analyze(
         step,
         state,
         work.batch,
         loss_fn=precision.cast_loss_fn(loss_fn, plan.policy),
         microbatches=plan.microbatches,
-        config={"model": model, "batch_size": size, **plan.to_dict()},
+        model_params=model_params,
+        config=config,
     )

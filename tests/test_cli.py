@@ -58,3 +58,16 @@ def test_help_explains_every_technique(capsys):
     text = capsys.readouterr().out
     for flag in ("--precision", "--loss-scale", "--microbatches", "--remat"):
         assert flag in text
+
+
+def test_train_sparse_keeps_the_budget(capsys):
+    code = cli.main([
+        "train", "--model", "wrn-10-1", "--epochs", "1", "--batch-size", "64",
+        "--microbatches", "1", "--precision", "fp32", "--sparsity", "0.8",
+        "--sparse-algorithm", "rigl", "--sparse-period", "5", "--no-progress", "--json",
+    ])  # fmt: skip
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["sparsity"]["storage"] == "compressed"
+    assert abs(summary["sparsity"]["density"] - 0.2) < 1e-3
+    assert summary["param_count"] == 77_562 and summary["steps"] == 1437 // 64

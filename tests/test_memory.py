@@ -210,3 +210,24 @@ def test_analyze_cli_dynamicconv_iwslt(capsys):
     # adamw: gradients + mu + nu, all parameter-sized float32 (+ a step count)
     assert a["optimizer_bytes"] >= 3 * a["model_bytes"]
     assert a["input_bytes"] == 3 * 4 * 8 * 4
+
+
+def test_analyze_cli_sparsity_shrinks_stored_bytes(capsys):
+    base = ["analyze", "--model", "wrn-16-1", "--batch-size", "8", "--json"]
+    assert cli.main(base) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert cli.main([*base, "--sparsity", "0.9", "--sparse-algorithm", "rigl"]) == 0
+    sparse = json.loads(capsys.readouterr().out)
+    assert sparse["config"]["sparsity"] == {
+        "algorithm": "rigl", "sparsity": 0.9, "distribution": "uniform", "storage": "compressed"
+    }  # fmt: skip
+    assert sparse["param_count"] == dense["param_count"]  # the model is the same, dense
+    assert sparse["analytic"]["model_bytes"] < 0.25 * dense["analytic"]["model_bytes"]
+    assert sparse["xla"]["argument_bytes"] < 0.5 * dense["xla"]["argument_bytes"]
+
+
+@pytest.mark.parametrize("value", ["1.0", "-0.1"])
+def test_analyze_cli_rejects_bad_sparsity(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["analyze", "--batch-size", "8", "--sparsity", value])
+    assert exc.value.code == 2 and "--sparsity" in capsys.readouterr().err
