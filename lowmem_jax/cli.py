@@ -129,39 +129,91 @@ def _plan(args: argparse.Namespace):
     )
 
 
-def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lowmem_jax.run import TrainConfig, train_and_evaluate
+TRANSLATION_DATASETS = ("synthetic-copy", "synthetic-reverse", "iwslt14", "ted_multi")
+TRANSLATION_MODELS = {"dynamicconv-small": "small", "dynamicconv-iwslt": "iwslt"}
 
-    try:
-        config = TrainConfig(
-            model=args.model,
-            dataset=args.dataset,
-            plan=_plan(args),
-            sparse=_sparse_config(args),
-            batch_size=args.batch_size,
-            epochs=args.epochs,
-            learning_rate=args.lr,
-            lr_schedule=args.lr_schedule,
-            weight_decay=args.weight_decay,
-            seed=args.seed,
-            data_dir=args.data_dir,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-            keep_checkpoints=args.keep_checkpoints,
-            resume=args.resume,
-            progress=not args.no_progress,
+
+def _image_config(args: argparse.Namespace):
+    from lowmem_jax.run import TrainConfig
+
+    return TrainConfig(
+        model=args.model or "wrn-16-2",
+        dataset=args.dataset,
+        plan=_plan(args),
+        sparse=_sparse_config(args),
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        learning_rate=0.1 if args.lr is None else args.lr,
+        lr_schedule=args.lr_schedule,
+        weight_decay=5e-4 if args.weight_decay is None else args.weight_decay,
+        seed=args.seed,
+        data_dir=args.data_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        progress=not args.no_progress,
+    )
+
+
+def _translation_config(args: argparse.Namespace):
+    from lowmem_jax.run_translation import TranslationConfig
+
+    model = args.model or "dynamicconv-small"
+    if model not in TRANSLATION_MODELS:
+        raise ValueError(
+            f"Unknown model={model!r} for dataset={args.dataset!r}; allowed values: "
+            f"{list(TRANSLATION_MODELS)}"
         )
+    if args.sparsity:
+        raise ValueError("--sparsity is not wired to translation training yet")
+    return TranslationConfig(
+        model=TRANSLATION_MODELS[model],
+        dataset=args.dataset,
+        plan=_plan(args),
+        max_tokens=args.max_tokens,
+        steps=args.steps,
+        learning_rate=2e-3 if args.lr is None else args.lr,
+        warmup=args.warmup,
+        weight_decay=1e-4 if args.weight_decay is None else args.weight_decay,
+        label_smoothing=args.label_smoothing,
+        seed=args.seed,
+        data_dir=args.data_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        average_last=args.average_last,
+        eval_every=args.eval_every,
+        beam_size=args.beam_size,
+    )
+
+
+def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    translation = args.dataset in TRANSLATION_DATASETS
+    try:
+        config = _translation_config(args) if translation else _image_config(args)
     except ValueError as err:
         parser.error(str(err))  # exits with status 2 and the usage line
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print
     if not args.json:
         print(f"training {config.model} on {config.dataset}: {config.plan.to_dict()}")
-    summary = train_and_evaluate(config, log=log)
+    if translation:
+        from lowmem_jax.run_translation import train_and_evaluate_translation as train
+    else:
+        from lowmem_jax.run import train_and_evaluate as train
+    summary = train(config, log=log)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
+    elif translation:
+        print(
+            f"token accuracy {summary['token_accuracy']:.4f}, BLEU greedy "
+            f"{summary['bleu_greedy']:.1f} / beam-{config.beam_size} {summary['bleu_beam']:.1f} "
+            f"after {summary['steps']} steps ({summary['train_seconds']:.0f}s)"
+        )
     else:
         print(
             f"test accuracy {summary['test_accuracy']:.4f} after {config.epochs} epochs "
@@ -282,9 +334,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--dataset cifar10 --model wrn-28-2 --epochs 200 --lr-schedule step --precision fp32 "
         "--microbatches 1 --remat none.",
     )
-    _add_workload_flags(train, model="wrn-16-2", batch_size=128, models="wrn-D-K")
     train.add_argument(
-        "--dataset", default="digits", choices=["digits", "cifar10"], help="Default: digits"
+        "--model",
+        default=None,
+        help="wrn-D-K for image datasets (default wrn-16-2); dynamicconv-small or "
+        "dynamicconv-iwslt for translation datasets (default dynamicconv-small)",
+    )
+    train.add_argument(
+        "--batch-size", type=int, default=128, help="images per batch. Default: %(default)s"
+    )
+    train.add_argument(
+        "--dataset",
+        default="digits",
+        choices=["digits", "cifar10", *TRANSLATION_DATASETS],
+        help="Default: digits",
     )
     train.add_argument(
         "--data-dir", metavar="DIR", help="TFDS data directory (cifar10); nothing is downloaded"
@@ -295,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--lr",
         type=float,
-        default=0.1,
-        help="peak learning rate (SGD Nesterov). Default: %(default)s",
+        default=None,
+        help="peak learning rate. Default: 0.1 (SGD Nesterov) for images, 2e-3 (Adam, "
+        "inverse-sqrt) for translation",
     )
     train.add_argument(
         "--lr-schedule",
@@ -304,7 +368,24 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["cosine", "step"],
         help="cosine decay to 0, or step: x0.2 at 30/60/80%% of training. Default: %(default)s",
     )
-    train.add_argument("--weight-decay", type=float, default=5e-4, help="Default: %(default)s")
+    train.add_argument(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help="Default: 5e-4 for images (kernels only), 1e-4 for translation (decoupled)",
+    )
+    text = train.add_argument_group("translation datasets (DynamicConv Transformer)")
+    text.add_argument("--steps", type=int, default=200, help="optimizer updates. Default: 200")
+    text.add_argument(
+        "--max-tokens", type=int, default=1024, help="padded tokens per batch. Default: 1024"
+    )
+    text.add_argument("--warmup", type=int, default=50, help="inverse-sqrt warmup. Default: 50")
+    text.add_argument("--label-smoothing", type=float, default=0.1, help="Default: 0.1")
+    text.add_argument("--beam-size", type=int, default=4, help="Default: 4")
+    text.add_argument(
+        "--average-last", type=int, default=1, help="average the newest N checkpoints. Default: 1"
+    )
+    text.add_argument("--eval-every", type=int, default=1000, help="Default: 1000")
     train.add_argument("--seed", type=int, default=0, help="Default: %(default)s")
     train.add_argument(
         "--checkpoint-dir",

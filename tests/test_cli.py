@@ -71,3 +71,19 @@ def test_train_sparse_keeps_the_budget(capsys):
     assert summary["sparsity"]["storage"] == "compressed"
     assert abs(summary["sparsity"]["density"] - 0.2) < 1e-3
     assert summary["param_count"] == 77_562 and summary["steps"] == 1437 // 64
+
+
+def test_train_routes_translation_datasets_to_the_transformer(capsys):
+    code = cli.main([
+        "train", "--dataset", "synthetic-reverse", "--steps", "10", "--max-tokens", "256",
+        "--microbatches", "2", "--precision", "fp32", "--no-progress", "--json",
+    ])  # fmt: skip
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 10 and 0.0 <= summary["bleu_beam"] <= 100.0
+
+
+def test_train_rejects_an_image_model_for_translation(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--dataset", "synthetic-copy", "--model", "wrn-16-2"])
+    assert exc.value.code == 2 and "dynamicconv-small" in capsys.readouterr().err
