@@ -91,10 +91,15 @@ def get_policy(name: str | Policy) -> Policy:
 
 
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
-    """Casts every floating-point array leaf of ``tree`` to ``dtype``; other leaves unchanged."""
+    """Casts every floating-point leaf of ``tree`` to ``dtype``; other leaves unchanged.
+
+    Leaves may be arrays or ``jax.ShapeDtypeStruct`` (which get the new dtype).
+    """
 
     def cast(x):
         if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            if isinstance(x, jax.ShapeDtypeStruct):  # abstract trees (memory analysis)
+                return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
             return x.astype(dtype)
         return x
 

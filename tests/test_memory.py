@@ -165,7 +165,9 @@ def test_analyze_cli_rejects_bad_options(argv, capsys):
 
 
 def test_report_writes_tables_and_plots(tmp_path):
-    grid = [g for g in standard_grid(8) if g[0] in ("baseline", "microbatch 4", "remat full")]
+    wanted = ("baseline", "microbatch 4", "remat full", "fp16 + mb 2 + remat full + sparse 90%")
+    grid = [g for g in standard_grid(8) if g[0] in wanted]
+    assert len(grid) == len(wanted)
     result = run_report("wrn-10-1", 8, grid=grid, progress=None)
     paths = write_report(result, str(tmp_path), command="test")
     assert {p.split("/")[-1] for p in paths} == {
@@ -177,6 +179,9 @@ def test_report_writes_tables_and_plots(tmp_path):
     rows = {r["name"]: r for r in result["configs"]}
     assert rows["baseline"]["reduction_xla"] == 1.0
     assert rows["microbatch 4"]["reduction_xla"] > 1.0
+    sparse = rows["fp16 + mb 2 + remat full + sparse 90%"]
+    assert sparse["config"]["sparsity"]["storage"] == "compressed"
+    assert sparse["analytic"]["model_bytes"] < 0.2 * rows["baseline"]["analytic"]["model_bytes"]
     assert result["best"]["name"] in rows
     assert "| remat full |" in (tmp_path / "report.md").read_text()
 

@@ -54,3 +54,12 @@ def test_cast_loss_fn_computes_in_half_and_returns_fp32_master_grads():
     assert seen == {"w": jnp.float16, "x": jnp.float16, "label": jnp.int32, "state": jnp.float32}
     assert grads["w"].dtype == jnp.float32  # master weights stay fp32
     assert metrics["loss"].dtype == jnp.float32
+
+
+def test_cast_floating_handles_abstract_leaves():
+    tree = {
+        "w": jax.ShapeDtypeStruct((2, 3), jnp.float32),
+        "i": jax.ShapeDtypeStruct((2,), jnp.int32),
+    }
+    out = lm.cast_floating(tree, jnp.float16)
+    assert out["w"] == jax.ShapeDtypeStruct((2, 3), jnp.float16) and out["i"] == tree["i"]
