@@ -155,7 +155,12 @@ def test_analyze_cli_prints_exactly_one_json_object(capsys):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--remat", "bogus"], ["--model", "vgg"], ["--microbatches", "3"], ["--sparsity", "0.9"]],
+    [
+        ["--remat", "bogus"],
+        ["--model", "vgg"],
+        ["--microbatches", "3"],
+        ["--sparse-algorithm", "magic"],
+    ],
 )
 def test_analyze_cli_rejects_bad_options(argv, capsys):
     with pytest.raises(SystemExit) as exc:
