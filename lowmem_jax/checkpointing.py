@@ -19,7 +19,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "resume_or_start"]
 
 
 class Checkpointer:
@@ -68,3 +68,20 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def resume_or_start(
+    state: Any, checkpoint_dir: str | None, *, every: int, keep: int, resume: bool
+) -> tuple[Checkpointer | None, Any, str | None]:
+    """The training loops' checkpoint set-up: ``(checkpointer, state, metrics_path)``.
+
+    Without ``checkpoint_dir``: ``(None, state, None)``. With it: a :class:`Checkpointer`, the
+    newest checkpoint restored into ``state``'s structure when ``resume`` (``state`` itself when
+    there is none yet), and ``<checkpoint_dir>/metrics.jsonl`` for per-epoch or per-eval records.
+    """
+    if not checkpoint_dir:
+        return None, state, None
+    checkpointer = Checkpointer(checkpoint_dir, every=every, keep=keep)
+    if resume and checkpointer.latest_step() is not None:
+        state = checkpointer.restore(state)
+    return checkpointer, state, os.path.join(checkpoint_dir, "metrics.jsonl")

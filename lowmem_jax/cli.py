@@ -28,6 +28,13 @@ def _add_workload_flags(
         help="examples (sentences for dynamicconv-iwslt) per batch. Default: "
         + ("%(default)s" if batch_size else "128 for wrn-D-K, 100 for dynamicconv-iwslt"),
     )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=40,
+        help="tokens per sentence for dynamicconv-iwslt (100 x 40 = the recipe's 4,000 tokens). "
+        "Default: %(default)s",
+    )
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
@@ -295,13 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
         "activation breakdown.",
     )
     _add_workload_flags(analyze, model="wrn-28-2", batch_size=None, models=MODELS)
-    analyze.add_argument(
-        "--seq-len",
-        type=int,
-        default=40,
-        help="tokens per sentence for dynamicconv-iwslt (100 x 40 = the recipe's 4,000 tokens). "
-        "Default: %(default)s",
-    )
     _add_plan_flags(analyze, {"precision": "fp32", "microbatches": 1, "remat": "none"})
     _add_sparsity_flags(analyze)
     analyze.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -315,13 +315,6 @@ def build_parser() -> argparse.ArgumentParser:
         "tradeoff.png.",
     )
     _add_workload_flags(report, model="wrn-28-2", batch_size=None, models=MODELS)
-    report.add_argument(
-        "--seq-len",
-        type=int,
-        default=40,
-        help="tokens per sentence for dynamicconv-iwslt (100 x 40 = the recipe's 4,000 tokens). "
-        "Default: %(default)s",
-    )
     report.add_argument("--out-dir", default="lowmem_report", help="Default: %(default)s")
     report.set_defaults(func=_cmd_report)
 

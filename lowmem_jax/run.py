@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ import numpy as np
 import optax
 
 from lowmem_jax import data as data_lib
-from lowmem_jax.checkpointing import Checkpointer
+from lowmem_jax.checkpointing import resume_or_start
 from lowmem_jax.data.cifar10 import augment as augment_images
 from lowmem_jax.sparsity import SparseConfig, density_report, sparse_training
 from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step
@@ -152,14 +151,13 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     def model_params(state):
         return state.params if materialize is None else materialize(state.params, state.opt_state)
 
-    checkpointer = metrics_file = None
-    if config.checkpoint_dir:
-        checkpointer = Checkpointer(
-            config.checkpoint_dir, every=config.checkpoint_every, keep=config.keep_checkpoints
-        )
-        if config.resume and checkpointer.latest_step() is not None:
-            state = checkpointer.restore(state)
-        metrics_file = os.path.join(config.checkpoint_dir, "metrics.jsonl")
+    checkpointer, state, metrics_file = resume_or_start(
+        state,
+        config.checkpoint_dir,
+        every=config.checkpoint_every,
+        keep=config.keep_checkpoints,
+        resume=config.resume,
+    )
     start_step = int(state.step)
     if log and start_step:
         log(f"resumed from step {start_step} in {config.checkpoint_dir}")

@@ -42,7 +42,7 @@ import numpy as np
 import optax
 
 from lowmem_jax import translation
-from lowmem_jax.checkpointing import Checkpointer
+from lowmem_jax.checkpointing import resume_or_start
 from lowmem_jax.data import synthetic
 from lowmem_jax.data.token_batching import TokenBatcher, pad_batch
 from lowmem_jax.data.tokenizer import Tokenizer, train_tokenizer
@@ -290,14 +290,13 @@ def train_and_evaluate_translation(config: TranslationConfig, log=print) -> dict
     loss_fn = translation_loss_fn(model, label_smoothing=config.label_smoothing)
     train_step = make_train_step(loss_fn, tx, plan)
 
-    checkpointer = metrics_file = None
-    if config.checkpoint_dir:
-        checkpointer = Checkpointer(
-            config.checkpoint_dir, every=config.checkpoint_every, keep=config.keep_checkpoints
-        )
-        if config.resume and checkpointer.latest_step() is not None:
-            state = checkpointer.restore(state)
-        metrics_file = os.path.join(config.checkpoint_dir, "metrics.jsonl")
+    checkpointer, state, metrics_file = resume_or_start(
+        state,
+        config.checkpoint_dir,
+        every=config.checkpoint_every,
+        keep=config.keep_checkpoints,
+        resume=config.resume,
+    )
     start_step = int(state.step)
     if log and start_step:
         log(f"resumed from step {start_step} in {config.checkpoint_dir}")
