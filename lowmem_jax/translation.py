@@ -1,7 +1,8 @@
 """Translation decoding and evaluation: beam search, BLEU, checkpoint averaging.
 
 For a :class:`~lowmem_jax.models.DynamicConvTransformer` (or any model with the same
-``encode`` / ``decode`` methods) and the token conventions of :mod:`lowmem_jax.data`
+``encode`` / ``decode`` and incremental ``init_cache`` / ``decode_step`` / ``reorder_cache``
+methods) and the token conventions of :mod:`lowmem_jax.data`
 (``PAD = 0``, ``BOS = 1``, ``EOS = 2``):
 
 - :func:`beam_search`: fairseq's beam search with static shapes (``jit``-able): hypotheses are
@@ -13,9 +14,10 @@ For a :class:`~lowmem_jax.models.DynamicConvTransformer` (or any model with the 
   :class:`~lowmem_jax.checkpointing.Checkpointer` directory): fairseq's
   ``scripts/average_checkpoints.py``.
 
-There is no incremental decoder state: each step re-runs the causal decoder over the whole
-``[B * K, max_len]`` prefix buffer, so decoding costs ``O(max_len^2)`` decoder token-positions
-(like :func:`lowmem_jax.models.greedy_decode`), ``K`` times greedy's for beam size ``K``.
+Decoding is incremental: each step feeds one token per hypothesis through the model's
+``decode_step`` with a per-hypothesis cache (fairseq's ``incremental_state``), reordered by the
+chosen parent beams each step, so decoding costs ``O(max_len)`` decoder token-positions per
+hypothesis (like :func:`lowmem_jax.models.greedy_decode`), ``K`` times greedy's for beam size ``K``.
 """
 
 from __future__ import annotations
@@ -94,11 +96,13 @@ def beam_search(
     after ``max_len`` steps; then alive hypotheses of unfinished sentences join the pool with
     length ``max_len``. The output is the pool's best-scoring hypothesis.
 
-    Cost: step ``t`` re-runs the causal decoder on the ``[B * K, max_len]`` prefix buffer (no
-    incremental state): ``O(K * max_len^2)`` decoder token-positions per sentence.
+    Cost: step ``t`` runs one incremental decoder step (``decode_step``) on the ``[B * K]``
+    newest tokens, then gathers the cache rows of the chosen parents (``reorder_cache``):
+    ``O(K * max_len)`` decoder token-positions per sentence. The cache follows the compute dtype.
 
     Args:
-      model: a ``DynamicConvTransformer`` (``encode``, ``decode`` and ``pad_id``).
+      model: a ``DynamicConvTransformer`` (``encode``, ``init_cache``, ``decode_step``,
+        ``reorder_cache`` and ``pad_id``).
       params: its parameters (in the dtype it should compute in).
       src_tokens: ``[B, S]`` int, right-padded with ``model.pad_id``.
       max_len: static output length (EOS included).
@@ -124,6 +128,7 @@ def beam_search(
     memory, src_mask = model.apply(variables, src_tokens, method=model.encode)
     memory = jnp.repeat(memory, k, axis=0)  # [B * K, S, C], beams of a sentence adjacent
     src_mask = jnp.repeat(src_mask, k, axis=0)
+    cache = model.apply(variables, memory, src_mask, method=model.init_cache)
 
     # Alive beams: tokens [B, K, max_len + 1] (column 0 = BOS), scores [B, K]; only beam 0
     # starts alive so the first step does not pick K copies of the same extension.
@@ -135,21 +140,16 @@ def beam_search(
     done = jnp.zeros((b,), bool)
     batch_idx = jnp.arange(b)[:, None]
     max_lp = _length_penalty(max_len, length_penalty)
+    row0 = batch_idx * k  # [B, 1]: the first cache row of each sentence
 
     def cond(carry):
-        t, *_, done = carry
+        t, *_, done, _ = carry
         return (t < max_len) & ~jnp.all(done)
 
     def body(carry):
-        t, alive, alive_logp, fin, fin_score, fin_count, done = carry
-        logits = model.apply(
-            variables,
-            alive[:, :, :-1].reshape(b * k, max_len),
-            memory,
-            src_mask,
-            method=model.decode,
-        )
-        logits = jax.lax.dynamic_index_in_dim(logits, t, axis=1, keepdims=False)
+        t, alive, alive_logp, fin, fin_score, fin_count, done, cache = carry
+        last = jax.lax.dynamic_index_in_dim(alive, t, axis=2, keepdims=False)  # [B, K]
+        logits, cache = model.apply(variables, last.reshape(b * k), cache, method=model.decode_step)
         logp = _step_log_probs(logits, pad).reshape(b, k, -1)
         vocab = logp.shape[-1]
         cand = (alive_logp[:, :, None] + logp).reshape(b, k * vocab)
@@ -173,15 +173,18 @@ def beam_search(
         # Alive: the best K candidates not ending in EOS (at most K of the 2K end in EOS).
         alive_logp, keep = jax.lax.top_k(jnp.where(is_eos, _NEG_INF, cand_logp), k)
         alive = cand_tokens[batch_idx, keep]
+        # Each new alive beam continues from its parent's decoder state: cache rows follow.
+        parent_rows = (row0 + parent[batch_idx, keep]).reshape(b * k)
+        cache = model.reorder_cache(cache, parent_rows)
 
         full = fin_count >= k
         if not stop_early:
             # Done only when no alive hypothesis can still beat the pool's worst score.
             full &= fin_score[:, k - 1] >= alive_logp[:, 0] / max_lp
-        return t + 1, alive, alive_logp, fin, fin_score, fin_count, done | full
+        return t + 1, alive, alive_logp, fin, fin_score, fin_count, done | full, cache
 
-    carry = (jnp.int32(0), alive, alive_logp, fin, fin_score, fin_count, done)
-    _, alive, alive_logp, fin, fin_score, _, done = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(0), alive, alive_logp, fin, fin_score, fin_count, done, cache)
+    _, alive, alive_logp, fin, fin_score, _, done, _ = jax.lax.while_loop(cond, body, carry)
 
     # Sentences still unfinished after max_len steps: alive hypotheses (max_len tokens, no EOS)
     # compete with whatever finished.

@@ -263,3 +263,119 @@ def test_layer_norm_matches_flax_and_keeps_bf16_residuals():
     b, t = batch["tgt_in"].shape
     for nbytes, aval, _ in saved["largest"]:
         assert not (aval.startswith("float32") and nbytes >= 4 * b * t * 64), aval
+
+
+def _step_logits(model, params, src, tgt):
+    """Logits ``[B, T, V]`` from ``decode_step`` fed ``tgt [B, T]`` one token per call, and the
+    final cache."""
+    variables = {"params": params}
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def run(src, tgt):
+        memory, src_mask = model.apply(variables, src, method=model.encode)
+        cache = model.apply(variables, memory, src_mask, method=model.init_cache)
+
+        def body(cache, token):
+            logits, cache = model.apply(variables, token, cache, method=model.decode_step)
+            return cache, logits
+
+        cache, logits = jax.lax.scan(body, cache, tgt.T)
+        return jnp.swapaxes(logits, 0, 1), cache
+
+    return run(src, tgt)
+
+
+# Decoder runs of 1 and 2 layers; K = 9 exceeds the target lengths (6 and 8), so the causal
+# window still holds initial zeros at the last step.
+_INC_KERNELS = (3, 9, 9)
+
+
+@functools.cache
+def _inc_model(conv_type="dynamic"):
+    return DynamicConvTransformer.small(
+        V, V, embed_dim=32, ffn_dim=64, dropout=0.0, conv_type=conv_type,
+        encoder_kernel_sizes=(3,), decoder_kernel_sizes=_INC_KERNELS,
+    )  # fmt: skip
+
+
+@functools.cache
+def _inc_params(conv_type="dynamic"):
+    # Random values in the model's parameter shapes: any parameters must give equal results, and
+    # eval_shape skips compiling `init` (most of these tests' time on a loaded CPU).
+    src = jnp.ones((1, 4), jnp.int32)
+    shapes = jax.eval_shape(_inc_model(conv_type).init, jax.random.key(0), src, src)["params"]
+    rng = np.random.default_rng(11)
+
+    def fill(path, x):
+        name = jax.tree_util.keystr(path)
+        if "layer_norm" in name:  # as initialised: random ones make every step emit one token
+            return jnp.full(x.shape, 1.0 if "scale" in name else 0.0, x.dtype)
+        return jnp.asarray(rng.normal(0.0, 0.3, x.shape), x.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+@pytest.mark.parametrize("conv_type", ["dynamic", "lightweight"])
+def test_incremental_decode_steps_equal_full_decode(conv_type):
+    model, params = _inc_model(conv_type), _inc_params(conv_type)
+    rng = np.random.default_rng(8)
+    src = _tokens(rng, (3, 7)).at[1, 4:].set(0)  # a right-padded source
+    tgt = _tokens(rng, (3, 6)).at[:, 0].set(1).at[2, 3].set(0)  # BOS first; a pad inside row 2
+    full = jax.jit(model.apply, compiler_options=FAST_COMPILE)({"params": params}, src, tgt)
+    inc, cache = _step_logits(model, params, src, tgt)
+    assert inc.shape == full.shape == (3, 6, V) and inc.dtype == jnp.float32
+    np.testing.assert_allclose(inc, full, atol=1e-5, rtol=1e-5)
+    assert np.abs(np.asarray(full)).max() > 0.5  # not a trivially small comparison
+    # One stacked cache per run of equal kernel sizes: [n, B, K - 1, C] windows, [n, B, S, C]
+    # attention keys.
+    shapes = [(layer["conv"].shape, layer["k"].shape) for layer in cache["layers"]]
+    assert shapes == [((1, 3, 2, 32), (1, 3, 7, 32)), ((2, 3, 8, 32), (2, 3, 7, 32))]
+    np.testing.assert_array_equal(cache["positions"], [6, 6, 5])  # the pad is not counted
+
+
+def test_incremental_decode_cache_follows_bf16_compute_dtype():
+    plan = lm.Plan(precision="mixed_bf16")
+    model, params = plan.configure_model(_inc_model()), _inc_params()
+    rng = np.random.default_rng(9)
+    src, tgt = _tokens(rng, (2, 5)), _tokens(rng, (2, 4))
+    inc, cache = _step_logits(model, params, src, tgt)
+    floats = [x for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.bfloat16 for x in floats)
+    full = jax.jit(model.apply, compiler_options=FAST_COMPILE)({"params": params}, src, tgt)
+    assert inc.dtype == full.dtype == jnp.bfloat16
+    # bf16 roundings differ between a [B, T] and a [B, 1] computation; logits are O(1-10).
+    np.testing.assert_allclose(inc.astype(jnp.float32), full.astype(jnp.float32), atol=0.15)
+
+
+def test_greedy_decode_equals_full_prefix_loop():
+    model, params = _inc_model(), _inc_params()
+    # EOS (id 2) gets token 10's output row, slightly larger: rows that would pick 10 end.
+    embed_out = params["embed_out"]
+    params = {**params, "embed_out": embed_out.at[2].set(embed_out[10] * 1.01)}
+    rng = np.random.default_rng(10)
+    src = _tokens(rng, (6, 6)).at[2, 3:].set(0)
+    max_len = 8
+    greedy = jax.jit(
+        functools.partial(lm.models.greedy_decode, model, max_len=max_len),
+        compiler_options=FAST_COMPILE,
+    )
+    out = np.asarray(greedy(params, src))
+    # The full decoder re-run over the growing prefix buffer, one token per iteration.
+    variables = {"params": params}
+    memory, src_mask = jax.jit(lambda s: model.apply(variables, s, method=model.encode))(src)
+    decode = jax.jit(
+        lambda t: model.apply(variables, t, memory, src_mask, method=model.decode),
+        compiler_options=FAST_COMPILE,
+    )
+    prefix = np.zeros((6, max_len + 1), np.int32)
+    prefix[:, 0] = 1  # BOS
+    done = np.zeros(6, bool)
+    for t in range(max_len):
+        logits = np.array(decode(jnp.asarray(prefix[:, :-1])))[:, t]
+        logits[:, 0] = -np.inf  # pad is never emitted
+        prefix[:, t + 1] = np.where(done, 0, logits.argmax(-1))
+        done |= prefix[:, t + 1] == 2
+    np.testing.assert_array_equal(out, prefix[:, 1:])
+    # A non-trivial comparison: rows differ, some end with EOS (then pads), some run to max_len.
+    assert len({tuple(r) for r in out.tolist()}) > 3
+    assert 0 < (out == 2).any(axis=1).sum() < len(out)

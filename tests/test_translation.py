@@ -72,6 +72,61 @@ def test_beam_size_one_equals_greedy():
     assert (greedy == 2).any(axis=1).sum() >= 4  # the comparison covers EOS-ended rows
 
 
+class _FullPrefixDecoder:
+    """The decoding interface of ``MODEL`` computed the old way, for reference outputs.
+
+    Its "cache" is the ``[N, max_len]`` prefix buffer: each step writes the new token and re-runs
+    the full causal ``decode`` over the buffer, taking the logits at the step's position
+    (``O(max_len^2)`` decoder work); ``reorder_cache`` gathers the buffer rows.
+    """
+
+    pad_id = MODEL.pad_id
+
+    @staticmethod
+    def apply(variables, *args, method):
+        return method(variables, *args)
+
+    @staticmethod
+    def encode(variables, src):
+        return MODEL.apply(variables, src, method=MODEL.encode)
+
+    @staticmethod
+    def init_cache(variables, memory, src_mask):
+        prefix = jnp.full((memory.shape[0], MAX_LEN), MODEL.pad_id, jnp.int32)
+        return {"prefix": prefix, "t": jnp.int32(0), "memory": memory, "src_mask": src_mask}
+
+    @staticmethod
+    def decode_step(variables, tokens, cache):
+        t = cache["t"]
+        prefix = jax.lax.dynamic_update_index_in_dim(cache["prefix"], tokens, t, axis=1)
+        logits = MODEL.apply(
+            variables, prefix, cache["memory"], cache["src_mask"], method=MODEL.decode
+        )
+        logits = jax.lax.dynamic_index_in_dim(logits, t, axis=1, keepdims=False)
+        return logits, {**cache, "prefix": prefix, "t": t + 1}
+
+    @staticmethod
+    def reorder_cache(cache, indices):
+        return {**cache, "prefix": cache["prefix"][indices]}
+
+
+@pytest.mark.parametrize("stop_early", [True, False])
+def test_beam_search_incremental_equals_full_prefix(stop_early):
+    src, params = _setup()
+    tokens, scores = _decode(4, 1.0, stop_early)(params, src)
+    full = jax.jit(
+        functools.partial(
+            beam_search, _FullPrefixDecoder, max_len=MAX_LEN, beam_size=4,
+            stop_early=stop_early, return_scores=True,
+        ),
+        compiler_options=FAST_COMPILE,
+    )  # fmt: skip
+    ref_tokens, ref_scores = full(params, src)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref_tokens))
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(ref_scores), rtol=1e-5, atol=1e-6)
+    assert (np.asarray(tokens) == 2).any(axis=1).sum() >= 4  # EOS-ended rows are compared too
+
+
 def test_beam_four_scores_at_least_greedy_on_model_log_probs():
     # stop_early=False: a sentence ends when no alive hypothesis can beat the finished ones.
     # (fairseq's stop_early=True ends at 4 finished hypotheses, which with this 6-token

@@ -37,7 +37,9 @@ slices, accumulated in float32: ``O(B T C)`` memory in the forward and backward 
 expanded form builds ``[B*H, T, T]`` band matrices, its unfolded form ``[T, B, C, K]``).
 
 :func:`translation_loss_fn` is the label-smoothed token cross-entropy for
-:func:`lowmem_jax.make_train_step`; :func:`greedy_decode` decodes with ``encode`` / ``decode``.
+:func:`lowmem_jax.make_train_step`; :func:`greedy_decode` decodes with ``encode`` and the
+incremental ``init_cache`` / ``decode_step`` (each decoder layer's state is the window of its
+causal conv's last ``K - 1`` inputs: there is no self-attention to cache).
 
 Shapes: ``src_tokens [B, S]``, ``tgt_in_tokens [B, T]`` int; logits ``[B, T, V_tgt]`` in
 ``dtype`` (the computation dtype; ``None`` follows the parameters).
@@ -56,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from lowmem_jax.data.tokenizer import BOS_ID, EOS_ID
 from lowmem_jax.remat import DOT_OUT, ScannedBlocks, parse_policy
 
 __all__ = [
@@ -70,6 +73,7 @@ __all__ = [
     "translation_loss_fn",
     "greedy_decode",
     "apply_conv_weights",
+    "apply_conv_weights_step",
     "CONV_TYPES",
 ]
 
@@ -142,6 +146,27 @@ def apply_conv_weights(x: jax.Array, weights: jax.Array, padding_left: int) -> j
     return out.reshape(b, t, c).astype(dtype)
 
 
+def apply_conv_weights_step(window: jax.Array, weights: jax.Array) -> jax.Array:
+    """One output position of a causal :func:`apply_conv_weights`, from its input window.
+
+    Args:
+      window: ``[B, K, C]``: the inputs ``x[t - K + 1 .. t]`` (zeros before the sequence start).
+      weights: ``[B, H, K]`` (dynamic: position ``t``'s kernel) or ``[1, H, K]`` (shared).
+
+    Returns:
+      ``y[t] = sum_k w[k] x[t - K + 1 + k]``, ``[B, C]`` in the dtype of ``window * weights``;
+      equal to ``apply_conv_weights(x, w, K - 1)[:, t]``, with the same rounding: products in
+      that dtype, sum accumulated in (at least) float32.
+    """
+    b, k, c = window.shape
+    h = weights.shape[-2]
+    dtype = jnp.result_type(window, weights)
+    acc_dtype = jnp.promote_types(dtype, jnp.float32)
+    xw = window.astype(dtype).reshape(b, k, h, c // h)
+    w = jnp.swapaxes(weights.astype(dtype), -1, -2)[..., None]  # [B or 1, K, H, 1]
+    return (xw * w).astype(acc_dtype).sum(axis=1).reshape(b, c).astype(dtype)
+
+
 class _ConvBase(nn.Module):
     """Shared fields of :class:`DynamicConv` and :class:`LightConv`."""
 
@@ -170,6 +195,19 @@ class _ConvBase(nn.Module):
             w = logits.astype(dtype)
         return nn.Dropout(self.weight_dropout)(w, deterministic=_deterministic(self, train))
 
+    def _step(self, x: jax.Array, prev: jax.Array, w: jax.Array) -> jax.Array:
+        """Incremental decoding: the causal conv at the newest position only.
+
+        ``x [B, 1, C]`` is the newest input, ``prev [B, K - 1, C]`` the ``K - 1`` inputs before it
+        (zeros before the sequence start: the causal conv's zero padding), ``w`` its kernel,
+        ``[B, H, K]`` or ``[1, H, K]``. Returns ``[B, 1, C]``, what the full-sequence call gives
+        at that position.
+        """
+        if self.padding != "causal":
+            raise ValueError(f"incremental steps need padding='causal', got {self.padding!r}")
+        window = jnp.concatenate([prev.astype(x.dtype), x], axis=1)  # [B, K, C]
+        return apply_conv_weights_step(window, w)[:, None]
+
 
 class DynamicConv(_ConvBase):
     """Dynamic convolution ``[B, T, C] -> [B, T, C]`` (fairseq ``DynamicConv1dTBC``).
@@ -187,12 +225,17 @@ class DynamicConv(_ConvBase):
     """
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, train: bool = False, prev: jax.Array | None = None
+    ) -> jax.Array:
+        """``x [B, T, C]`` -> ``[B, T, C]``; or one causal step (``prev``, see ``_step``)."""
         b, t, c = x.shape
         self._validate(c)
         h, k = self.num_heads, self.kernel_size
         logits = _dense(h * k, use_bias=False, dtype=self.dtype, name="weight_linear")(x)
         w = self._normalize(logits.reshape(b, t, h, k), logits.dtype, train)
+        if prev is not None:
+            return self._step(x.astype(w.dtype), prev, w[:, 0])
         return apply_conv_weights(x.astype(w.dtype), w, _padding_left(k, self.padding))
 
 
@@ -205,7 +248,10 @@ class LightConv(_ConvBase):
     """
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, train: bool = False, prev: jax.Array | None = None
+    ) -> jax.Array:
+        """``x [B, T, C]`` -> ``[B, T, C]``; or one causal step (``prev``, see ``_step``)."""
         self._validate(x.shape[-1])
         h, k = self.num_heads, self.kernel_size
         # fairseq's weight is [H, 1, K]: torch's Xavier fans are K (in) and H * K (out).
@@ -217,6 +263,8 @@ class LightConv(_ConvBase):
         weight = self.param("weight", init, (h, k))
         dtype = self.dtype or jnp.result_type(x, weight)
         w = self._normalize(weight[None, None], dtype, train)
+        if prev is not None:
+            return self._step(x.astype(dtype), prev, w[:, 0])
         return apply_conv_weights(x.astype(dtype), w, _padding_left(k, self.padding))
 
 
@@ -274,9 +322,19 @@ class MultiHeadAttention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, query: jax.Array, memory: jax.Array, key_mask: jax.Array, train: bool = False
+        self,
+        query: jax.Array,
+        memory: jax.Array | None,
+        key_mask: jax.Array,
+        train: bool = False,
+        kv: tuple[jax.Array, jax.Array] | None = None,
     ) -> jax.Array:
-        """``query [B, T, C]``, ``memory [B, S, C]``, ``key_mask [B, S]`` bool (True = real)."""
+        """``query [B, T, C]``, ``memory [B, S, C]``, ``key_mask [B, S]`` bool (True = real).
+
+        ``kv``: the projections ``(k_proj(memory), v_proj(memory))``, ``[B, S, C]`` each, computed
+        once for incremental decoding (see ``DynamicConvTransformer.init_cache``); ``memory`` is
+        then unused.
+        """
         b, t, c = query.shape
         h = self.num_heads
         if c % h:
@@ -285,8 +343,10 @@ class MultiHeadAttention(nn.Module):
         qkv_init = nn.initializers.variance_scaling(0.5, "fan_avg", "uniform")
         proj = functools.partial(_dense, c, dtype=self.dtype, kernel_init=qkv_init)
         q = proj(name="q_proj")(query).reshape(b, t, h, c // h)
-        k = proj(name="k_proj")(memory).reshape(b, -1, h, c // h)
-        v = proj(name="v_proj")(memory).reshape(b, -1, h, c // h)
+        if kv is None:
+            kv = proj(name="k_proj")(memory), proj(name="v_proj")(memory)
+        k = kv[0].reshape(b, -1, h, c // h)
+        v = kv[1].reshape(b, -1, h, c // h)
         scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / math.sqrt(c // h)
         # A finite fill, not -inf: an all-padding source row gives uniform weights, not NaN.
         scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
@@ -300,10 +360,24 @@ class MultiHeadAttention(nn.Module):
 class _LayerMixin:
     """Config shared by :class:`EncoderLayer` and :class:`DecoderLayer`."""
 
-    def _conv_block(self, x: jax.Array, padding: str, src_mask, train: bool) -> jax.Array:
-        """``LayerNorm(x + dropout(Linear(conv(mask(Linear(x))))))``."""
+    def _conv_block(
+        self, x: jax.Array, padding: str, src_mask, train: bool, prev: jax.Array | None = None
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """``LayerNorm(x + dropout(Linear(conv(mask(Linear(x))))))``.
+
+        With ``prev [B, K - 1, C]`` (incremental decoding, causal conv): ``x [B, 1, C]`` is one
+        new position, ``prev`` the conv inputs (outputs of ``linear1``) of the ``K - 1`` positions
+        before it; returns ``(out [B, 1, C], new_prev [B, K - 1, C])`` (``prev`` shifted by one,
+        the new input appended; dtype of ``prev``).
+        """
         det = _deterministic(self, train)
         h = _dense(x.shape[-1], dtype=self.dtype, name="linear1")(x)
+        new_prev = None
+        if prev is not None:
+            # The window is all the state a causal conv layer needs (fairseq's incremental_state
+            # for LightConv/DynamicConv decoders); its kernel is predicted from h alone.
+            # (The cast is a no-op with init_cache's dtypes; it keeps a loop carry's dtype fixed.)
+            new_prev = jnp.concatenate([prev, h.astype(prev.dtype)], axis=1)[:, 1:]
         if src_mask is not None:
             # fairseq zeroes padded positions before the conv so they neither feed real positions'
             # windows nor (through the kernel prediction) anything else.
@@ -317,13 +391,14 @@ class _LayerMixin:
             weight_dropout=self.weight_dropout,
             dtype=self.dtype,
             name="conv",
-        )(h, train=train)
+        )(h, train=train, prev=prev)
         # The conv is a K-step scan, not a dot: tag its output so `dots` saves it like a matmul
         # output instead of re-running the scan in the backward pass.
         h = checkpoint_name(h, DOT_OUT)
         h = _dense(x.shape[-1], dtype=self.dtype, name="linear2")(h)
         h = nn.Dropout(self.dropout)(h, deterministic=det)
-        return self._norm("conv_layer_norm")(x + h.astype(x.dtype))
+        out = self._norm("conv_layer_norm")(x + h.astype(x.dtype))
+        return out if prev is None else (out, new_prev)
 
     def _ffn_block(self, x: jax.Array, train: bool) -> jax.Array:
         """``LayerNorm(x + dropout(fc2(dropout_relu(relu(fc1(x))))))``."""
@@ -381,15 +456,33 @@ class DecoderLayer(_LayerMixin, nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, memory: jax.Array, src_mask: jax.Array, train: bool = False
-    ) -> jax.Array:
-        x = self._conv_block(x, "causal", None, train)
+        self,
+        x: jax.Array,
+        memory: jax.Array | None,
+        src_mask: jax.Array,
+        train: bool = False,
+        cache: dict[str, jax.Array] | None = None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """``x [B, T, C]`` -> ``[B, T, C]``; or one incremental decoding step with ``cache``.
+
+        ``cache`` = ``{"conv": [B, K - 1, C], "k": [B, S, C], "v": [B, S, C]}``: the conv inputs
+        of the previous ``K - 1`` positions and the encoder-decoder attention's key / value
+        projections of ``memory`` (which is then unused). ``x`` is then ``[B, 1, C]`` (the new
+        position) and the result ``(y [B, 1, C], new conv window [B, K - 1, C])``.
+        """
+        if cache is None:
+            x = self._conv_block(x, "causal", None, train)
+            memory, kv = memory.astype(x.dtype), None
+        else:
+            x, new_conv = self._conv_block(x, "causal", None, train, prev=cache["conv"])
+            kv = cache["k"], cache["v"]
         h = MultiHeadAttention(
             self.num_heads, self.attention_dropout, dtype=self.dtype, name="encoder_attn"
-        )(x, memory.astype(x.dtype), src_mask, train=train)
+        )(x, memory, src_mask, train=train, kv=kv)
         h = nn.Dropout(self.dropout)(h, deterministic=_deterministic(self, train))
         x = self._norm("encoder_attn_layer_norm")(x + h.astype(x.dtype))
-        return self._ffn_block(x, train)
+        x = self._ffn_block(x, train)
+        return x if cache is None else (x, new_conv)
 
 
 def sinusoidal_positions(tokens: jax.Array, dim: int, pad_id: int = 0) -> jax.Array:
@@ -404,13 +497,18 @@ def sinusoidal_positions(tokens: jax.Array, dim: int, pad_id: int = 0) -> jax.Ar
         raise ValueError(f"dim must be >= 4 for sinusoidal positions, got {dim}")
     real = tokens != pad_id
     positions = (jnp.cumsum(real, axis=1) + pad_id).astype(jnp.float32)
+    return jnp.where(real[..., None], _sinusoid(positions, dim), 0.0)
+
+
+def _sinusoid(positions: jax.Array, dim: int) -> jax.Array:
+    """float32 positions ``[...]`` -> ``[..., dim]`` float32 (:func:`sinusoidal_positions`)."""
     half = dim // 2
     freqs = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(math.log(10000.0) / (half - 1)))
     angles = positions[..., None] * freqs
     emb = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
     if dim % 2:
-        emb = jnp.pad(emb, ((0, 0), (0, 0), (0, 1)))
-    return jnp.where(real[..., None], emb, 0.0)
+        emb = jnp.pad(emb, [(0, 0)] * (emb.ndim - 1) + [(0, 1)])
+    return emb
 
 
 def _runs(kernel_sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -603,11 +701,151 @@ class DynamicConvTransformer(nn.Module):
         x = self._embed(self.tgt_embed, tgt_in_tokens, train)
         for stack in self.decoder_stacks:
             x = stack(x, memory.astype(x.dtype), src_mask, train=train)
+        return self._output_logits(x)
+
+    def _output_logits(self, x: jax.Array) -> jax.Array:
+        """Decoder output ``[B, T, C]`` -> logits ``[B, T, V_tgt]``."""
         if self.share_decoder_embeddings:
             return self.tgt_embed.attend(x)
         w = self.embed_out
         dtype = self.dtype or jnp.result_type(x, w)
         return jnp.einsum("btc,vc->btv", x.astype(dtype), w.astype(dtype))
+
+    # Incremental decoding (inference only: no dropout). A decoder layer has no self-attention,
+    # so its state after t target tokens is the window of its causal conv's last K - 1 inputs;
+    # the encoder-decoder attention's key / value projections of `memory` are fixed, so they are
+    # computed once. Each run of equal kernel sizes (`_runs`) is one `ScannedBlocks` stack with
+    # params stacked on a leading [n] axis; its cache entries are stacked the same way, so a step
+    # scans over a run's layers as the full decoder does.
+
+    def _decoder_layer(self, kernel_size: int) -> DecoderLayer:
+        # parent=None: an unbound copy of a stack's block, applied to one layer's slice of the
+        # stacked params (as ScannedBlocks does), not a new submodule with params of its own.
+        return DecoderLayer(
+            num_heads=self.num_heads,
+            kernel_size=kernel_size,
+            ffn_dim=self.ffn_dim,
+            conv_type=self.conv_type,
+            weight_softmax=self.weight_softmax,
+            attention_dropout=self.attention_dropout,
+            dropout=self.dropout,
+            relu_dropout=self.relu_dropout,
+            weight_dropout=self.weight_dropout,
+            dtype=self.dtype,
+            parent=None,
+        )
+
+    def _decoder_stack_params(self) -> list[tuple[int, Any]]:
+        """``[(K, stacked DecoderLayer params)]`` per run, each leaf ``[n, ...]``."""
+        params = self.variables["params"]
+        return [
+            (k, params[f"decoder_k{k}_{i}"]["stack"])
+            for i, (k, _) in enumerate(_runs(self.decoder_kernel_sizes))
+        ]
+
+    def init_cache(self, memory: jax.Array, src_mask: jax.Array) -> dict[str, Any]:
+        """The incremental decoding state before the first target token.
+
+        Args:
+          memory: ``[B, S, C]`` from :meth:`encode` (any float dtype; cast to the compute dtype).
+          src_mask: ``[B, S]`` bool from :meth:`encode`.
+
+        Returns:
+          A dict (a pytree, e.g. a ``lax.while_loop`` carry):
+
+          - ``positions``: ``[B]`` int32, the target tokens read so far, pads excluded (the
+            sinusoidal position counter of :func:`sinusoidal_positions`); starts at 0.
+          - ``src_mask``: ``[B, S]`` bool, as given.
+          - ``layers``: a tuple with one dict per run of ``n`` decoder layers of kernel size
+            ``K`` (``_runs(decoder_kernel_sizes)``): ``conv [n, B, K - 1, C]``, the last
+            ``K - 1`` conv inputs, zeros at the start (the causal conv's left padding, so ``K``
+            larger than the target length needs nothing special); ``k`` and ``v``
+            ``[n, B, S, C]``, each layer's encoder-decoder attention projections of ``memory``.
+
+          Float entries are in the decoder's compute dtype (``dtype``, or the parameters' when
+          ``None``): the dtype the full :meth:`decode` computes them in.
+        """
+        b = memory.shape[0]
+        c = self.embed_dim
+        params = self.variables["params"]
+        # decode's activations: the embedding output's dtype, as `_embed` computes it.
+        x_dtype = self.dtype or jnp.result_type(params["tgt_embed"]["embedding"])
+        memory = memory.astype(x_dtype)
+        proj = _dense(c, dtype=self.dtype, parent=None)
+        layers = []
+        for k, p in self._decoder_stack_params():
+            # vmap over the run's stacked layers: [n, B, S, C] each.
+            def kv(p_layer):
+                attn = p_layer["encoder_attn"]
+                return (
+                    proj.apply({"params": attn["k_proj"]}, memory),
+                    proj.apply({"params": attn["v_proj"]}, memory),
+                )
+
+            keys, values = jax.vmap(kv)(p)
+            lin = p["linear1"]
+            # linear1's output dtype (nn.Dense promotes its input and params when dtype is None).
+            conv_dtype = self.dtype or jnp.result_type(x_dtype, lin["kernel"], lin["bias"])
+            n = lin["kernel"].shape[0]
+            conv = jnp.zeros((n, b, k - 1, c), conv_dtype)
+            layers.append({"conv": conv, "k": keys, "v": values})
+        return {
+            "positions": jnp.zeros((b,), jnp.int32),
+            "src_mask": src_mask,
+            "layers": tuple(layers),
+        }
+
+    def decode_step(
+        self, tokens: jax.Array, cache: dict[str, Any]
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """One incremental decoder step: ``tokens [B]`` int (the next decoder input) -> logits.
+
+        Feeding ``BOS y_1 .. y_t`` one token per call, starting from :meth:`init_cache`, gives at
+        call ``t`` the logits :meth:`decode` gives at position ``t`` (inference: no dropout), in
+        ``O(1)`` decoder work per token instead of ``O(t)``.
+
+        Args:
+          tokens: ``[B]`` int.
+          cache: from :meth:`init_cache` or the previous call.
+
+        Returns:
+          ``(logits [B, V_tgt]`` in the compute dtype, the updated cache``)``.
+        """
+        real = tokens != self.pad_id
+        positions = cache["positions"] + real.astype(jnp.int32)
+        x = self.tgt_embed(tokens[:, None]) * math.sqrt(self.embed_dim)  # [B, 1, C]
+        # sinusoidal_positions on the whole prefix: pad_id + (real tokens up to here), 0 on pads.
+        pos = _sinusoid((positions + self.pad_id).astype(jnp.float32), self.embed_dim)
+        x = x + jnp.where(real[:, None], pos, 0.0)[:, None].astype(x.dtype)
+        src_mask = cache["src_mask"]
+        new_layers = []
+        for (k, p), layer_cache in zip(self._decoder_stack_params(), cache["layers"], strict=True):
+            layer = self._decoder_layer(k)
+
+            def body(h, xs, layer=layer):
+                p_layer, c_layer = xs
+                return layer.apply({"params": p_layer}, h, None, src_mask, cache=c_layer)
+
+            x, conv = jax.lax.scan(body, x, (p, layer_cache))
+            new_layers.append({**layer_cache, "conv": conv})
+        logits = self._output_logits(x)[:, 0]
+        return logits, {**cache, "positions": positions, "layers": tuple(new_layers)}
+
+    @staticmethod
+    def reorder_cache(cache: dict[str, Any], indices: jax.Array) -> dict[str, Any]:
+        """Row ``i`` of the result is row ``indices[i]`` of ``cache`` (beam search's reordering).
+
+        Only the per-hypothesis state (``positions``, the conv windows) is gathered; the source
+        side (``src_mask``, attention ``k`` / ``v``) is left as is, so ``indices[i]`` must be a
+        row of the same source sentence as row ``i`` (beam search picks parents among a
+        sentence's own beams), which spares a ``[B, S, C]`` gather per layer and step.
+        ``indices``: ``[B]`` int.
+        """
+        layers = tuple(
+            {**layer, "conv": jnp.take(layer["conv"], indices, axis=1)} for layer in cache["layers"]
+        )
+        positions = jnp.take(cache["positions"], indices, axis=0)
+        return {**cache, "positions": positions, "layers": layers}
 
     def __call__(
         self, src_tokens: jax.Array, tgt_in_tokens: jax.Array, train: bool = False
@@ -683,30 +921,34 @@ def greedy_decode(
     src_tokens: jax.Array,
     max_len: int,
     *,
-    bos_id: int = 1,
-    eos_id: int = 2,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
 ) -> jax.Array:
     """Greedy decoding: ``src_tokens [B, S]`` -> ``[B, max_len]`` int32 target tokens.
 
-    Encodes once, then for ``t = 0 .. max_len - 1`` re-runs the (causal) decoder on the
-    ``[B, max_len]`` prefix buffer ``BOS y_1 .. y_t PAD ..`` and appends the argmax at ``t``
-    (``O(max_len^2)`` decoder work: no incremental state). The pad token is never emitted; after
-    a row's EOS the row is filled with ``model.pad_id``. Jittable with ``max_len`` static.
+    Encodes once, then feeds ``BOS y_1 .. y_{max_len - 1}`` one token per step through
+    :meth:`DynamicConvTransformer.decode_step` (incremental state: ``O(max_len)`` decoder work,
+    not a re-run of the decoder over the prefix) and takes the argmax. The pad token is never
+    emitted; after a row's EOS the row is filled with ``model.pad_id``. Jittable with ``max_len``
+    static. The decoder state follows the compute dtype (``model.dtype`` or the params').
     """
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     variables = {"params": params}
     memory, src_mask = model.apply(variables, src_tokens, method=model.encode)
+    cache = model.apply(variables, memory, src_mask, method=model.init_cache)
     pad = model.pad_id
-    tokens = jnp.full((src_tokens.shape[0], max_len + 1), pad, jnp.int32).at[:, 0].set(bos_id)
+    b = src_tokens.shape[0]
+    out = jnp.full((b, max_len), pad, jnp.int32)
 
-    def body(t, tokens):
-        logits = model.apply(variables, tokens[:, :-1], memory, src_mask, method=model.decode)
-        logits = jax.lax.dynamic_index_in_dim(logits, t, axis=1, keepdims=False)
+    def body(t, carry):
+        out, last, done, cache = carry
+        logits, cache = model.apply(variables, last, cache, method=model.decode_step)
         # An emitted pad would be read as padding on the next step (and shift positions).
         logits = logits.at[:, pad].set(-jnp.inf)
-        done = jnp.any((tokens == eos_id) & (jnp.arange(max_len + 1) >= 1), axis=1)
         nxt = jnp.where(done, pad, logits.argmax(-1).astype(jnp.int32))
-        return jax.lax.dynamic_update_index_in_dim(tokens, nxt, t + 1, axis=1)
+        out = jax.lax.dynamic_update_index_in_dim(out, nxt, t, axis=1)
+        return out, nxt, done | (nxt == eos_id), cache
 
-    return jax.lax.fori_loop(0, max_len, body, tokens)[:, 1:]
+    carry = (out, jnp.full((b,), bos_id, jnp.int32), jnp.zeros((b,), bool), cache)
+    return jax.lax.fori_loop(0, max_len, body, carry)[0]
