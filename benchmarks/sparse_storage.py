@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _common import xla_memory
 
 import lowmem_jax as lm
 from lowmem_jax import memory, sparsity
@@ -119,18 +120,9 @@ def prepare(name: str, model_name: str, batch_size: int, sparsity_level: float) 
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    mem = compiled.memory_analysis()
     state, _ = compiled(state, batch)  # warm-up
     jax.block_until_ready(state)
-    xla = {
-        "argument_bytes": mem.argument_size_in_bytes,
-        "output_bytes": mem.output_size_in_bytes,
-        "alias_bytes": mem.alias_size_in_bytes,
-        "temp_bytes": mem.temp_size_in_bytes,
-    }
-    xla["total_bytes"] = (
-        xla["argument_bytes"] + xla["output_bytes"] + xla["temp_bytes"] - xla["alias_bytes"]
-    )
+    xla = xla_memory(compiled)
     row = {
         "name": name,
         "storage": "dense" if CONFIGS[name] is None else CONFIGS[name][0],

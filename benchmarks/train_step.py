@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _common import xla_memory
 
 import lowmem_jax as lm
 from lowmem_jax.workloads import make_model
@@ -104,7 +105,6 @@ def measure(name: str, model_name: str, batch_size: int, repeats: int) -> dict:
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    mem = compiled.memory_analysis()
     state, _ = step(state, batch)  # warm-up
     jax.block_until_ready(state)
     times = []
@@ -113,15 +113,7 @@ def measure(name: str, model_name: str, batch_size: int, repeats: int) -> dict:
         state, _ = step(state, batch)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - start)
-    xla = {
-        "argument_bytes": mem.argument_size_in_bytes,
-        "output_bytes": mem.output_size_in_bytes,
-        "alias_bytes": mem.alias_size_in_bytes,
-        "temp_bytes": mem.temp_size_in_bytes,
-    }
-    xla["total_bytes"] = (
-        xla["argument_bytes"] + xla["output_bytes"] + xla["temp_bytes"] - xla["alias_bytes"]
-    )
+    xla = xla_memory(compiled)
     step_s = statistics.median(times)
     return {
         "name": name,
