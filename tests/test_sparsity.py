@@ -190,6 +190,61 @@ def test_snfs_shares_regrowth_by_mean_momentum():
     assert bool(out.masks[0][30])  # grown where |momentum| is largest
 
 
+@pytest.mark.parametrize("algorithm", ["set", "rigl", "snfs", "dsr"])
+def test_compressed_rewire_selects_what_the_dense_rewire_selects(algorithm):
+    """Slots in scrambled order with unused ones, many ties (broken by position in both), and a
+    layer too dense to regrow only at old zeros."""
+    rng = np.random.default_rng(3)
+    sizes, caps = (60, 90, 40), (20, 30, 36)
+    weights, masks, moms, values, indices, moms_c, grads = [], [], [], [], [], [], []
+    for n, cap in zip(sizes, caps, strict=True):
+        nnz = cap if cap > n // 2 else int(rng.integers(cap // 2, cap + 1))
+        pos = rng.choice(n, nnz, replace=False)
+        slots = rng.permutation(cap)[:nnz]
+        idx = np.full(cap, n, np.int32)
+        idx[slots] = pos
+        vals, mom = np.zeros(cap, np.float32), np.zeros(cap, np.float32)
+        vals[slots] = rng.integers(1, 6, nnz) / 10 * rng.choice([-1, 1], nnz)
+        mom[slots] = rng.integers(0, 3, nnz)
+        for dense_list, c in ((weights, vals), (moms, mom)):
+            dense_list.append(jnp.zeros(n).at[idx].set(c, mode="drop"))
+        masks.append(jnp.zeros(n, bool).at[idx].set(True, mode="drop"))
+        values.append(jnp.asarray(vals))
+        moms_c.append(jnp.asarray(mom))
+        indices.append(jnp.asarray(idx))
+        grads.append(jnp.asarray(rng.integers(0, 4, n), jnp.float32))
+    common = dict(
+        rng=jax.random.key(5),
+        fraction=jnp.float32(0.5),
+        grads=grads,
+        threshold=jnp.float32(0.25),
+        target_pruned=5,
+    )
+    dense = jax.jit(
+        lambda: sparsity.rewire(
+            algorithm, weights=weights, masks=masks, caps=caps, momentum=moms, **common
+        ),
+        compiler_options=FAST_COMPILE,
+    )()
+    comp = jax.jit(
+        lambda: sparsity.rewire_compressed(
+            algorithm, values=values, indices=indices, sizes=sizes, momentum=moms_c, **common
+        ),
+        compiler_options=FAST_COMPILE,
+    )()
+    assert int(comp.num_pruned) == int(dense.num_pruned) > 0
+    assert float(comp.threshold) == float(dense.threshold)
+    for i, n in enumerate(sizes):
+        kept = jnp.zeros(n, bool).at[indices[i]].set(comp.survivors[i], mode="drop")
+        np.testing.assert_array_equal(kept, dense.survivors[i])
+        grown = np.asarray(comp.grown[i])
+        assert (np.diff(grown) >= 0).all() and grown.dtype == np.int32
+        regrown = dense.masks[i] & ~dense.survivors[i]
+        np.testing.assert_array_equal(grown[grown < n], np.flatnonzero(regrown))
+    if algorithm in ("set", "rigl"):  # 18 regrown, 4 old zeros: some just-pruned ones regrown
+        assert bool((masks[2] & regrown).any())
+
+
 def test_rewire_rejects_bad_input():
     w = _layers([1.0, 0.0])
     with pytest.raises(ValueError, match="algorithm"):

@@ -19,6 +19,10 @@ Shares are capped by ``caps[l] - survivors_l`` and the excess goes to layers wit
 (:func:`~lowmem_jax.sparsity.masks.allocate`), so the total is exact. Regrowth prefers positions
 that were zero before this update; it falls back to just-pruned positions only in a layer with
 too few zeros (density above ~1/2). New weights are 0 (the caller zeroes them and their slots).
+
+:func:`rewire` takes dense flat layers (masked storage); :func:`rewire_compressed` takes the
+compressed ``[capacity]`` values and indices and selects the same weights with per-layer,
+mostly ``[capacity]``-sized temporaries (compressed storage).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 
 from lowmem_jax.sparsity import masks as masks_lib
 
-__all__ = ["Rewired", "rewire", "drop_fraction"]
+__all__ = ["Rewired", "RewiredSlots", "rewire", "rewire_compressed", "drop_fraction"]
 
 
 class Rewired(NamedTuple):
@@ -73,17 +77,7 @@ def rewire(
       ValueError: unknown ``algorithm``, or a needed input (``grads`` for RigL, ``momentum``
         for SNFS, ``threshold`` for DSR) missing.
     """
-    if algorithm not in ("set", "rigl", "snfs", "dsr"):
-        raise ValueError(
-            f"Unknown algorithm={algorithm!r} for rewire; allowed values: "
-            "['set', 'rigl', 'snfs', 'dsr']"
-        )
-    if algorithm == "rigl" and grads is None:
-        raise ValueError("algorithm='rigl' needs grads")
-    if algorithm == "snfs" and momentum is None:
-        raise ValueError("algorithm='snfs' needs momentum (an optimizer slot mirroring params)")
-    if algorithm == "dsr" and threshold is None:
-        raise ValueError("algorithm='dsr' needs threshold")
+    _check(algorithm, grads, momentum, threshold)
     mags = [jnp.abs(w).astype(jnp.float32) for w in weights]
     active = jnp.stack([m.sum(dtype=jnp.int32) for m in masks])
     if algorithm == "dsr":
@@ -99,19 +93,10 @@ def rewire(
     num_dropped = jnp.stack([d.sum(dtype=jnp.int32) for d in dropped])
     kept = active - num_dropped
     total = num_dropped.sum()
-    room = jnp.asarray(caps, jnp.int32) - kept
-    if algorithm in ("set", "rigl"):
-        grow = num_dropped
-    elif algorithm == "snfs":
-        mean_mom = jnp.stack(
-            [
-                jnp.where(m, jnp.abs(v), 0).sum() / jnp.maximum(m.sum(), 1)
-                for m, v in zip(masks, momentum, strict=True)
-            ]
-        )
-        grow = masks_lib.allocate(total, mean_mom, room)
-    else:
-        grow = masks_lib.allocate(total, kept.astype(jnp.float32), room)
+    mean_mom = None
+    if algorithm == "snfs":
+        mean_mom = jnp.stack([_mean_abs(m, v) for m, v in zip(masks, momentum, strict=True)])
+    grow = _grow_counts(algorithm, num_dropped, kept, caps, mean_mom)
     new_masks = []
     for i, (m, s) in enumerate(zip(masks, survivors, strict=True)):
         if algorithm == "rigl":
@@ -122,13 +107,157 @@ def rewire(
             score = jax.random.uniform(jax.random.fold_in(rng, i), s.shape)
         grown = masks_lib.largest(~s, score, grow[i], prefer=~m)
         new_masks.append(s | grown)
-    if algorithm == "dsr":
-        k = total.astype(jnp.float32)
-        threshold = jnp.where(
-            k > 1.1 * target_pruned,
-            threshold / 2,
-            jnp.where(k < 0.9 * target_pruned, threshold * 2, threshold),
+    threshold = _next_threshold(algorithm, threshold, total, target_pruned)
+    return Rewired(new_masks, survivors, threshold, total)
+
+
+def _check(algorithm, grads, momentum, threshold) -> None:
+    if algorithm not in ("set", "rigl", "snfs", "dsr"):
+        raise ValueError(
+            f"Unknown algorithm={algorithm!r} for rewire; allowed values: "
+            "['set', 'rigl', 'snfs', 'dsr']"
         )
+    if algorithm == "rigl" and grads is None:
+        raise ValueError("algorithm='rigl' needs grads")
+    if algorithm == "snfs" and momentum is None:
+        raise ValueError("algorithm='snfs' needs momentum (an optimizer slot mirroring params)")
+    if algorithm == "dsr" and threshold is None:
+        raise ValueError("algorithm='dsr' needs threshold")
+
+
+def _mean_abs(mask: jax.Array, v: jax.Array) -> jax.Array:
+    """SNFS's layer weight: mean ``|v|`` over the (dense, flat) ``mask``."""
+    return jnp.where(mask, jnp.abs(v), 0).sum() / jnp.maximum(mask.sum(), 1)
+
+
+def _grow_counts(algorithm, num_dropped, kept, caps, mean_mom) -> jax.Array:
+    """int32 ``[L]`` regrowth per layer (module docstring)."""
+    if algorithm in ("set", "rigl"):
+        return num_dropped
+    room = jnp.asarray(caps, jnp.int32) - kept
+    weights = mean_mom if algorithm == "snfs" else kept.astype(jnp.float32)
+    return masks_lib.allocate(num_dropped.sum(), weights, room)
+
+
+def _next_threshold(algorithm, threshold, total, target_pruned) -> jax.Array:
+    """DSR's threshold after pruning ``total`` (unchanged, or 0 when absent, otherwise)."""
+    if algorithm != "dsr":
+        threshold = jnp.zeros(()) if threshold is None else threshold
+        return jnp.asarray(threshold, jnp.float32)
+    threshold = jnp.asarray(threshold, jnp.float32)
+    k = total.astype(jnp.float32)
+    return jnp.where(
+        k > 1.1 * target_pruned,
+        threshold / 2,
+        jnp.where(k < 0.9 * target_pruned, threshold * 2, threshold),
+    )
+
+
+class RewiredSlots(NamedTuple):
+    """The result of :func:`rewire_compressed`, per compressed layer: ``survivors`` bool
+    ``[capacity]`` (live slots kept with their values and optimizer slots) and ``grown`` int32
+    ``[capacity]``, the flat dense positions of the regrown weights, ascending, padded with the
+    layer size; the DSR ``threshold`` and ``num_pruned`` as in :class:`Rewired`."""
+
+    survivors: list[jax.Array]
+    grown: list[jax.Array]
+    threshold: jax.Array
+    num_pruned: jax.Array
+
+
+def rewire_compressed(
+    algorithm: str,
+    *,
+    values: list[jax.Array],
+    indices: list[jax.Array],
+    sizes: tuple[int, ...],
+    rng: jax.Array,
+    fraction: jax.Array,
+    grads: list[jax.Array] | None = None,
+    momentum: list[jax.Array] | None = None,
+    threshold: jax.Array | None = None,
+    target_pruned: int = 20_000,
+) -> RewiredSlots:
+    """:func:`rewire` on compressed layers, selecting the same weights, in small memory.
+
+    Layer ``j`` holds ``values[j]`` (the weights after this step's update) at the flat dense
+    positions ``indices[j]`` (int32 ``[capacity_j]``; ``sizes[j]`` marks an unused slot); its
+    capacity is its cap. ``grads`` are dense and flat (RigL), ``momentum`` compressed like
+    ``values`` (SNFS). Pruning works on the ``[capacity]`` slots (DSR: a threshold compare; the
+    others: one ``[capacity]`` sort keyed by ``(|w|, position)``, :func:`~.masks.smallest`'s
+    order). Regrowth needs the dense positions: per layer, an int8 ``[n]`` map of the survivors
+    and old non-zeros and a float32 ``[n]`` key (:func:`~.masks.grow_score`, the random scores
+    drawn exactly as :func:`rewire` draws them) feed ``lax.top_k(.., capacity)``. Layers are
+    processed one after the other (chained by ``lax.optimization_barrier``), so XLA can reuse one
+    layer's dense temporaries for the next instead of keeping every layer's alive at once.
+
+    Raises:
+      ValueError: as :func:`rewire`.
+    """
+    _check(algorithm, grads, momentum, threshold)
+    caps = tuple(int(v.shape[0]) for v in values)
+    live = [i < n for i, n in zip(indices, sizes, strict=True)]
+    mags = [jnp.abs(v).astype(jnp.float32) for v in values]
+    active = jnp.stack([m.sum(dtype=jnp.int32) for m in live])
+    if algorithm == "dsr":
+        threshold = jnp.asarray(threshold, jnp.float32)
+        dropped = [m & (a < threshold) for m, a in zip(live, mags, strict=True)]
     else:
-        threshold = jnp.zeros((), jnp.float32) if threshold is None else threshold
-    return Rewired(new_masks, survivors, jnp.asarray(threshold, jnp.float32), total)
+        counts = jnp.floor(fraction * active.astype(jnp.float32)).astype(jnp.int32)
+        dropped = [
+            masks_lib.smallest_slots(m, a, pos, counts[j])
+            for j, (m, a, pos) in enumerate(zip(live, mags, indices, strict=True))
+        ]
+    survivors = [m & ~d for m, d in zip(live, dropped, strict=True)]
+    num_dropped = jnp.stack([d.sum(dtype=jnp.int32) for d in dropped])
+    kept = active - num_dropped
+    total = num_dropped.sum()
+
+    def dense(j, vec, idx):
+        return jnp.zeros((sizes[j],), vec.dtype).at[idx].set(vec, mode="drop")
+
+    mean_mom = None
+    if algorithm == "snfs":
+        # :func:`rewire`'s dense sum of ``where(m, |v|, 0)`` (the same [n] array, so the same
+        # float sum and allocation in both storages); the count is exact from the slots.
+        means = []
+        for j in range(len(values)):
+            mom, on, idx = momentum[j], live[j], indices[j]
+            if means:  # layer j starts once layer j - 1 is done
+                means[-1], (mom, on, idx) = jax.lax.optimization_barrier(
+                    (means[-1], (mom, on, idx))
+                )
+            total_abs = dense(j, jnp.where(on, jnp.abs(mom), 0), idx).sum()
+            means.append(total_abs / jnp.maximum(on.sum(), 1))
+        mean_mom = jnp.stack(means)
+    grow = _grow_counts(algorithm, num_dropped, kept, caps, mean_mom)
+    grown = []
+    for j, n in enumerate(sizes):
+        if algorithm == "rigl":
+            source = grads[j]
+        elif algorithm == "snfs":
+            source = momentum[j]
+        else:
+            source = jax.random.fold_in(rng, j)
+        idx, surv = indices[j], survivors[j]
+        if grown:  # layer j starts once layer j - 1 is done
+            grown[-1], (idx, surv, source) = jax.lax.optimization_barrier(
+                (grown[-1], (idx, surv, source))
+            )
+        # 0: zero before this update (preferred), 1: just pruned, 2: survivor.
+        code = (
+            jnp.zeros((n,), jnp.int8)
+            .at[idx]
+            .set(jnp.where(surv, 2, 1).astype(jnp.int8), mode="drop")
+        )
+        eligible, prefer = code < 2, code == 0
+        if algorithm == "rigl":
+            score = jnp.abs(source).astype(jnp.float32)
+        elif algorithm == "snfs":
+            score = jnp.abs(dense(j, source, idx)).astype(jnp.float32)
+        else:
+            score = jax.random.uniform(source, (n,))
+        key = masks_lib.grow_score(eligible, score, prefer)
+        grown.append(masks_lib.top_positions(eligible, key, grow[j], caps[j]))
+    threshold = _next_threshold(algorithm, threshold, total, target_pruned)
+    return RewiredSlots(survivors, grown, threshold, total)

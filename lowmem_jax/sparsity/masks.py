@@ -3,7 +3,8 @@
 All functions are pure and jit-safe; counts may be traced ``int32`` scalars. Selections are made
 by ranking (a stable ``argsort``), so a selection of ``c`` elements has exactly ``c`` elements
 whenever at least ``c`` are eligible, ties broken by position: identical inputs give identical
-masks.
+masks. The compressed-storage variants (:func:`smallest_slots`, :func:`top_positions`) select
+the same elements with a ``[capacity]`` sort or a ``lax.top_k`` instead of a dense sort.
 """
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["smallest", "largest", "allocate", "greedy_fill", "top_k_mask"]
+__all__ = [
+    "smallest",
+    "largest",
+    "grow_score",
+    "top_positions",
+    "smallest_slots",
+    "allocate",
+    "greedy_fill",
+    "top_k_mask",
+]
 
 
 def _ranks(key: jax.Array) -> jax.Array:
@@ -41,11 +51,46 @@ def largest(
     dense to have enough of them). Scores are normalised to ``[0, 1]`` and preferred ones
     offset by 2, so one sort does it.
     """
+    ranks = _ranks(jnp.where(eligible, -grow_score(eligible, score, prefer), jnp.inf))
+    return eligible & (ranks < count)
+
+
+def grow_score(eligible: jax.Array, score: jax.Array, prefer: jax.Array | None = None) -> jax.Array:
+    """The float32 ranking key of :func:`largest`: ``|score|`` normalised by its eligible maximum,
+    plus 2 where ``prefer``. Shared by the dense ranking and the compressed ``lax.top_k`` path,
+    so both order positions identically (ties by position)."""
     score = jnp.abs(score.astype(jnp.float32))
     score = score / jnp.maximum(jnp.max(jnp.where(eligible, score, 0.0)), 1e-30)
     if prefer is not None:
         score = score + 2.0 * prefer
-    ranks = _ranks(jnp.where(eligible, -score, jnp.inf))
+    return score
+
+
+def top_positions(eligible: jax.Array, key: jax.Array, count: jax.Array, k: int) -> jax.Array:
+    """int32 ``[k]``: the positions of the ``count`` (``<= k``, traced) eligible entries with the
+    largest ``key``, ascending, padded with ``n = key.shape[0]``; ties by position, as
+    :func:`largest` (``lax.top_k`` returns the lower index first among equal values).
+
+    ``lax.top_k`` with a static ``k`` avoids a full sort of the ``[n]`` keys (on XLA:CPU it is a
+    partial sort); only ``[k]`` arrays are produced.
+    """
+    n = key.shape[0]
+    vals, pos = jax.lax.top_k(jnp.where(eligible, key, -jnp.inf), k)
+    take = (jnp.arange(k, dtype=jnp.int32) < count) & (vals > -jnp.inf)
+    return jnp.sort(jnp.where(take, pos.astype(jnp.int32), jnp.int32(n)))
+
+
+def smallest_slots(
+    eligible: jax.Array, score: jax.Array, position: jax.Array, count: jax.Array
+) -> jax.Array:
+    """Bool ``[c]``: the ``count`` eligible slots with the smallest ``score``, ties by
+    ``position`` (int32 ``[c]``, distinct among eligible slots): :func:`smallest` on a compressed
+    layer (slot ``j`` holds dense position ``position[j]``), with one sort of ``[c]``."""
+    c = score.shape[0]
+    key = jnp.where(eligible, score.astype(jnp.float32), jnp.inf)
+    slot = jnp.arange(c, dtype=jnp.int32)
+    _, _, order = jax.lax.sort((key, position.astype(jnp.int32), slot), num_keys=2)
+    ranks = jnp.zeros((c,), jnp.int32).at[order].set(slot)
     return eligible & (ranks < count)
 
 

@@ -7,7 +7,9 @@ follow the optax protocol, so it drops into :func:`lowmem_jax.make_train_step` a
 1. masks the gradient (masked storage) or gathers it at the stored indices (compressed
    storage), runs the inner transform, and masks its updates (pruned weights never move);
 2. if the schedule says so (``lax.cond``, no host sync), rewires
-   (:func:`~lowmem_jax.sparsity.algorithms.rewire`) from the weights *after* this update, the
+   (:func:`~lowmem_jax.sparsity.algorithms.rewire`; compressed storage:
+   :func:`~lowmem_jax.sparsity.algorithms.rewire_compressed`, per layer, selecting the same
+   weights with small temporaries) from the weights *after* this update, the
    dense gradient and the momentum; the returned updates then zero the pruned weights exactly
    (``update = -w``), regrown weights start at 0, and every optimizer slot that mirrors the
    parameters (:mod:`~lowmem_jax.sparsity.slots`) is zeroed outside the surviving weights.
@@ -303,21 +305,6 @@ class SparseTraining:
     def _rewire(self, state, inner, params, p, g, u, live, count):
         cfg, specs = self.config, self.layout.leaves
         compressed = cfg.compressed
-        if compressed:
-            idx = state.indices
-
-            def dense(s, vec):
-                return _scatter(s.size, idx[s.key], vec)
-
-            weights = [dense(s, p[s.key] + u[s.key]) for s in specs]
-            masks = [_scatter(s.size, idx[s.key], live[s.key]) for s in specs]
-        else:
-
-            def dense(s, vec):
-                return vec
-
-            weights = [p[s.key] + u[s.key] for s in specs]
-            masks = [live[s.key] for s in specs]
         momentum = None
         if cfg.algorithm == "snfs":
             mirrors = slots_lib.find_mirrors(inner, params)
@@ -327,42 +314,52 @@ class SparseTraining:
                     "(a state subtree shaped like params), e.g. optax.sgd(lr, momentum=0.9)"
                 )
             mom = _by_key(mirrors[0], self.layout.keys)
-            momentum = [dense(s, mom[s.key].reshape(-1)) for s in specs]
+            momentum = [mom[s.key].reshape(-1) for s in specs]
         rng = jax.random.fold_in(state.rng, count)
         fraction = algorithms.drop_fraction(cfg.drop_fraction, count, cfg.end_step, cfg.anneal)
-        out = algorithms.rewire(
-            cfg.algorithm,
-            weights=weights,
-            masks=masks,
-            caps=self._caps(),
+        common = dict(
             rng=rng,
             fraction=fraction,
-            grads=[g[s.key] for s in specs],
+            grads=[g[s.key] for s in specs] if cfg.algorithm == "rigl" else None,
             momentum=momentum,
             threshold=state.threshold,
             target_pruned=cfg.dsr_target_pruned,
         )
         new_u, keep, new_masks, new_indices = {}, {}, {}, {}
-        for i, s in enumerate(specs):
-            if compressed:
-                old = idx[s.key]
-                kept = live[s.key] & _gather(out.survivors[i], old)
-                grown = out.masks[i] & ~out.survivors[i]
-                (grown_at,) = jnp.nonzero(grown, size=s.capacity, fill_value=s.size)
-                (free_slot,) = jnp.nonzero(~kept, size=s.capacity, fill_value=s.capacity)
-                n_grown = grown.sum(dtype=jnp.int32)
-                fill = jnp.where(jnp.arange(s.capacity) < n_grown, grown_at, s.size)
-                new_idx = (
-                    jnp.where(kept, old, s.size)
-                    .at[free_slot]
-                    .set(fill.astype(jnp.int32), mode="drop")
-                )
-                new_indices[s.key] = new_idx.astype(jnp.int32)
-            else:
+        if compressed:
+            # Per layer, in the [capacity] slots; dense [n] temporaries one layer at a time.
+            idx = state.indices
+            out = algorithms.rewire_compressed(
+                cfg.algorithm,
+                values=[p[s.key] + u[s.key] for s in specs],
+                indices=[idx[s.key] for s in specs],
+                sizes=tuple(s.size for s in specs),
+                **common,
+            )
+            for i, s in enumerate(specs):
                 kept = out.survivors[i]
+                # Survivors keep their slots; regrown weights fill the freed ones in order.
+                (free_slot,) = jnp.nonzero(~kept, size=s.capacity, fill_value=s.capacity)
+                new_indices[s.key] = (
+                    jnp.where(kept, idx[s.key], s.size)
+                    .at[free_slot]
+                    .set(out.grown[i], mode="drop")
+                    .astype(jnp.int32)
+                )
+                keep[s.key] = kept
+        else:
+            out = algorithms.rewire(
+                cfg.algorithm,
+                weights=[p[s.key] + u[s.key] for s in specs],
+                masks=[live[s.key] for s in specs],
+                caps=self._caps(),
+                **common,
+            )
+            for i, s in enumerate(specs):
+                keep[s.key] = out.survivors[i]
                 new_masks[s.key] = out.masks[i].reshape(s.shape)
-            keep[s.key] = kept
-            new_u[s.key] = jnp.where(kept, u[s.key], -p[s.key])
+        for s in specs:
+            new_u[s.key] = jnp.where(keep[s.key], u[s.key], -p[s.key])
 
         def reset(mirror):
             leaves = _by_key(mirror, self.layout.keys)
