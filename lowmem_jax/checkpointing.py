@@ -19,6 +19,8 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from lowmem_jax.metrics_writer import MetricsWriter
+
 __all__ = ["Checkpointer", "resume_or_start"]
 
 
@@ -71,17 +73,28 @@ class Checkpointer:
 
 
 def resume_or_start(
-    state: Any, checkpoint_dir: str | None, *, every: int, keep: int, resume: bool
-) -> tuple[Checkpointer | None, Any, str | None]:
-    """The training loops' checkpoint set-up: ``(checkpointer, state, metrics_path)``.
+    state: Any,
+    checkpoint_dir: str | None,
+    *,
+    every: int,
+    keep: int,
+    resume: bool,
+    tensorboard: bool = True,
+) -> tuple[Checkpointer | None, Any, MetricsWriter | None]:
+    """The training loops' checkpoint set-up: ``(checkpointer, state, metrics)``.
 
     Without ``checkpoint_dir``: ``(None, state, None)``. With it: a :class:`Checkpointer`, the
     newest checkpoint restored into ``state``'s structure when ``resume`` (``state`` itself when
-    there is none yet), and ``<checkpoint_dir>/metrics.jsonl`` for per-epoch or per-eval records.
+    there is none yet), and a :class:`~lowmem_jax.metrics_writer.MetricsWriter` for per-epoch or
+    per-eval records in ``checkpoint_dir`` (``metrics.jsonl``, and TensorBoard event files
+    unless ``tensorboard=False``), opened at the restored step: records after it are dropped
+    (JSON) or purged (TensorBoard). A loop keeps nothing lost or duplicated by writing a step's
+    record before saving that step's checkpoint.
     """
     if not checkpoint_dir:
         return None, state, None
     checkpointer = Checkpointer(checkpoint_dir, every=every, keep=keep)
     if resume and checkpointer.latest_step() is not None:
         state = checkpointer.restore(state)
-    return checkpointer, state, os.path.join(checkpoint_dir, "metrics.jsonl")
+    metrics = MetricsWriter(checkpoint_dir, start_step=int(state.step), tensorboard=tensorboard)
+    return checkpointer, state, metrics

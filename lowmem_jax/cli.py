@@ -78,7 +78,8 @@ def _add_sparsity_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="fraction of zeros in the sparse weights (conv and dense kernels except the "
-        "classifier), e.g. 0.9; 0 = dense. Default: %(default)s",
+        "classifier; for translation the Linear kernels except DynamicConv's weight_linear, "
+        "embeddings dense), e.g. 0.9; 0 = dense. Default: %(default)s",
     )
     group.add_argument(
         "--sparse-algorithm", default="dsr", choices=ALGORITHMS, help="Default: %(default)s"
@@ -159,6 +160,7 @@ def _image_config(args: argparse.Namespace):
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
         resume=args.resume,
+        tensorboard=not args.no_tensorboard,
         progress=not args.no_progress,
     )
 
@@ -172,12 +174,11 @@ def _translation_config(args: argparse.Namespace):
             f"Unknown model={model!r} for dataset={args.dataset!r}; allowed values: "
             f"{list(TRANSLATION_MODELS)}"
         )
-    if args.sparsity:
-        raise ValueError("--sparsity is not wired to translation training yet")
     return TranslationConfig(
         model=TRANSLATION_MODELS[model],
         dataset=args.dataset,
         plan=_plan(args),
+        sparse=_sparse_config(args),
         max_tokens=args.max_tokens,
         steps=args.steps,
         learning_rate=2e-3 if args.lr is None else args.lr,
@@ -190,6 +191,7 @@ def _translation_config(args: argparse.Namespace):
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
         resume=args.resume,
+        tensorboard=not args.no_tensorboard,
         average_last=args.average_last,
         eval_every=args.eval_every,
         beam_size=args.beam_size,
@@ -220,6 +222,7 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             f"token accuracy {summary['token_accuracy']:.4f}, BLEU greedy "
             f"{summary['bleu_greedy']:.1f} / beam-{config.beam_size} {summary['bleu_beam']:.1f} "
             f"after {summary['steps']} steps ({summary['train_seconds']:.0f}s)"
+            + (f", density {summary['sparsity']['density']:.4f}" if summary.get("sparsity") else "")
         )
     else:
         print(
@@ -383,7 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
-        help="save Orbax checkpoints here (atomic) and append metrics.jsonl per epoch",
+        help="save Orbax checkpoints here (atomic); per-epoch (per-eval for translation) "
+        "metrics go to DIR/metrics.jsonl and TensorBoard event files in DIR",
+    )
+    train.add_argument(
+        "--no-tensorboard",
+        action="store_true",
+        help="write metrics.jsonl only, no TensorBoard event files",
     )
     train.add_argument(
         "--checkpoint-every",

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import os
 import tempfile
 import time
@@ -46,8 +45,15 @@ from lowmem_jax.checkpointing import resume_or_start
 from lowmem_jax.data import synthetic
 from lowmem_jax.data.token_batching import TokenBatcher, pad_batch
 from lowmem_jax.data.tokenizer import Tokenizer, train_tokenizer
-from lowmem_jax.models import DynamicConvTransformer, greedy_decode, translation_loss_fn
+from lowmem_jax.models import (
+    DynamicConvTransformer,
+    greedy_decode,
+    translation_is_sparse,
+    translation_loss_fn,
+)
 from lowmem_jax.run import param_checksum
+from lowmem_jax.sparsity import SparseConfig, default_is_sparse, density_report, sparse_training
+from lowmem_jax.sparsity.layout import path_names
 from lowmem_jax.train import Plan, TrainState, make_train_step
 
 __all__ = [
@@ -55,6 +61,7 @@ __all__ = [
     "train_and_evaluate_translation",
     "inverse_sqrt_schedule",
     "load_translation_data",
+    "translation_is_sparse",
     "MODELS",
     "DATASETS",
 ]
@@ -76,6 +83,10 @@ class TranslationConfig:
         (:meth:`DynamicConvTransformer.iwslt_de_en`, vocabularies from the tokenizer).
       dataset: one of :data:`DATASETS`.
       plan: the memory plan (precision, loss scale, microbatches, remat).
+      sparse: train sparsely (:mod:`lowmem_jax.sparsity`), as :class:`lowmem_jax.run.TrainConfig`
+        does: ``end_step`` defaults to 75% of ``steps``; with the default ``is_sparse`` the
+        sparse leaves are :func:`translation_is_sparse`'s. Evaluation, decoding and checkpoint
+        averaging use the dense (materialized) parameters.
       max_tokens: padded tokens per batch (``B * max(S, T)``; fairseq ``--max-tokens``).
       length_multiple: batch lengths are rounded up to a multiple of this (fewer shapes).
       steps: optimizer updates in total (a resumed run stops at the same step).
@@ -89,7 +100,9 @@ class TranslationConfig:
       seed: parameters, dropout and data order.
       data_dir: the TFDS directory (``None``: TFDS's default).
       checkpoint_dir, checkpoint_every, keep_checkpoints, resume: as :mod:`lowmem_jax.run`;
-        the tokenizer and ``metrics.jsonl`` go there too.
+        the tokenizer, ``metrics.jsonl`` and the TensorBoard event files go there too.
+      tensorboard: write each eval record as TensorBoard scalars as well
+        (:mod:`lowmem_jax.metrics_writer`).
       average_last: evaluate also the average of the newest ``average_last`` checkpoints
         (``1``: no averaging; needs ``checkpoint_dir`` and ``keep_checkpoints >= average_last``).
       eval_every: steps between held-out loss / accuracy records (``metrics.jsonl``, ``log``).
@@ -102,6 +115,7 @@ class TranslationConfig:
     model: str = "small"
     dataset: str = "synthetic-copy"
     plan: Plan = Plan()
+    sparse: SparseConfig | None = None
     max_tokens: int = 1024
     length_multiple: int = 8
     steps: int = 200
@@ -118,6 +132,7 @@ class TranslationConfig:
     checkpoint_every: int = 1000
     keep_checkpoints: int = 10
     resume: bool = False
+    tensorboard: bool = True
     average_last: int = 1
     eval_every: int = 1000
     beam_size: int = 4
@@ -286,16 +301,32 @@ def train_and_evaluate_translation(config: TranslationConfig, log=print) -> dict
         eps=1e-8,
         weight_decay=config.weight_decay,
     )
-    state = TrainState.create(params=variables["params"], tx=tx, plan=plan, rng=rng)
+    materialize = None
+    if config.sparse is None:
+        state = TrainState.create(params=variables["params"], tx=tx, plan=plan, rng=rng)
+    else:
+        sparse = config.sparse
+        if sparse.end_step is None:
+            sparse = dataclasses.replace(sparse, end_step=int(0.75 * config.steps))
+        if sparse.is_sparse is default_is_sparse:
+            sparse = dataclasses.replace(sparse, is_sparse=translation_is_sparse)
+        tx = sparse_training(tx, sparse, variables["params"])
+        materialize = tx.materialize
+        state = tx.create_train_state(params=variables["params"], plan=plan, rng=rng)
     loss_fn = translation_loss_fn(model, label_smoothing=config.label_smoothing)
-    train_step = make_train_step(loss_fn, tx, plan)
+    train_step = make_train_step(loss_fn, tx, plan, materialize=materialize)
 
-    checkpointer, state, metrics_file = resume_or_start(
+    def dense_params(state):
+        """The model's parameters: sparse storage materialized (masked: already dense)."""
+        return state.params if materialize is None else materialize(state.params, state.opt_state)
+
+    checkpointer, state, metrics_writer = resume_or_start(
         state,
         config.checkpoint_dir,
         every=config.checkpoint_every,
         keep=config.keep_checkpoints,
         resume=config.resume,
+        tensorboard=config.tensorboard,
     )
     start_step = int(state.step)
     if log and start_step:
@@ -384,15 +415,13 @@ def train_and_evaluate_translation(config: TranslationConfig, log=print) -> dict
             seen += 1
             for k in sums:
                 sums[k] += float(metrics[k])
-            if checkpointer:
-                checkpointer.save(step, state)
             if step % config.eval_every == 0 or step == config.steps:
                 record = {
                     "step": step,
                     "epoch": epoch,
                     "train_loss": sums["loss"] / max(seen, 1),
                     "train_accuracy": sums["accuracy"] / max(seen, 1),
-                    **evaluate_loss(state.params),
+                    **evaluate_loss(dense_params(state)),
                     "skipped_steps": int(state.skipped_steps),
                     "loss_scale": float(state.loss_scale.loss_scale),
                     "learning_rate": float(schedule(step - 1)),  # of this step's update
@@ -400,9 +429,8 @@ def train_and_evaluate_translation(config: TranslationConfig, log=print) -> dict
                 }
                 history.append(record)
                 sums, seen = {k: 0.0 for k in sums}, 0
-                if metrics_file:
-                    with open(metrics_file, "a") as f:
-                        f.write(json.dumps(record) + "\n")
+                if metrics_writer:  # the record first, then the checkpoint of its step
+                    metrics_writer.write(record)
                 if log:
                     log(
                         f"step {step:6d}  loss {record['train_loss']:.4f}  "
@@ -410,21 +438,25 @@ def train_and_evaluate_translation(config: TranslationConfig, log=print) -> dict
                         f"test acc {record['test_accuracy']:.4f}  "
                         f"lr {record['learning_rate']:.2e}  {record['seconds']:.1f}s"
                     )
+            if checkpointer:
+                checkpointer.save(step, state)
             if step >= config.steps:
                 break
     train_seconds = time.perf_counter() - start
     if checkpointer:
         checkpointer.save(int(state.step), state, force=True)
 
-    final = evaluate(state.params)
+    params = dense_params(state)
+    final = evaluate(params)
     summary = {
         "model": config.model,
         "dataset": config.dataset,
         "plan": plan.to_dict(),
         "max_tokens": config.max_tokens,
         "seed": config.seed,
-        "param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
+        "param_count": int(sum(x.size for x in jax.tree.leaves(params))),
         "param_checksum": param_checksum(state.params),
+        "sparsity": None if config.sparse is None else _sparsity_summary(tx, state),
         "steps": int(state.step),
         "token_accuracy": final["test_accuracy"],
         **final,
@@ -436,18 +468,56 @@ def train_and_evaluate_translation(config: TranslationConfig, log=print) -> dict
     }
     if checkpointer and config.average_last > 1:
         target = jax.eval_shape(lambda: state)
-        params, steps = translation.average_last_checkpoints(
-            checkpointer, target, config.average_last
+        steps = translation.checkpoint_steps(checkpointer.directory)[-config.average_last :]
+        if len(steps) < config.average_last:
+            raise FileNotFoundError(
+                f"average of the last {config.average_last} checkpoints needs "
+                f"{config.average_last}, found {len(steps)} in {checkpointer.directory}"
+            )
+        # Sparse runs average the materialized dense weights (masks may differ between
+        # checkpoints, so the average's non-zeros are the union of theirs).
+        averaged = translation.average_checkpoints(
+            [dense_params(checkpointer.restore(target, step=s)) for s in steps]
         )
         summary["averaged"] = {
-            **evaluate(params),
+            **evaluate(averaged),
             "steps_averaged": steps,
-            "param_checksum": param_checksum(params),
+            "param_checksum": param_checksum(averaged),
         }
+        if config.sparse is not None:
+            summary["averaged"]["density"] = _dense_density(averaged, tx)
     if checkpointer:
         checkpointer.close()
+    if metrics_writer:
+        metrics_writer.close()
     summary["seconds"] = time.perf_counter() - start
     return summary
+
+
+def _sparsity_summary(tx, state) -> dict[str, Any]:
+    """Measured sparsity of the final state: algorithm, storage, nnz, budget, density."""
+    report = density_report(tx, state.params, state.opt_state)
+    return {
+        "algorithm": tx.config.algorithm,
+        "storage": "compressed" if tx.config.compressed else "masked",
+        "target_density": tx.config.density,
+        "nnz": report["nnz"],
+        "budget": tx.layout.total_budget,
+        "size": report["size"],
+        "density": report["density"],
+        "sparse_leaves": len(tx.layout.leaves),
+    }
+
+
+def _dense_density(params, tx) -> float:
+    """Fraction of non-zeros in the sparse leaves of dense ``params``."""
+    keys = set(tx.layout.keys)
+    nnz = size = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if "/".join(path_names(path)) in keys:
+            nnz += int(np.count_nonzero(np.asarray(leaf)))
+            size += leaf.size
+    return nnz / max(size, 1)
 
 
 def _pad_args(batcher: TokenBatcher) -> dict[str, Any]:

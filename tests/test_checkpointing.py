@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_metrics_writer import assert_tensorboard_matches_jsonl
 
 import lowmem_jax as lm
 from lowmem_jax.checkpointing import Checkpointer
@@ -71,7 +73,8 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
     assert resumed["steps"] == straight["steps"] == 2 * (1437 // 64)
     assert resumed["param_checksum"] == straight["param_checksum"]
     lines = (interrupted_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["epoch"] for line in lines][-1] == 2
+    assert [json.loads(line)["epoch"] for line in lines] == [1, 2]  # none lost, none twice
+    assert_tensorboard_matches_jsonl(interrupted_dir)
 
 
 def test_resume_needs_a_checkpoint_dir():
@@ -79,3 +82,25 @@ def test_resume_needs_a_checkpoint_dir():
 
     with pytest.raises(ValueError, match="checkpoint_dir"):
         TrainConfig(resume=True)
+
+
+def test_classifier_metrics_reach_tensorboard_and_survive_a_resume(tmp_path):
+    from lowmem_jax.run import TrainConfig, train_and_evaluate
+
+    common = {
+        "model": "wrn-10-1", "epochs": 2, "batch_size": 64, "image_size": 8,
+        "plan": lm.Plan(precision="fp32", microbatches=1, remat="none"),
+        "checkpoint_dir": str(tmp_path), "checkpoint_every": 10, "keep_checkpoints": 10,
+        "progress": False,
+    }  # fmt: skip
+    first = train_and_evaluate(TrainConfig(**common), log=None)
+    assert first["steps"] == 44  # 22 steps per epoch; records at steps 22 and 44
+    assert_tensorboard_matches_jsonl(tmp_path)
+    for step in (40, 44):  # as if killed after the save of step 30
+        shutil.rmtree(tmp_path / str(step))
+    resumed = train_and_evaluate(TrainConfig(**common, resume=True), log=None)
+    assert resumed["param_checksum"] == first["param_checksum"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"]) for r in records] == [(1, 22), (2, 44)]
+    assert records[1]["test_accuracy"] == first["test_accuracy"]
+    assert_tensorboard_matches_jsonl(tmp_path)

@@ -87,3 +87,27 @@ def test_train_rejects_an_image_model_for_translation(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["train", "--dataset", "synthetic-copy", "--model", "wrn-16-2"])
     assert exc.value.code == 2 and "dynamicconv-small" in capsys.readouterr().err
+
+
+def test_train_accepts_sparsity_for_translation(monkeypatch, capsys):
+    """The flags reach TranslationConfig (sparse runs themselves: test_run_translation.py)."""
+    from lowmem_jax import run_translation
+
+    seen = {}
+
+    def fake_train(config, log):
+        seen["config"] = config
+        sparsity = {"density": 0.1}
+        return {"token_accuracy": 0.5, "bleu_greedy": 1.0, "bleu_beam": 1.0, "steps": 10,
+                "train_seconds": 1.0, "sparsity": sparsity}  # fmt: skip
+
+    monkeypatch.setattr(run_translation, "train_and_evaluate_translation", fake_train)
+    code = cli.main([
+        "train", "--dataset", "synthetic-copy", "--sparsity", "0.9", "--sparse-algorithm", "set",
+        "--sparse-period", "4", "--sparse-storage", "masked", "--no-tensorboard",
+    ])  # fmt: skip
+    assert code == 0 and "density 0.1000" in capsys.readouterr().out
+    config = seen["config"]
+    assert config.sparse.algorithm == "set" and config.sparse.density == pytest.approx(0.1)
+    assert config.sparse.update_period == 4 and not config.sparse.compressed
+    assert config.tensorboard is False

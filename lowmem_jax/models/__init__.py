@@ -9,6 +9,7 @@ from lowmem_jax.models.dynamic_conv import (
     MultiHeadAttention,
     greedy_decode,
     sinusoidal_positions,
+    translation_is_sparse,
     translation_loss_fn,
 )
 from lowmem_jax.models.wide_resnet import PreActBlock, WideResNet
@@ -24,5 +25,6 @@ __all__ = [
     "DecoderLayer",
     "sinusoidal_positions",
     "translation_loss_fn",
+    "translation_is_sparse",
     "greedy_decode",
 ]

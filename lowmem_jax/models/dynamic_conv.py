@@ -60,6 +60,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax.data.tokenizer import BOS_ID, EOS_ID
 from lowmem_jax.remat import DOT_OUT, ScannedBlocks, parse_policy
+from lowmem_jax.sparsity.config import default_is_sparse
 
 __all__ = [
     "DynamicConv",
@@ -870,6 +871,20 @@ def _token_losses(
     nll_tok = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     smooth_tok = -logp.mean(axis=-1)
     return (1.0 - label_smoothing) * nll_tok + label_smoothing * smooth_tok, nll_tok
+
+
+def translation_is_sparse(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+    """The DynamicConv Transformer's sparse leaves: its dense (``Linear``) kernels.
+
+    :func:`~lowmem_jax.sparsity.default_is_sparse` (kernels with ndim >= 2: the input/output
+    projections around each convolution, the attention projections, the FFN layers), minus the
+    DynamicConv's weight-predicting ``weight_linear`` (``C -> H * K``; 2% of the IWSLT model's
+    parameters), which stays dense: each of its outputs is a kernel tap fed to a softmax, so
+    zeroing its inputs changes every position's convolution kernel, for little memory. The
+    embeddings (``embedding``) and the output projection (``embed_out``) are not kernels and
+    stay dense, as the classifier's last layer does.
+    """
+    return default_is_sparse(path, shape) and "weight_linear" not in path
 
 
 def translation_loss_fn(model: nn.Module, *, label_smoothing: float = 0.1, pad_id: int = 0) -> Any:
