@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from lowmem_jax.remat import CONV_OUT, DOT_OUT
 from lowmem_jax.sparsity import SparseConfig
 from lowmem_jax.train import Plan
 from lowmem_jax.workloads import analyze_model
@@ -24,7 +25,8 @@ from lowmem_jax.workloads import analyze_model
 __all__ = ["standard_grid", "run_report", "write_report", "to_markdown"]
 
 MIB = 2.0**20
-PUBLISHED = {"wrn-28-2": 60.7}  # Sohoni et al. 2019, best combined reduction
+# Sohoni et al. 2019, best combined reduction (analytic)
+PUBLISHED = {"wrn-28-2": 60.7, "dynamicconv-iwslt": 8.7}
 
 
 GridRow = tuple[str, str, Plan, SparseConfig | None]
@@ -36,17 +38,31 @@ def _dsr(sparsity: float) -> SparseConfig:
                         compressed=True)  # fmt: skip
 
 
-def standard_grid(batch_size: int) -> list[GridRow]:
-    """``(name, group, plan, sparse)`` for the baseline, single techniques and combinations."""
+def divisor_at_most(batch_size: int, target: float) -> int:
+    """The largest divisor of ``batch_size`` that is <= ``target`` (at least 1)."""
+    return max(d for d in range(1, batch_size + 1) if batch_size % d == 0 and d <= max(target, 1))
+
+
+def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
+    """``(name, group, plan, sparse)`` for the baseline, single techniques and combinations.
+
+    Microbatch sizes are 64, 32, ..., 2 examples for a power-of-two batch; for another batch each
+    becomes the largest divisor of ``batch_size`` below it (100: 50, 25, 10, 5, 2), so every
+    row splits the batch evenly. ``saved_name``: the ``checkpoint_name`` the ``save:`` remat row
+    keeps (``conv_out`` in the WideResNet, ``dot_out`` in the DynamicConv Transformer).
+    """
+
+    def micro(target: int) -> int:
+        return divisor_at_most(batch_size, target)
+
     grid: list = [("baseline", "baseline", Plan())]
     for precision in ("mixed_bf16", "mixed_fp16", "bf16", "fp16"):
         grid.append((precision, "precision", Plan(precision=precision)))
-    for micro in (64, 32, 16, 8, 4, 2):
-        if micro < batch_size and batch_size % micro == 0:
-            grid.append(
-                (f"microbatch {micro}", "microbatching", Plan(microbatches=batch_size // micro))
-            )
-    for remat in ("dots", "save:conv_out", "full", "every:2", "sqrt"):
+    sizes = sorted({micro(t) for t in (64, 32, 16, 8, 4, 2) if 1 < micro(t) < batch_size},
+                   reverse=True)  # fmt: skip
+    for size in sizes:
+        grid.append((f"microbatch {size}", "microbatching", Plan(microbatches=batch_size // size)))
+    for remat in ("dots", f"save:{saved_name}", "full", "every:2", "sqrt"):
         grid.append((f"remat {remat}", "remat", Plan(remat=remat)))
     for sparsity in (0.5, 0.7, 0.9):
         grid.append((f"sparse {sparsity:.0%} dsr", "sparsity", Plan(), _dsr(sparsity)))
@@ -58,13 +74,17 @@ def standard_grid(batch_size: int) -> list[GridRow]:
         ("bf16", 4, "full"),
         ("fp16", 2, "full"),
     ]
-    for precision, micro, remat in combos:
-        if micro < batch_size and batch_size % micro == 0:
-            plan = Plan(precision=precision, microbatches=batch_size // micro, remat=remat)
-            grid.append((f"{precision} + mb {micro} + remat {remat}", "combined", plan))
-    if batch_size % 2 == 0 and batch_size > 2:
-        plan = Plan(precision="fp16", microbatches=batch_size // 2, remat="full")
-        grid.append(("fp16 + mb 2 + remat full + sparse 90%", "combined", plan, _dsr(0.9)))
+    seen = set()
+    for precision, target, remat in combos:
+        size = micro(target)
+        if 1 < size < batch_size and (precision, size) not in seen:
+            seen.add((precision, size))
+            plan = Plan(precision=precision, microbatches=batch_size // size, remat=remat)
+            grid.append((f"{precision} + mb {size} + remat {remat}", "combined", plan))
+    size = micro(2)
+    if 1 < size < batch_size:
+        plan = Plan(precision="fp16", microbatches=batch_size // size, remat="full")
+        grid.append((f"fp16 + mb {size} + remat full + sparse 90%", "combined", plan, _dsr(0.9)))
     return [row if len(row) == 4 else (*row, None) for row in grid]
 
 
@@ -74,16 +94,23 @@ def run_report(
     grid: list[GridRow] | None = None,
     progress: Callable[[str], None] | None = print,
     seq_len: int = 40,
+    reuse: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Analyses every configuration of ``grid``; returns the report as a JSON-able dict.
 
     Sparse rows store their sparse weights compressed, so their model and optimizer bytes are
-    the non-zeros and indices, as the technical report counted them.
+    the non-zeros and indices, as the technical report counted them. ``reuse``: rows of an
+    earlier report by name, taken as they are instead of analysed again (to refresh some rows
+    of a report after a change that affects only them).
     """
-    grid = grid if grid is not None else standard_grid(batch_size)
+    if grid is None:
+        grid = standard_grid(batch_size, DOT_OUT if model.startswith("dynamicconv") else CONV_OUT)
     rows = []
     start = time.perf_counter()
     for i, (name, group, plan, sparse) in enumerate(grid, 1):
+        if reuse and name in reuse:
+            rows.append(reuse[name])
+            continue
         t0 = time.perf_counter()
         report = analyze_model(model, batch_size, plan, sparse=sparse, seq_len=seq_len).to_dict()
         rows.append({"name": name, "group": group, **report})

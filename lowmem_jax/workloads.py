@@ -33,8 +33,9 @@ __all__ = [
     "make_workload",
     "make_model",
     "sgd_nesterov",
-    "abstract_state",
     "analyze_model",
+    "build_train_step",
+    "StepSetup",
     "MODEL_PATTERN",
 ]
 
@@ -83,6 +84,8 @@ class Workload:
       init_inputs: the batch leaves ``model.init`` takes, in order, after the rng.
       loss_fn: ``model -> loss_fn(params, model_state, batch, rng)``.
       tx: the recipe's optimizer.
+      is_sparse: which parameter leaves sparse training sparsifies by default
+        (``SparseConfig.is_sparse`` when left at :func:`~lowmem_jax.sparsity.default_is_sparse`).
     """
 
     name: str
@@ -91,6 +94,7 @@ class Workload:
     init_inputs: tuple[str, ...]
     loss_fn: Callable[[nn.Module], Callable]
     tx: optax.GradientTransformation
+    is_sparse: Callable = sparsity.default_is_sparse
 
 
 def make_workload(
@@ -120,26 +124,60 @@ def make_workload(
         tx = sgd_nesterov()
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
-    return Workload(model, flax_model, batch, init_inputs, loss_fn, tx)
+    is_sparse = (
+        models.translation_is_sparse if model == "dynamicconv-iwslt" else sparsity.default_is_sparse
+    )
+    return Workload(model, flax_model, batch, init_inputs, loss_fn, tx, is_sparse)
 
 
-def abstract_state(model: nn.Module, tx, plan: Plan, init_inputs) -> TrainState:
-    """The train state's shapes and dtypes (``jax.eval_shape``: nothing is allocated).
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """One named workload's train step under a plan, ready to analyse or to run.
 
-    ``init_inputs``: example inputs for ``model.init`` (arrays or ``ShapeDtypeStruct``).
+    Attributes:
+      step: the jitted train step ``(state, batch) -> (state, metrics)``.
+      init_state: ``(*inputs) -> TrainState`` from the ``init_inputs`` batch leaves (pass
+        ``ShapeDtypeStruct`` through ``jax.eval_shape`` for shapes only).
+      workload: the :class:`Workload` (batch shapes, model, loss, optimizer).
+      loss_fn: the configured model's loss cast to the plan's policy (what the step
+        differentiates).
+      model_params: with compressed sparse storage, the dense parameters' shapes (the analytic
+        count needs them); else ``None``.
+      config: a JSON-able description (model, batch size, plan, sparsity).
     """
 
-    def init(*inputs):
-        variables = model.init(jax.random.PRNGKey(0), *inputs, train=False)
-        model_state = {k: v for k, v in variables.items() if k != "params"}
-        return TrainState.create(
-            params=variables["params"], tx=tx, plan=plan, model_state=model_state
-        )
+    step: Callable
+    init_state: Callable[..., TrainState]
+    workload: Workload
+    loss_fn: Callable
+    model_params: Any
+    config: dict[str, Any]
 
-    return jax.eval_shape(init, *init_inputs)
+    def abstract_state(self) -> TrainState:
+        inputs = [self.workload.batch[k] for k in self.workload.init_inputs]
+        return jax.eval_shape(self.init_state, *inputs)
+
+    def example_batch(self, seed: int = 0) -> dict[str, jax.Array]:
+        """A random batch of the workload's shapes: images ~ N(0, 1), labels in [0, 10),
+        tokens in [4, 1000) (no padding, no special ids)."""
+        keys = jax.random.split(jax.random.PRNGKey(seed), len(self.workload.batch))
+        out = {}
+        for key, (name, leaf) in zip(keys, sorted(self.workload.batch.items()), strict=True):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                out[name] = jax.random.normal(key, leaf.shape, leaf.dtype)
+            elif name == "label":
+                out[name] = jax.random.randint(key, leaf.shape, 0, 10, leaf.dtype)
+            else:
+                out[name] = jax.random.randint(key, leaf.shape, 4, 1000, leaf.dtype)
+        return out
+
+    def concrete_state(self, batch: dict[str, jax.Array]) -> TrainState:
+        """A real initial state (parameters initialised from ``batch``'s first rows)."""
+        inputs = [batch[k][:2] for k in self.workload.init_inputs]
+        return jax.jit(self.init_state)(*inputs)
 
 
-def analyze_model(
+def build_train_step(
     model: str,
     batch_size: int | None,
     plan: Plan,
@@ -148,8 +186,8 @@ def analyze_model(
     seq_len: int = 40,
     image_size: int = 32,
     tx: optax.GradientTransformation | None = None,
-) -> memory.MemoryReport:
-    """Memory analysis of one train step of a named model: compile-only, no data, no step run.
+) -> StepSetup:
+    """The train step of a named model under ``plan`` (and ``sparse``), with its initial state.
 
     ``sparse``: train sparsely (the recipe's optimizer wrapped by
     :func:`lowmem_jax.sparsity.sparse_training`); with ``compressed=True`` the state stores only
@@ -164,30 +202,35 @@ def analyze_model(
         raise ValueError(f"batch_size={size} is not divisible by microbatches={plan.microbatches}")
     flax_model = plan.configure_model(work.model)
     tx = tx or work.tx
-    inputs = [work.batch[k] for k in work.init_inputs]
     loss_fn = work.loss_fn(flax_model)
     config = {"model": model, "batch_size": size, **plan.to_dict()}
+
+    def init_variables(*x):
+        return flax_model.init(jax.random.PRNGKey(0), *x, train=False)
+
+    def split(variables):
+        return variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
     if sparse is None:
-        state = abstract_state(flax_model, tx, plan, inputs)
+
+        def init_state(*x):
+            params, model_state = split(init_variables(*x))
+            return TrainState.create(params=params, tx=tx, plan=plan, model_state=model_state)
+
         step = make_train_step(loss_fn, tx, plan)
         model_params = None
     else:
-
-        def init_variables(*x):
-            return flax_model.init(jax.random.PRNGKey(0), *x, train=False)
-
-        variables = jax.eval_shape(init_variables, *inputs)
-        model_params = plan.policy.cast_to_param(variables["params"])
-        sparse_tx = sparsity.sparse_training(tx, sparse, variables["params"])
+        if sparse.is_sparse is sparsity.default_is_sparse:
+            sparse = dataclasses.replace(sparse, is_sparse=work.is_sparse)
+        inputs = [work.batch[k] for k in work.init_inputs]
+        abstract_params = jax.eval_shape(init_variables, *inputs)["params"]
+        model_params = plan.policy.cast_to_param(abstract_params)
+        sparse_tx = sparsity.sparse_training(tx, sparse, abstract_params)
 
         def init_state(*x):
-            v = init_variables(*x)
-            model_state = {k: val for k, val in v.items() if k != "params"}
-            return sparse_tx.create_train_state(
-                params=v["params"], plan=plan, model_state=model_state
-            )
+            params, model_state = split(init_variables(*x))
+            return sparse_tx.create_train_state(params=params, plan=plan, model_state=model_state)
 
-        state = jax.eval_shape(init_state, *inputs)
         step = make_train_step(loss_fn, sparse_tx, plan, materialize=sparse_tx.materialize)
         config["sparsity"] = {
             "algorithm": sparse.algorithm,
@@ -195,12 +238,42 @@ def analyze_model(
             "distribution": sparse.distribution,
             "storage": "compressed" if sparse.compressed else "masked",
         }
-    return memory.analyze(
-        step,
-        state,
-        work.batch,
+    return StepSetup(
+        step=step,
+        init_state=init_state,
+        workload=work,
         loss_fn=precision.cast_loss_fn(loss_fn, plan.policy),
-        microbatches=plan.microbatches,
         model_params=model_params,
         config=config,
+    )
+
+
+def analyze_model(
+    model: str,
+    batch_size: int | None,
+    plan: Plan,
+    *,
+    sparse: sparsity.SparseConfig | None = None,
+    seq_len: int = 40,
+    image_size: int = 32,
+    tx: optax.GradientTransformation | None = None,
+) -> memory.MemoryReport:
+    """Memory analysis of one train step of a named model: compile-only, no data, no step run.
+
+    Arguments as :func:`build_train_step`.
+
+    Raises:
+      ValueError: for an unknown model, a bad plan, or a batch size the microbatches don't divide.
+    """
+    setup = build_train_step(
+        model, batch_size, plan, sparse=sparse, seq_len=seq_len, image_size=image_size, tx=tx
+    )
+    return memory.analyze(
+        setup.step,
+        setup.abstract_state(),
+        setup.workload.batch,
+        loss_fn=setup.loss_fn,
+        microbatches=plan.microbatches,
+        model_params=setup.model_params,
+        config=setup.config,
     )
