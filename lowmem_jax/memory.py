@@ -144,7 +144,8 @@ def optimizer_breakdown(
 
     The gradient (and the float32 accumulator when microbatching) has the shape of the
     parameters the model sees, ``model_params`` (default ``params``): with compressed sparse
-    storage that is the dense, transient layout, not the stored values.
+    storage that is the dense, transient layout, not the stored values -- unless the step
+    differentiates w.r.t. the stored parameters (pass ``model_params=None`` then).
     """
     grad_params = params if model_params is None else model_params
     out = {"gradients": tree_bytes(grad_params)}
@@ -210,6 +211,7 @@ def analytic_breakdown(
     loss_fn: Callable | None = None,
     microbatches: int = 1,
     model_params: PyTree | None = None,
+    grads_in_stored_layout: bool = False,
 ) -> dict[str, Any]:
     """The report's model / optimizer / activations / inputs breakdown, in bytes.
 
@@ -217,10 +219,16 @@ def analytic_breakdown(
     is the loss as the step differentiates it (after the precision cast); without it the
     activation figure is ``None``. ``model_params``: the parameters the loss sees when the
     step materialises them from a different stored form (compressed sparse storage); the
-    model figure always counts the stored ``state.params``.
+    model figure always counts the stored ``state.params``. ``grads_in_stored_layout``: the
+    step differentiates w.r.t. the stored parameters (gradients and accumulator stored-size).
     """
     model_params = state.params if model_params is None else model_params
-    optimizer = optimizer_breakdown(state.params, state.opt_state, microbatches, model_params)
+    optimizer = optimizer_breakdown(
+        state.params,
+        state.opt_state,
+        microbatches,
+        state.params if grads_in_stored_layout else model_params,
+    )
     activations = None
     if loss_fn is not None:
         micro = jax.tree.map(
@@ -368,6 +376,7 @@ def analyze(
     loss_fn: Callable | None = None,
     microbatches: int = 1,
     model_params: PyTree | None = None,
+    grads_in_stored_layout: bool = False,
     config: dict[str, Any] | None = None,
 ) -> MemoryReport:
     """Compiles ``train_step(state, batch)`` (never runs it) and reports its memory and FLOPs.
@@ -382,6 +391,9 @@ def analyze(
       microbatches: the step's microbatch count (activations are per microbatch).
       model_params: the parameters the loss sees, when the step builds them from a different
         stored form (``make_train_step(..., materialize=...)``); default ``state.params``.
+      grads_in_stored_layout: the step differentiates w.r.t. the stored parameters even
+        though the model sees ``model_params`` (compressed sparse training,
+        ``SparseTraining.grads_in_stored_layout``): gradients are counted stored-size.
       config: recorded in the report as is.
     """
     step = train_step if hasattr(train_step, "lower") else jax.jit(train_step)
@@ -394,6 +406,7 @@ def analyze(
         loss_fn=loss_fn,
         microbatches=microbatches,
         model_params=model_params,
+        grads_in_stored_layout=grads_in_stored_layout,
     )
     flops, flop_notes = count_flops(getattr(step, "__wrapped__", step), state, batch)
     notes = [

@@ -213,18 +213,29 @@ def make_train_step(
     model sees from the stored ones (e.g. dense weights from compressed sparse storage,
     :mod:`lowmem_jax.sparsity`); it runs inside the step, so what it builds is transient. The
     loss is differentiated w.r.t. ``model_params``, and ``tx.update(grads, opt_state, params)``
-    receives those gradients (in the model's layout) with the stored ``params``. ``None``
-    (default): the model sees the stored parameters.
+    receives those gradients (in the model's layout) with the stored ``params``; if ``tx`` has
+    ``grads_in_stored_layout = True`` (compressed sparse training that needs no dense gradient),
+    ``loss(materialize(params))`` is differentiated w.r.t. the stored ``params`` instead, so each
+    microbatch's gradient and the microbatch accumulator have the stored (compressed) size.
+    ``None`` (default): the model sees the stored parameters.
     """
     policy_loss_fn = precision_lib.cast_loss_fn(loss_fn, plan.policy)
 
     def train_step(state: TrainState, batch: PyTree):
         rng = jax.random.fold_in(state.rng, state.step)
-        grad_fn = scaled_grad_fn(policy_loss_fn, state.loss_scale)
+        loss = policy_loss_fn
+        if materialize is None:
+            model_params = state.params
+        elif getattr(tx, "grads_in_stored_layout", False):
+            model_params = state.params
+
+            def loss(params, model_state, batch, rng):  # the dense weights exist per microbatch
+                return policy_loss_fn(materialize(params, state.opt_state), model_state, batch, rng)
+
+        else:
+            model_params = materialize(state.params, state.opt_state)
+        grad_fn = scaled_grad_fn(loss, state.loss_scale)
         grad_fn = microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches)
-        model_params = (
-            state.params if materialize is None else materialize(state.params, state.opt_state)
-        )
         grads, model_state, metrics = grad_fn(model_params, state.model_state, batch, rng)
 
         finite = loss_scale_lib.all_finite(grads)

@@ -144,6 +144,7 @@ class StepSetup:
       model_params: with compressed sparse storage, the dense parameters' shapes (the analytic
         count needs them); else ``None``.
       config: a JSON-able description (model, batch size, plan, sparsity).
+      grads_in_stored_layout: the step differentiates w.r.t. the stored (compressed) parameters.
     """
 
     step: Callable
@@ -152,6 +153,7 @@ class StepSetup:
     loss_fn: Callable
     model_params: Any
     config: dict[str, Any]
+    grads_in_stored_layout: bool = False
 
     def abstract_state(self) -> TrainState:
         inputs = [self.workload.batch[k] for k in self.workload.init_inputs]
@@ -219,6 +221,7 @@ def build_train_step(
 
         step = make_train_step(loss_fn, tx, plan)
         model_params = None
+        stored_grads = False
     else:
         if sparse.is_sparse is sparsity.default_is_sparse:
             sparse = dataclasses.replace(sparse, is_sparse=work.is_sparse)
@@ -232,6 +235,7 @@ def build_train_step(
             return sparse_tx.create_train_state(params=params, plan=plan, model_state=model_state)
 
         step = make_train_step(loss_fn, sparse_tx, plan, materialize=sparse_tx.materialize)
+        stored_grads = sparse_tx.grads_in_stored_layout
         config["sparsity"] = {
             "algorithm": sparse.algorithm,
             "sparsity": 1.0 - sparse.density,
@@ -245,6 +249,7 @@ def build_train_step(
         loss_fn=precision.cast_loss_fn(loss_fn, plan.policy),
         model_params=model_params,
         config=config,
+        grads_in_stored_layout=stored_grads,
     )
 
 
@@ -275,5 +280,6 @@ def analyze_model(
         loss_fn=setup.loss_fn,
         microbatches=plan.microbatches,
         model_params=setup.model_params,
+        grads_in_stored_layout=setup.grads_in_stored_layout,
         config=setup.config,
     )

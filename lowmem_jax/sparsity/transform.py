@@ -110,6 +110,22 @@ class SparseTraining:
     config: SparseConfig
     layout: Layout
 
+    @property
+    def grads_in_stored_layout(self) -> bool:
+        """Whether :meth:`update` takes gradients w.r.t. the stored (compressed) parameters.
+
+        True for compressed storage unless the algorithm reads the dense gradient (RigL grows
+        where ``|dense grad|`` is largest) or a leaf is stored at full size (capacity = size,
+        where the two layouts would be indistinguishable). :func:`~lowmem_jax.make_train_step`
+        then differentiates ``loss(materialize(stored))`` w.r.t. the stored parameters, so each
+        microbatch's gradient and the accumulator hold only the kept weights.
+        """
+        return (
+            self.config.compressed
+            and self.config.algorithm != "rigl"
+            and all(s.capacity < s.size for s in self.layout.leaves)
+        )
+
     # --- initialisation -----------------------------------------------------------------
 
     def _caps(self) -> tuple[int, ...]:
@@ -260,14 +276,42 @@ class SparseTraining:
         return _replace(params, dense)
 
     def update(self, grads: PyTree, state: SparseState, params: PyTree | None = None):
-        """optax ``update``: ``grads`` in the model's (dense) layout, ``params`` as stored."""
+        """optax ``update``: ``params`` as stored; ``grads`` w.r.t. the model's dense parameters,
+        or (compressed storage, not RigL) w.r.t. the stored ones -- cheaper: see
+        :attr:`grads_in_stored_layout`.
+
+        Raises:
+          ValueError: without ``params``, or for gradients of neither layout.
+        """
         if params is None:
             raise ValueError("SparseTraining.update needs params")
         cfg, specs = self.config, self.layout.leaves
         keys = self.layout.keys
         g = {k: v.reshape(-1) for k, v in _by_key(grads, keys).items()}
         p = {k: v.reshape(-1) for k, v in _by_key(params, keys).items()}
-        if cfg.compressed:
+        # The layout is told by the shapes: stored when every leaf has its capacity's length
+        # and some leaf is shorter than dense (else the two layouts coincide: dense).
+        stored = (
+            cfg.compressed
+            and all(g[s.key].shape[0] == s.capacity for s in specs)
+            and any(s.capacity < s.size for s in specs)
+        )
+        if not stored and any(g[s.key].shape[0] != s.size for s in specs):
+            raise ValueError(
+                "grads must be w.r.t. the dense model parameters or (compressed storage) the "
+                "stored ones: got sizes "
+                f"{ {s.key: g[s.key].shape[0] for s in specs} }, dense "
+                f"{ {s.key: s.size for s in specs} }, stored { {s.key: s.capacity for s in specs} }"
+            )
+        if stored and cfg.algorithm == "rigl":
+            raise ValueError(
+                "algorithm='rigl' grows where |dense grad| is largest: pass grads "
+                "w.r.t. the dense model parameters"
+            )
+        if stored:
+            live = {s.key: state.indices[s.key] < s.size for s in specs}
+            inner_g = {s.key: jnp.where(live[s.key], g[s.key], 0) for s in specs}
+        elif cfg.compressed:
             live = {s.key: state.indices[s.key] < s.size for s in specs}
             inner_g = {s.key: _gather(g[s.key], state.indices[s.key]) for s in specs}
         else:
