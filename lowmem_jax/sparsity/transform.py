@@ -30,7 +30,7 @@ import optax
 from lowmem_jax.sparsity import algorithms
 from lowmem_jax.sparsity import masks as masks_lib
 from lowmem_jax.sparsity import slots as slots_lib
-from lowmem_jax.sparsity.config import SparseConfig
+from lowmem_jax.sparsity.config import DSR_PRUNED_FRACTION, SparseConfig
 from lowmem_jax.sparsity.layout import Layout, make_layout, path_names
 
 PyTree = Any
@@ -109,6 +109,14 @@ class SparseTraining:
     inner: optax.GradientTransformation
     config: SparseConfig
     layout: Layout
+
+    @property
+    def dsr_target_pruned(self) -> int:
+        """DSR's ``N_p``: the config's, or ``DSR_PRUNED_FRACTION`` of the sparse weights."""
+        if self.config.dsr_target_pruned is not None:
+            return int(self.config.dsr_target_pruned)
+        total = sum(s.size for s in self.layout.leaves)
+        return max(1, round(DSR_PRUNED_FRACTION * total))
 
     @property
     def grads_in_stored_layout(self) -> bool:
@@ -367,7 +375,7 @@ class SparseTraining:
             grads=[g[s.key] for s in specs] if cfg.algorithm == "rigl" else None,
             momentum=momentum,
             threshold=state.threshold,
-            target_pruned=cfg.dsr_target_pruned,
+            target_pruned=self.dsr_target_pruned,
         )
         new_u, keep, new_masks, new_indices = {}, {}, {}, {}
         if compressed:

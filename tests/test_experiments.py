@@ -1,0 +1,140 @@
+"""The study's machinery: pairing by seed, resumable runs, the RQ4 mapping and greedy search."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+
+import pytest
+
+from experiments import rq4_search, study
+from lowmem_jax.run import TrainConfig
+from lowmem_jax.train import Plan
+
+
+def _record(name, seed, value, technique="precision"):
+    return {
+        "name": name,
+        "technique": technique,
+        "setting": name,
+        "seed": seed,
+        "metric": "test_accuracy",
+        "value": value,
+        "train_seconds": 1.0,
+    }
+
+
+def test_summarize_pairs_each_variant_with_the_baseline_of_the_same_seed():
+    records = {
+        "baseline_seed0": _record("baseline", 0, 0.90, "baseline"),
+        "baseline_seed1": _record("baseline", 1, 0.80, "baseline"),
+        "x_seed0": _record("x", 0, 0.91),
+        "x_seed1": _record("x", 1, 0.78),
+        "x_seed2": _record("x", 2, 0.50),  # no baseline for seed 2: not paired
+    }
+    rows = {r["name"]: r for r in study.summarize(records)}
+    d = rows["x"]["delta_vs_baseline"]
+    assert d["mean"] == pytest.approx((0.01 - 0.02) / 2)
+    assert d["min"] == pytest.approx(-0.02) and d["max"] == pytest.approx(0.01)
+    assert rows["x"]["value"]["mean"] == pytest.approx((0.91 + 0.78 + 0.50) / 3)
+    assert rows["baseline"]["delta_vs_baseline"]["mean"] == 0.0
+
+
+def test_run_variants_trains_once_and_resumes(tmp_path, monkeypatch):
+    tiny = TrainConfig(model="wrn-10-1", image_size=8, epochs=1, batch_size=64, progress=False)
+    monkeypatch.setattr(
+        study, "base_config", lambda task, seed: dataclasses.replace(tiny, seed=seed)
+    )
+    variants = [
+        study.Variant("baseline", "baseline", "fp32"),
+        study.Variant("mb16", "microbatching", "microbatch 16", Plan(microbatches=4)),
+    ]
+    first = study.run_variants("digits", variants, [0], str(tmp_path), log=None)
+    assert set(first) == {"baseline_seed0", "mb16_seed0"}
+    assert all(0.0 <= r["value"] <= 1.0 and r["steps"] == 22 for r in first.values())
+    monkeypatch.setattr(study, "train_once", lambda *a: pytest.fail("retrained a finished run"))
+    again = study.run_variants("digits", variants, [0], str(tmp_path), log=None)
+    assert again == json.loads(json.dumps(first))
+
+
+def test_full_size_settings_match_the_memory_grid():
+    by_name = {v.name: v for v in study.single_variants("digits")}
+    assert rq4_search.full_size("digits", by_name["mb8"]) == (
+        "microbatch 8",
+        {"microbatches": 16},
+        None,
+    )
+    row, plan, sparse = rq4_search.full_size("digits", by_name["dsr90"])
+    assert row == "sparse 90% dsr" and plan == {} and sparse.density == pytest.approx(0.1)
+    by_name = {v.name: v for v in study.single_variants("translation")}
+    # 8 microbatches of the CPU batch -> at most 12.5 of the 100 rows -> 10 rows, k = 10
+    assert rq4_search.full_size("translation", by_name["k8"]) == (
+        "microbatch 10",
+        {"microbatches": 10},
+        None,
+    )
+
+
+def test_greedy_search_adds_what_lowers_xla_memory_and_stops(tmp_path, monkeypatch):
+    rq2 = tmp_path / "rq2"
+    runs = rq2 / "digits" / "runs"
+    runs.mkdir(parents=True)
+    values = {
+        "baseline": 0.95,
+        "mixed_fp16": 0.95,
+        "fp16": 0.90,
+        "mb8": 0.949,
+        "remat_full": 0.95,
+        "dsr90": 0.948,
+    }  # fp16 is 5 points worse: not admissible at 0.5
+    techniques = {v.name: v.technique for v in study.single_variants("digits")}
+    for name, value in values.items():
+        (runs / f"{name}_seed0.json").write_text(
+            json.dumps(_record(name, 0, value, techniques[name]))
+        )
+    monkeypatch.setattr(rq4_search, "RQ2", str(rq2))
+    MiB = 2**20
+    single = {
+        "baseline": 500,
+        "mixed_fp16": 400,
+        "fp16": 250,
+        "microbatch 8": 100,
+        "remat full": 200,
+        "sparse 90% dsr": 480,
+    }
+    rows = [
+        {
+            "name": n,
+            "xla": {"total_bytes": b * MiB, "source": "XLA:CPU"},
+            "analytic": {"total_bytes": b * MiB},
+            "flops": 1.0,
+        }
+        for n, b in single.items()
+    ]
+    monkeypatch.setattr(rq4_search, "load_or_run_report", lambda model: {"configs": rows})
+
+    def fake_analyze(model, batch, plan, sparse=None, seq_len=40):
+        mib = 500.0
+        mib *= 0.8 if plan.precision == "mixed_fp16" else 1.0
+        mib *= 0.2 if plan.microbatches == 16 else 1.0
+        mib *= 0.5 if plan.remat == "full" else 1.0
+        mib += 30 if sparse is not None else 0  # rewiring temp: never worth it here
+        return types.SimpleNamespace(
+            xla={"total_bytes": mib * MiB}, analytic={"total_bytes": mib * MiB}, flops=1.0
+        )
+
+    monkeypatch.setattr(rq4_search, "analyze_model", fake_analyze)
+    result = rq4_search.search("digits", tolerance=0.5, log=lambda *_: None)
+    verdicts = {v["name"]: v["admissible"] for v in result["verdicts"]}
+    assert verdicts["fp16"] is False and verdicts["mb8"] and verdicts["dsr90"]
+    assert result["chosen"] == ["mb8", "remat_full", "mixed_fp16"]
+    assert result["full_size"]["plan"] == {
+        "microbatches": 16,
+        "remat": "full",
+        "precision": "mixed_fp16",
+    }
+    assert result["full_size"]["reduction_xla"] == pytest.approx(500 / (500 * 0.8 * 0.2 * 0.5))
+    assert result["full_size"]["sparse"] is None
+    assert os.path.basename(rq4_search.OUT) == "rq4"
