@@ -55,12 +55,12 @@ import lowmem_jax as lm
 from lowmem_jax import data as data_lib
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import run as run_lib
+from lowmem_jax.memory import xla_memory
 from lowmem_jax.workloads import make_model, make_workload, sgd_nesterov
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sparse_storage  # noqa: E402
 import train_step  # noqa: E402
-from _common import xla_memory  # noqa: E402
 
 PARTS = ("microbatch", "sparse", "loss_scale")
 MIB = 2.0**20
@@ -100,17 +100,7 @@ def _optax_microbatch_step(model, tx, microbatch_size: int):
     """
 
     def grads_and_stats(params, batch, batch_stats):
-        def loss_fn(p):
-            logits, updates = model.apply(
-                {"params": p, "batch_stats": batch_stats},
-                batch["image"],
-                train=True,
-                mutable=["batch_stats"],
-            )
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-            return loss, updates["batch_stats"]
-
-        return jax.grad(loss_fn, has_aux=True)(params)
+        return train_step.plain_grads(model, params, batch_stats, batch)
 
     micro = optax.microbatching.microbatch(
         grads_and_stats,

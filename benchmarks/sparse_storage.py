@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import xla_memory
 
 import lowmem_jax as lm
 from lowmem_jax import memory, sparsity
+from lowmem_jax.memory import xla_memory
 from lowmem_jax.workloads import make_model
 
 # name -> (storage, algorithm, distribution); "dense" has no sparsity.

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import xla_memory
 
 import lowmem_jax as lm
+from lowmem_jax.memory import xla_memory
 from lowmem_jax.workloads import make_model
 
 # name -> Plan keyword arguments ("plain" is special: no lowmem transform at all).
@@ -52,23 +52,28 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+def plain_grads(model, params, batch_stats, batch):
+    """``jax.grad`` of the mean softmax cross-entropy; returns (grads, new batch_stats)."""
+
+    def loss_fn(p):
+        logits, updates = model.apply(
+            {"params": p, "batch_stats": batch_stats},
+            batch["image"],
+            train=True,
+            mutable=["batch_stats"],
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, updates["batch_stats"]
+
+    return jax.grad(loss_fn, has_aux=True)(params)
+
+
 def _plain_step(model, tx):
     """The baseline: what a Flax/Optax user writes with no memory technique."""
 
     def step(state, batch):
         params, opt_state, batch_stats = state
-
-        def loss_fn(p):
-            logits, updates = model.apply(
-                {"params": p, "batch_stats": batch_stats},
-                batch["image"],
-                train=True,
-                mutable=["batch_stats"],
-            )
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-            return loss, updates["batch_stats"]
-
-        grads, batch_stats = jax.grad(loss_fn, has_aux=True)(params)
+        grads, batch_stats = plain_grads(model, params, batch_stats, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, batch_stats), {}
 

@@ -1,4 +1,6 @@
 import functools
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -72,42 +74,18 @@ def test_beam_size_one_equals_greedy():
     assert (greedy == 2).any(axis=1).sum() >= 4  # the comparison covers EOS-ended rows
 
 
-class _FullPrefixDecoder:
-    """The decoding interface of ``MODEL`` computed the old way, for reference outputs.
+def _load_decode_benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "decode_benchmark", Path(__file__).parents[1] / "benchmarks" / "decode.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    Its "cache" is the ``[N, max_len]`` prefix buffer: each step writes the new token and re-runs
-    the full causal ``decode`` over the buffer, taking the logits at the step's position
-    (``O(max_len^2)`` decoder work); ``reorder_cache`` gathers the buffer rows.
-    """
 
-    pad_id = MODEL.pad_id
-
-    @staticmethod
-    def apply(variables, *args, method):
-        return method(variables, *args)
-
-    @staticmethod
-    def encode(variables, src):
-        return MODEL.apply(variables, src, method=MODEL.encode)
-
-    @staticmethod
-    def init_cache(variables, memory, src_mask):
-        prefix = jnp.full((memory.shape[0], MAX_LEN), MODEL.pad_id, jnp.int32)
-        return {"prefix": prefix, "t": jnp.int32(0), "memory": memory, "src_mask": src_mask}
-
-    @staticmethod
-    def decode_step(variables, tokens, cache):
-        t = cache["t"]
-        prefix = jax.lax.dynamic_update_index_in_dim(cache["prefix"], tokens, t, axis=1)
-        logits = MODEL.apply(
-            variables, prefix, cache["memory"], cache["src_mask"], method=MODEL.decode
-        )
-        logits = jax.lax.dynamic_index_in_dim(logits, t, axis=1, keepdims=False)
-        return logits, {**cache, "prefix": prefix, "t": t + 1}
-
-    @staticmethod
-    def reorder_cache(cache, indices):
-        return {**cache, "prefix": cache["prefix"][indices]}
+# The decoding interface computed the old way (the full decode over the prefix buffer at every
+# step, O(max_len^2)): the reference the benchmark times, here for reference outputs.
+_FullPrefixDecoder = _load_decode_benchmark().full_prefix_decoder(MODEL, MAX_LEN)
 
 
 @pytest.mark.parametrize("stop_early", [True, False])
