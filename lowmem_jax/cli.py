@@ -141,26 +141,33 @@ TRANSLATION_DATASETS = ("synthetic-copy", "synthetic-reverse", "iwslt14", "ted_m
 TRANSLATION_MODELS = {"dynamicconv-small": "small", "dynamicconv-iwslt": "iwslt"}
 
 
+def _run_fields(args: argparse.Namespace) -> dict:
+    """The config fields both training loops take from the same flags."""
+    return {
+        "plan": _plan(args),
+        "sparse": _sparse_config(args),
+        "seed": args.seed,
+        "data_dir": args.data_dir,
+        "checkpoint_dir": args.checkpoint_dir,
+        "checkpoint_every": args.checkpoint_every,
+        "keep_checkpoints": args.keep_checkpoints,
+        "resume": args.resume,
+        "tensorboard": not args.no_tensorboard,
+    }
+
+
 def _image_config(args: argparse.Namespace):
     from lowmem_jax.run import TrainConfig
 
     return TrainConfig(
         model=args.model or "wrn-16-2",
         dataset=args.dataset,
-        plan=_plan(args),
-        sparse=_sparse_config(args),
         batch_size=args.batch_size,
         epochs=args.epochs,
         learning_rate=0.1 if args.lr is None else args.lr,
         lr_schedule=args.lr_schedule,
         weight_decay=5e-4 if args.weight_decay is None else args.weight_decay,
-        seed=args.seed,
-        data_dir=args.data_dir,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
-        resume=args.resume,
-        tensorboard=not args.no_tensorboard,
+        **_run_fields(args),
         progress=not args.no_progress,
     )
 
@@ -177,21 +184,13 @@ def _translation_config(args: argparse.Namespace):
     return TranslationConfig(
         model=TRANSLATION_MODELS[model],
         dataset=args.dataset,
-        plan=_plan(args),
-        sparse=_sparse_config(args),
         max_tokens=args.max_tokens,
         steps=args.steps,
         learning_rate=2e-3 if args.lr is None else args.lr,
         warmup=args.warmup,
         weight_decay=1e-4 if args.weight_decay is None else args.weight_decay,
         label_smoothing=args.label_smoothing,
-        seed=args.seed,
-        data_dir=args.data_dir,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
-        resume=args.resume,
-        tensorboard=not args.no_tensorboard,
+        **_run_fields(args),
         average_last=args.average_last,
         eval_every=args.eval_every,
         beam_size=args.beam_size,
