@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowmem_jax.models import DynamicConvTransformer, greedy_decode
-from lowmem_jax.translation import beam_search
+from lowmem_jax.models import DynamicConvTransformer, beam_search, greedy_decode
 
 # preset -> (batch, source length, max_len)
 PRESETS = {"small": (32, 20, 40), "iwslt": (4, 20, 30)}

@@ -38,6 +38,7 @@ an existing JSON there (each part records its own command and time).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -54,9 +55,10 @@ import optax
 import lowmem_jax as lm
 from lowmem_jax import data as data_lib
 from lowmem_jax import loss_scale as loss_scale_lib
-from lowmem_jax import run as run_lib
+from lowmem_jax import tasks
+from lowmem_jax.loop import TrainConfig
 from lowmem_jax.memory import xla_memory
-from lowmem_jax.workloads import make_model, make_workload, sgd_nesterov
+from lowmem_jax.workloads import workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sparse_storage  # noqa: E402
@@ -212,9 +214,9 @@ def microbatch_comparison(
     model=None,
 ) -> dict:
     """``model``: a Flax classifier with BatchNorm to use instead of ``model_name``'s (tests)."""
-    workload = make_workload(model_name, batch_size, image_size=image_size)
-    tx = workload.tx
-    model = workload.model if model is None else model
+    work = workload(model_name, batch_size, image_size=image_size)
+    tx = dataclasses.replace(work.recipe, schedule="constant").optimizer_for(1)  # the recipe's
+    model = work.model if model is None else model
     batch = random_batch(batch_size, image_size)
     entries = [build_accumulation("plain", 1, model, tx, batch)]
     params0 = [np.asarray(x) for x in jax.tree.leaves(_params(entries[0]["state"]))]
@@ -275,7 +277,7 @@ def microbatch_comparison(
         "repeats": repeats,
         "optimizer": "SGD Nesterov 0.9, lr 0.1, weight decay 5e-4 on kernels (the WRN recipe)",
         "conv": "lowmem_jax.ops.Conv (loop-friendly backward on CPU) in all four variants; the "
-        "same Flax model (lowmem_jax.workloads.make_model, blocks scanned) for all",
+        "same Flax model (lowmem_jax.workloads.workload, blocks scanned) for all",
         "param_bytes": param_bytes,
         "rows": rows,
         "update_agreement": agreement,
@@ -386,7 +388,7 @@ def loss_scale_setup(
         raise ValueError(f"Unknown variant={variant!r}; allowed values: {LOSS_SCALE_VARIANTS}")
     kind = "dynamic" if variant == "ours_dynamic" else "none"
     plan = lm.Plan(precision="mixed_fp16", loss_scale=kind)
-    config = run_lib.TrainConfig(
+    config = TrainConfig(
         model=model_name,
         plan=plan,
         batch_size=batch_size,
@@ -395,10 +397,12 @@ def loss_scale_setup(
         image_size=image_size,
         progress=False,
     )
-    train, test, _ = run_lib.load_splits(config)
-    model = plan.configure_model(make_model(model_name, 10) if model is None else model)
-    # The recipe optimizer and schedule of `lowmem train` (run.py), over `steps` steps.
-    tx = sgd_nesterov(run_lib.learning_rate_schedule(config, steps), 0.9, 5e-4)
+    task = tasks.make_task(config)
+    train, test = task.train, task.test
+    work = workload(model_name)
+    model = plan.configure_model(work.model if model is None else model)
+    # The recipe optimizer and schedule of `lowmem train`, over `steps` steps.
+    tx = config.recipe(work.recipe).optimizer_for(steps)
     if variant == "plain_fp16_apply_if_finite":
         tx = optax.apply_if_finite(tx, max_consecutive_errors=10)
     rng = np.asarray(jax.random.PRNGKey(seed))

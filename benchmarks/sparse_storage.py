@@ -31,6 +31,7 @@ Writes ``<out-dir>/sparse_storage_<model>_b<batch>_<backend>.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -46,7 +47,7 @@ import optax
 import lowmem_jax as lm
 from lowmem_jax import memory, sparsity
 from lowmem_jax.memory import xla_memory
-from lowmem_jax.workloads import make_model
+from lowmem_jax.workloads import workload
 
 # name -> (storage, algorithm, distribution); "dense" has no sparsity.
 CONFIGS: dict[str, tuple[str, str, str] | None] = {
@@ -60,38 +61,35 @@ UPDATE_PERIOD = 100
 
 
 def build(name: str, model_name: str, batch_size: int, sparsity_level: float):
-    """Returns (step, state, batch, sparse_tx or None, model_params shapes) for ``name``."""
+    """Returns (step, state, batch, tx) for ``name``; ``tx.sparse`` is None when dense."""
     rng = np.random.default_rng(0)
     batch = {
         "image": jnp.asarray(rng.normal(size=(batch_size, 32, 32, 3)), jnp.float32),
         "label": jnp.asarray(rng.integers(0, 10, size=batch_size), jnp.int32),
     }
-    plan = lm.Plan()  # fp32, 1 microbatch, no remat
-    model = plan.configure_model(make_model(model_name, 10))
+    dense_plan = lm.Plan()  # fp32, 1 microbatch, no remat
+    model = dense_plan.configure_model(workload(model_name).model)
     variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(batch["image"][:2])
     model_state = {"batch_stats": variables["batch_stats"]}
     tx = optax.sgd(0.1, momentum=0.9, nesterov=True)
     loss_fn = lm.classifier_loss_fn(model)
-    if CONFIGS[name] is None:
-        state = lm.TrainState.create(
-            params=variables["params"], model_state=model_state, tx=tx, plan=plan
+    plan = dense_plan
+    if CONFIGS[name] is not None:
+        storage, algorithm, distribution = CONFIGS[name]
+        cfg = sparsity.SparseConfig(
+            algorithm=algorithm,
+            density=round(1.0 - sparsity_level, 6),
+            distribution=distribution,
+            update_period=UPDATE_PERIOD,
+            compressed=storage == "compressed",
         )
-        return lm.make_train_step(loss_fn, tx, plan), state, batch, None, state.params
-    storage, algorithm, distribution = CONFIGS[name]
-    cfg = sparsity.SparseConfig(
-        algorithm=algorithm,
-        density=round(1.0 - sparsity_level, 6),
-        distribution=distribution,
-        update_period=UPDATE_PERIOD,
-        compressed=storage == "compressed",
+        plan = dataclasses.replace(dense_plan, sparsity=cfg)
+    tx = plan.wrap_optimizer(tx, variables["params"])
+    state = lm.TrainState.create(
+        params=variables["params"], model_state=model_state, tx=tx, plan=plan
     )
-    sparse = sparsity.sparse_training(tx, cfg, variables["params"])
-    state = sparse.create_train_state(
-        params=variables["params"], plan=plan, model_state=model_state
-    )
-    step = lm.make_train_step(loss_fn, sparse, plan, materialize=sparse.materialize)
-    model_params = jax.eval_shape(sparse.materialize, state.params, state.opt_state)
-    return step, state, batch, sparse, model_params
+    step = lm.make_train_step(loss_fn, tx, plan)
+    return step, state, batch, tx
 
 
 def _set_count(opt_state, count: int):
@@ -107,8 +105,9 @@ def _set_count(opt_state, count: int):
 
 def prepare(name: str, model_name: str, batch_size: int, sparsity_level: float) -> dict:
     """Builds, analyses and compiles configuration ``name``, and runs its warm-up step."""
-    step, state, batch, sparse, model_params = build(name, model_name, batch_size, sparsity_level)
-    analytic = memory.analytic_breakdown(state=state, batch=batch, model_params=model_params)
+    step, state, batch, tx = build(name, model_name, batch_size, sparsity_level)
+    sparse = tx if CONFIGS[name] is not None else None
+    analytic = memory.analytic_breakdown(state=state, batch=batch, tx=tx)
     slots = {k: v for k, v in analytic["optimizer_breakdown"].items() if k.startswith("slot:")}
     stored = {
         "model_bytes": analytic["model_bytes"],
@@ -163,7 +162,7 @@ def measure_all(entries: list[dict], repeats: int) -> None:
             e["state"] = state.replace(opt_state=_set_count(state.opt_state, UPDATE_PERIOD - 1))
             jax.block_until_ready(e["state"])
             e["row"]["rewire_step_seconds"] = timed_step(e)
-            report = sparsity.density_report(e["sparse"], e["state"].params, e["state"].opt_state)
+            report = sparsity.density_report(e["sparse"], e["state"].opt_state)
             e["row"]["density_after"] = report["density"]
 
 

@@ -30,7 +30,7 @@ import optax
 
 import lowmem_jax as lm
 from lowmem_jax.memory import xla_memory
-from lowmem_jax.workloads import make_model
+from lowmem_jax.workloads import workload
 
 # name -> Plan keyword arguments ("plain" is special: no lowmem transform at all).
 CONFIGS: dict[str, dict] = {
@@ -89,12 +89,12 @@ def build(name: str, model_name: str, batch_size: int):
     }
     tx = optax.sgd(0.1, momentum=0.9, nesterov=True)
     if name == "plain":
-        model = make_model(model_name, 10, conv_impl="xla", unroll=True)
+        model = workload(model_name, conv_impl="xla", unroll=True).model
         variables = model.init(jax.random.key(0), batch["image"][:2], train=False)
         state = (variables["params"], tx.init(variables["params"]), variables["batch_stats"])
         return _plain_step(model, tx), state, batch
     plan = lm.Plan(**CONFIGS[name])
-    model = plan.configure_model(make_model(model_name, 10))
+    model = plan.configure_model(workload(model_name).model)
     variables = model.init(jax.random.key(0), batch["image"][:2], train=False)
     state = lm.TrainState.create(
         params=variables["params"],

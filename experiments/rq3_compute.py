@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import study  # noqa: E402
 from experiments.memory_reports import MODELS, load_or_run_report  # noqa: E402
 from lowmem_jax.report import divisor_at_most, standard_grid  # noqa: E402
-from lowmem_jax.workloads import build_train_step  # noqa: E402
+from lowmem_jax.workloads import build, workload  # noqa: E402
 
 OUT = os.path.join(study.RESULTS, "rq3")
 
@@ -56,11 +56,11 @@ def timed_rows(batch_size: int, saved_name: str) -> list:
     return [row for row in standard_grid(batch_size, saved_name) if row[0] in wanted]
 
 
-def prepare(model: str, batch_size: int, plan, sparse, seq_len: int) -> dict:
+def prepare(model: str, batch_size: int, plan, seq_len: int) -> dict:
     """Compiles one configuration's step on a real state and batch; runs one warm-up step."""
-    setup = build_train_step(model, batch_size, plan, sparse=sparse, seq_len=seq_len)
+    setup = build(workload(model, batch_size, seq_len=seq_len), plan)
     batch = setup.example_batch()
-    state = setup.concrete_state(batch)
+    state = setup.init_state(batch)
     start = time.perf_counter()
     compiled = setup.step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
@@ -77,9 +77,9 @@ def time_once(run: dict) -> float:
     return time.perf_counter() - start
 
 
-def time_step(model: str, batch_size: int, plan, sparse, repeats: int, seq_len: int) -> dict:
+def time_step(model: str, batch_size: int, plan, repeats: int, seq_len: int) -> dict:
     """Median step time of one configuration (for a pair, prefer :func:`time_interleaved`)."""
-    run = prepare(model, batch_size, plan, sparse, seq_len)
+    run = prepare(model, batch_size, plan, seq_len)
     times = [time_once(run) for _ in range(repeats)]
     return {
         "compile_seconds": run["compile_seconds"],
@@ -103,12 +103,12 @@ def measure_model(model: str, batch_size: int, repeats: int, seq_len: int = 40) 
     flops = {r["name"]: r["flops_overhead"] for r in report["configs"]}
     grid = timed_rows(batch_size, saved)
     runs = []
-    for name, _, plan, sparse in grid:
+    for name, _, plan in grid:
         print(f"[{time.strftime('%H:%M:%S')}] {model} b{batch_size}: compiling {name}", flush=True)
-        runs.append(prepare(model, batch_size, plan, sparse, seq_len))
+        runs.append(prepare(model, batch_size, plan, seq_len))
     rounds = time_interleaved(runs, repeats)
     rows = []
-    for i, (name, group, _, _) in enumerate(grid):
+    for i, (name, group, _) in enumerate(grid):
         times = [r[i] for r in rounds]
         ratios = [r[i] / r[0] for r in rounds]
         rows.append(

@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import study  # noqa: E402
 from experiments.memory_reports import MODELS, load_or_run_report  # noqa: E402
 from experiments.rq3_compute import prepare, time_interleaved  # noqa: E402
+from lowmem_jax.plan import Plan  # noqa: E402
 from lowmem_jax.report import divisor_at_most  # noqa: E402
-from lowmem_jax.train import Plan  # noqa: E402
 from lowmem_jax.workloads import analyze_model  # noqa: E402
 
 OUT = os.path.join(study.RESULTS, "rq4")
@@ -78,7 +78,7 @@ def full_size(task: str, variant: study.Variant) -> tuple[str | None, dict, obje
     if technique == "remat":
         return f"remat {plan.remat}", {"remat": plan.remat}, None
     if technique == "sparsity":
-        sparse = variant.sparse
+        sparse = variant.plan.sparsity
         if sparse.algorithm != "dsr":
             return None, {}, sparse  # the memory grid has DSR rows only
         return f"sparse {1 - sparse.density:.0%} dsr", {}, sparse
@@ -146,10 +146,10 @@ def cpu_variant(task: str, settings: list[Setting]) -> study.Variant:
         elif s.axis == "remat":
             fields["remat"] = p.remat
         else:
-            sparse = s.variant.sparse
+            sparse = s.variant.plan.sparsity
     name = "+".join(s.variant.name for s in settings) or "baseline"
     setting = " + ".join(s.variant.setting for s in settings) or "baseline"
-    return study.Variant(name, "combined", setting, Plan(**fields), sparse)
+    return study.Variant(name, "combined", setting, Plan(**fields, sparsity=sparse))
 
 
 def search(task: str, tolerance: float, log=print) -> dict:
@@ -184,7 +184,8 @@ def search(task: str, tolerance: float, log=print) -> dict:
                 continue
             fields, sparse = combine([*chosen, s])
             log(f"[{time.strftime('%H:%M:%S')}] {model}: trying {fields} sparse={sparse}")
-            r = analyze_model(model, batch, Plan(**fields), sparse=sparse, seq_len=MODELS[model][1])
+            plan = Plan(**fields, sparsity=sparse)
+            r = analyze_model(model, batch, plan, seq_len=MODELS[model][1])
             trials.append((r.xla["total_bytes"], r.analytic["total_bytes"], r.flops, s, fields))
         if not trials:
             break
@@ -263,8 +264,8 @@ def measure(task: str, result: dict, seeds: list[int], repeats: int, log=print) 
     fields, sparse = combine(chosen)
     seq_len = MODELS[model][1]
     runs = [
-        prepare(model, result["batch_size"], Plan(), None, seq_len),
-        prepare(model, result["batch_size"], Plan(**fields), sparse, seq_len),
+        prepare(model, result["batch_size"], Plan(), seq_len),
+        prepare(model, result["batch_size"], Plan(**fields, sparsity=sparse), seq_len),
     ]
     rounds = time_interleaved(runs, repeats)  # both in every round: ratios paired per round
     ratios = [combined / base for base, combined in rounds]

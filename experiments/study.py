@@ -23,9 +23,9 @@ from typing import Any
 
 import jax
 
-from lowmem_jax.run import TrainConfig, train_and_evaluate
+from lowmem_jax.loop import TrainConfig, train_and_evaluate
+from lowmem_jax.plan import Plan
 from lowmem_jax.sparsity import SparseConfig
-from lowmem_jax.train import Plan
 
 TASKS = ("digits", "translation")
 TASK_NOTES = {
@@ -45,15 +45,13 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 class Variant:
     """One configuration of a task: a technique at one setting, or a combination.
 
-    ``plan`` and ``sparse`` replace the baseline's; ``memory_key`` names the row of the
-    full-size memory analysis with the same setting (RQ4 joins accuracy and memory on it).
+    ``plan`` (sparsity included) replaces the baseline's; its sparsity is seeded per run.
     """
 
     name: str
     technique: str  # baseline | precision | microbatching | remat | sparsity | combined
     setting: str
     plan: Plan = Plan()
-    sparse: SparseConfig | None = None
 
 
 def dsr(sparsity: float, seed: int = 0, target_pruned: int | None = None) -> SparseConfig:
@@ -106,9 +104,11 @@ def single_variants(task: str) -> list[Variant]:
         # digits ran with the report's N_p for WRN-28-2 (20,000; ~2x the scaled default for
         # WRN-16-2), before the default scaled with the model.
         sparse = dsr(s, target_pruned=20_000 if digits else None)
-        out.append(Variant(f"dsr{round(100 * s)}", "sparsity", f"DSR {s:.0%}", sparse=sparse))
+        out.append(
+            Variant(f"dsr{round(100 * s)}", "sparsity", f"DSR {s:.0%}", Plan(sparsity=sparse))
+        )
     if digits:
-        out.append(Variant("rigl90", "sparsity", "RigL 90% (ERK)", sparse=rigl(0.9)))
+        out.append(Variant("rigl90", "sparsity", "RigL 90% (ERK)", Plan(sparsity=rigl(0.9))))
     return out
 
 
@@ -117,7 +117,7 @@ def _check_task(task: str) -> None:
         raise ValueError(f"Unknown task={task!r}; allowed values: {list(TASKS)}")
 
 
-def base_config(task: str, seed: int) -> Any:
+def base_config(task: str, seed: int) -> TrainConfig:
     """The task's baseline training config for ``seed``."""
     _check_task(task)
     if task == "digits":
@@ -129,10 +129,8 @@ def base_config(task: str, seed: int) -> Any:
             seed=seed,
             progress=False,
         )
-    from lowmem_jax.run_translation import TranslationConfig
-
-    return TranslationConfig(
-        model="small",
+    return TrainConfig(
+        model="dynamicconv-small",
         dataset="synthetic-reverse",
         plan=Plan(),
         steps=400,
@@ -140,15 +138,15 @@ def base_config(task: str, seed: int) -> Any:
         beam_size=1,
         eval_every=400,
         eval_sentences=None,
+        progress=False,
     )
 
 
-def config_for(task: str, variant: Variant, seed: int) -> Any:
-    base = base_config(task, seed)
-    if variant.sparse is None:
-        return dataclasses.replace(base, plan=variant.plan)
-    sparse = dataclasses.replace(variant.sparse, seed=seed)
-    return dataclasses.replace(base, plan=variant.plan, sparse=sparse)
+def config_for(task: str, variant: Variant, seed: int) -> TrainConfig:
+    plan = variant.plan
+    if plan.sparsity is not None:
+        plan = dataclasses.replace(plan, sparsity=dataclasses.replace(plan.sparsity, seed=seed))
+    return dataclasses.replace(base_config(task, seed), plan=plan)
 
 
 def metric_name(task: str) -> str:
@@ -168,19 +166,15 @@ def train_once(task: str, variant: Variant, seed: int) -> dict[str, Any]:
     """Trains one variant for one seed; returns the run record (no history)."""
     config = config_for(task, variant, seed)
     start = time.perf_counter()
-    if task == "digits":
-        summary = train_and_evaluate(config, log=None)
-    else:
-        from lowmem_jax.run_translation import train_and_evaluate_translation
-
-        summary = train_and_evaluate_translation(config, log=None)
+    summary = train_and_evaluate(config, log=None)
+    plan = dataclasses.replace(variant.plan, sparsity=None)
     record = {
         "name": variant.name,
         "technique": variant.technique,
         "setting": variant.setting,
         "seed": seed,
-        "plan": variant.plan.to_dict(),
-        "sparse": None if variant.sparse is None else sparse_fields(config.sparse),
+        "plan": plan.to_dict(),
+        "sparse": None if config.plan.sparsity is None else sparse_fields(config.plan.sparsity),
         "metric": metric_name(task),
         "value": summary[metric_name(task)],
         "wall_seconds": time.perf_counter() - start,

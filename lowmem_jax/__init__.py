@@ -7,7 +7,20 @@ Each technique is a pure transform; :func:`make_train_step` composes them into o
 >>> model = plan.configure_model(lm.models.WideResNet(depth=10, width=1, num_classes=10))
 """
 
-from lowmem_jax import loss_scale, memory, microbatch, models, ops, precision, remat, sparsity
+from lowmem_jax import (
+    loss_scale,
+    losses,
+    memory,
+    microbatch,
+    models,
+    ops,
+    precision,
+    recipes,
+    remat,
+    sparsity,
+    workloads,
+)
+from lowmem_jax.base import Optimizer, as_optimizer
 from lowmem_jax.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -16,12 +29,14 @@ from lowmem_jax.loss_scale import (
     make_loss_scale,
     select_tree,
 )
+from lowmem_jax.losses import classifier_loss_fn, translation_loss_fn
 from lowmem_jax.memory import MemoryReport, analyze
 from lowmem_jax.microbatch import accumulate_gradients
+from lowmem_jax.plan import Plan
 from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
 from lowmem_jax.remat import ScannedBlocks, compiler_options, parse_policy
-from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step, scaled_grad_fn
-from lowmem_jax.workloads import analyze_model
+from lowmem_jax.train import TrainState, make_train_step, model_params, scaled_grad_fn
+from lowmem_jax.workloads import analyze_model, build, workload
 
 __version__ = "0.1.0"
 
@@ -29,8 +44,14 @@ __all__ = [
     "Plan",
     "TrainState",
     "make_train_step",
+    "model_params",
     "scaled_grad_fn",
+    "Optimizer",
+    "as_optimizer",
     "classifier_loss_fn",
+    "translation_loss_fn",
+    "workload",
+    "build",
     "Policy",
     "get_policy",
     "cast_floating",
@@ -49,11 +70,14 @@ __all__ = [
     "analyze_model",
     "MemoryReport",
     "loss_scale",
+    "losses",
     "memory",
     "microbatch",
     "models",
     "ops",
     "precision",
+    "recipes",
     "remat",
     "sparsity",
+    "workloads",
 ]

@@ -1,77 +1,58 @@
-"""The ``lowmem`` command line.
+"""The ``lowmem`` command line: flags -> a config or a plan -> one library call.
 
 ``lowmem analyze``: compile-only memory analysis of one configuration (``--json`` for machines).
 ``lowmem report``: the standard grid of configurations, as a table, JSON, markdown and plots.
-``lowmem train``: train a WideResNet on the digits dataset that ships with scikit-learn, with any
-combination of the techniques (nothing is downloaded).
+``lowmem train``: train a registered model on a dataset (nothing is downloaded) with any
+combination of the techniques.
+
+Defaults live in the library (:class:`lowmem_jax.Plan`, :class:`lowmem_jax.loop.TrainConfig`,
+the model's recipe); a flag left out keeps them. Bad input is one line naming the parameter and
+its allowed values, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from lowmem_jax import loss_scale as loss_scale_lib
-from lowmem_jax import precision as precision_lib
-from lowmem_jax.workloads import MODEL_PATTERN as MODELS
+from lowmem_jax.plan import Plan
+from lowmem_jax.recipes import SCHEDULES
+from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS, SparseConfig
+from lowmem_jax.workloads import MODEL_NAMES
+
+MIB = 2.0**20
 
 
-def _add_workload_flags(
-    parser: argparse.ArgumentParser, *, model: str, batch_size: int | None, models: str
-) -> None:
-    parser.add_argument("--model", default=model, help=f"{models}. Default: %(default)s")
+def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="wrn-28-2", help=f"{MODEL_NAMES}. Default: %(default)s")
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=batch_size,
-        help="examples (sentences for dynamicconv-iwslt) per batch. Default: "
-        + ("%(default)s" if batch_size else "128 for wrn-D-K, 100 for dynamicconv-iwslt"),
+        help="examples (sentences for dynamicconv-*) per batch. Default: 128 for wrn-D-K, 100 "
+        "for dynamicconv-*",
     )
     parser.add_argument(
         "--seq-len",
         type=int,
         default=40,
-        help="tokens per sentence for dynamicconv-iwslt (100 x 40 = the recipe's 4,000 tokens). "
+        help="tokens per sentence for dynamicconv-* (100 x 40 = the recipe's 4,000 tokens). "
         "Default: %(default)s",
     )
 
 
-def _add_plan_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
+def _add_plan_flags(parser: argparse.ArgumentParser, base: Plan) -> None:
+    """A flag per technique field of :class:`Plan` (its help and choices), then sparsity."""
     group = parser.add_argument_group("techniques (composed into one jitted train step)")
-    group.add_argument(
-        "--precision",
-        default=defaults["precision"],
-        choices=sorted(precision_lib.POLICIES),
-        help="dtype policy: fp32; bf16/fp16 (params and compute half); mixed_bf16/mixed_fp16 "
-        "(fp32 master weights, half compute). Default: %(default)s",
-    )
-    group.add_argument(
-        "--loss-scale",
-        default="auto",
-        choices=["auto", *loss_scale_lib.LOSS_SCALES],
-        help="loss scaling; auto = dynamic when computing in float16, else none. Non-finite "
-        "gradients skip the whole update. Default: %(default)s",
-    )
-    group.add_argument(
-        "--microbatches",
-        type=int,
-        default=defaults["microbatches"],
-        help="split each batch into K microbatches and accumulate gradients with lax.scan "
-        "(BatchNorm uses per-microbatch statistics). Default: %(default)s",
-    )
-    group.add_argument(
-        "--remat",
-        default=defaults["remat"],
-        help="rematerialization policy per residual block: none, full (save block inputs), dots "
-        "(save conv/matmul outputs), save:NAME[,NAME] (save tagged activations, e.g. "
-        "save:conv_out), every:K (checkpoint segments of K blocks), sqrt. Default: %(default)s",
-    )
-
-
-def _add_sparsity_flags(parser: argparse.ArgumentParser) -> None:
-    from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS
-
+    for field in Plan.flag_fields():
+        default = getattr(base, field.name)
+        group.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=type(default),
+            choices=field.metadata["choices"],
+            help=f"{field.metadata['help']}. Default: {default}",
+        )
     group = parser.add_argument_group("sparsity (lowmem_jax.sparsity)")
     group.add_argument(
         "--sparsity",
@@ -108,127 +89,80 @@ def _add_sparsity_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _sparse_config(args: argparse.Namespace):
-    """The SparseConfig the flags ask for, or None for dense training."""
+def _plan(args: argparse.Namespace, base: Plan) -> Plan:
+    """``base`` with the technique flags given, and the sparsity they ask for."""
+    given = {f.name: getattr(args, f.name) for f in Plan.flag_fields()}
+    given = {k: v for k, v in given.items() if v is not None}
     if not 0.0 <= args.sparsity < 1.0:
         raise ValueError(f"--sparsity must be in [0, 1) (fraction of zeros), got {args.sparsity}")
-    if args.sparsity == 0.0:
-        return None
-    from lowmem_jax.sparsity import SparseConfig
-
-    return SparseConfig(
-        algorithm=args.sparse_algorithm,
-        density=1.0 - args.sparsity,
-        distribution=args.sparse_distribution,
-        init=args.sparse_init,
-        update_period=args.sparse_period,
-        compressed=args.sparse_storage == "compressed",
-    )
-
-
-def _plan(args: argparse.Namespace):
-    from lowmem_jax.train import Plan
-
-    return Plan(
-        precision=args.precision,
-        loss_scale=args.loss_scale,
-        microbatches=args.microbatches,
-        remat=args.remat,
-    )
+    sparse = None
+    if args.sparsity > 0.0:
+        sparse = SparseConfig(
+            algorithm=args.sparse_algorithm,
+            density=1.0 - args.sparsity,
+            distribution=args.sparse_distribution,
+            init=args.sparse_init,
+            update_period=args.sparse_period,
+            compressed=args.sparse_storage == "compressed",
+        )
+    return dataclasses.replace(base, **given, sparsity=sparse)
 
 
-TRANSLATION_DATASETS = ("synthetic-copy", "synthetic-reverse", "iwslt14", "ted_multi")
-TRANSLATION_MODELS = {"dynamicconv-small": "small", "dynamicconv-iwslt": "iwslt"}
+# The train flags that set TrainConfig fields of the same name (None: the config's default).
+_TRAIN_FIELDS = (
+    "dataset", "model", "epochs", "steps", "batch_size", "max_tokens", "warmup", "weight_decay",
+    "label_smoothing", "seed", "data_dir", "image_size", "eval_every", "beam_size",
+    "average_last", "checkpoint_dir", "checkpoint_every", "keep_checkpoints",
+)  # fmt: skip
 
 
-def _run_fields(args: argparse.Namespace) -> dict:
-    """The config fields both training loops take from the same flags."""
-    return {
-        "plan": _plan(args),
-        "sparse": _sparse_config(args),
-        "seed": args.seed,
-        "data_dir": args.data_dir,
-        "checkpoint_dir": args.checkpoint_dir,
-        "checkpoint_every": args.checkpoint_every,
-        "keep_checkpoints": args.keep_checkpoints,
-        "resume": args.resume,
-        "tensorboard": not args.no_tensorboard,
-    }
+def _train_config(args: argparse.Namespace):
+    from lowmem_jax.loop import DEFAULT_PLAN, TrainConfig
 
-
-def _image_config(args: argparse.Namespace):
-    from lowmem_jax.run import TrainConfig
-
+    fields = {k: getattr(args, k) for k in _TRAIN_FIELDS if getattr(args, k) is not None}
     return TrainConfig(
-        model=args.model or "wrn-16-2",
-        dataset=args.dataset,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        learning_rate=0.1 if args.lr is None else args.lr,
+        **fields,
+        plan=_plan(args, DEFAULT_PLAN),
+        learning_rate=args.lr,
         lr_schedule=args.lr_schedule,
-        weight_decay=5e-4 if args.weight_decay is None else args.weight_decay,
-        **_run_fields(args),
+        resume=args.resume,
+        tensorboard=not args.no_tensorboard,
         progress=not args.no_progress,
     )
 
 
-def _translation_config(args: argparse.Namespace):
-    from lowmem_jax.run_translation import TranslationConfig
-
-    model = args.model or "dynamicconv-small"
-    if model not in TRANSLATION_MODELS:
-        raise ValueError(
-            f"Unknown model={model!r} for dataset={args.dataset!r}; allowed values: "
-            f"{list(TRANSLATION_MODELS)}"
-        )
-    return TranslationConfig(
-        model=TRANSLATION_MODELS[model],
-        dataset=args.dataset,
-        max_tokens=args.max_tokens,
-        steps=args.steps,
-        learning_rate=2e-3 if args.lr is None else args.lr,
-        warmup=args.warmup,
-        weight_decay=1e-4 if args.weight_decay is None else args.weight_decay,
-        label_smoothing=args.label_smoothing,
-        **_run_fields(args),
-        average_last=args.average_last,
-        eval_every=args.eval_every,
-        beam_size=args.beam_size,
-    )
-
-
 def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    translation = args.dataset in TRANSLATION_DATASETS
+    from lowmem_jax.loop import train_and_evaluate
+
     try:
-        config = _translation_config(args) if translation else _image_config(args)
+        config = _train_config(args)
     except ValueError as err:
         parser.error(str(err))  # exits with status 2 and the usage line
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print
     if not args.json:
-        print(f"training {config.model} on {config.dataset}: {config.plan.to_dict()}")
-    if translation:
-        from lowmem_jax.run_translation import train_and_evaluate_translation as train
-    else:
-        from lowmem_jax.run import train_and_evaluate as train
-    summary = train(config, log=log)
+        print(f"training {config.model_name} on {config.dataset}: {config.plan.to_dict()}")
+    summary = train_and_evaluate(config, log=log)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
-    elif translation:
-        print(
+        return 0
+    if "bleu_beam" in summary:
+        result = (
             f"token accuracy {summary['token_accuracy']:.4f}, BLEU greedy "
-            f"{summary['bleu_greedy']:.1f} / beam-{config.beam_size} {summary['bleu_beam']:.1f} "
-            f"after {summary['steps']} steps ({summary['train_seconds']:.0f}s)"
-            + (f", density {summary['sparsity']['density']:.4f}" if summary.get("sparsity") else "")
+            f"{summary['bleu_greedy']:.1f} / beam-{summary['beam_size']} {summary['bleu_beam']:.1f}"
         )
+    elif "token_accuracy" in summary:
+        result = f"token accuracy {summary['token_accuracy']:.4f}"
     else:
-        print(
-            f"test accuracy {summary['test_accuracy']:.4f} after {config.epochs} epochs "
-            f"({summary['train_seconds']:.0f}s, {summary['skipped_steps']} skipped steps, "
-            f"{summary['param_count']:,} parameters, backend {summary['backend']})"
-        )
+        result = f"test accuracy {summary['test_accuracy']:.4f}"
+    density = summary.get("sparsity", {}).get("density")
+    print(
+        f"{result} after {summary['steps']} steps ({summary['train_seconds']:.0f}s, "
+        f"{summary['skipped_steps']} skipped steps, {summary['param_count']:,} parameters, "
+        f"backend {summary['backend']})" + (f", density {density:.4f}" if density else "")
+    )
     return 0
 
 
@@ -236,31 +170,28 @@ def _cmd_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from lowmem_jax.workloads import analyze_model
 
     try:
-        plan = _plan(args)
-        report = analyze_model(
-            args.model, args.batch_size, plan, sparse=_sparse_config(args), seq_len=args.seq_len
-        )
+        plan = _plan(args, Plan())
+        report = analyze_model(args.model, args.batch_size, plan, seq_len=args.seq_len)
     except ValueError as err:
         parser.error(str(err))
     result = {"model": args.model, "batch_size": report.config["batch_size"], **report.to_dict()}
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
-    mib = 2.0**20
     x, a = result["xla"], result["analytic"]
     print(
         f"{args.model}, batch {result['batch_size']}, {result['param_count']:,} parameters, "
         f"backend {result['backend']}; plan {result['config']}"
     )
     print(
-        f"  {x['source']:>9}: argument {x['argument_bytes'] / mib:9.2f} MiB  "
-        f"output {x['output_bytes'] / mib:9.2f}  alias {x['alias_bytes'] / mib:9.2f}  "
-        f"temp {x['temp_bytes'] / mib:9.2f}  total {x['total_bytes'] / mib:9.2f}"
+        f"  {x['source']:>9}: argument {x['argument_bytes'] / MIB:9.2f} MiB  "
+        f"output {x['output_bytes'] / MIB:9.2f}  alias {x['alias_bytes'] / MIB:9.2f}  "
+        f"temp {x['temp_bytes'] / MIB:9.2f}  total {x['total_bytes'] / MIB:9.2f}"
     )
     print(
-        f"   analytic: model {a['model_bytes'] / mib:9.2f} MiB  optimizer "
-        f"{a['optimizer_bytes'] / mib:9.2f}  activations {a['activation_bytes'] / mib:9.2f}  "
-        f"inputs {a['input_bytes'] / mib:7.2f}  total {a['total_bytes'] / mib:9.2f}"
+        f"   analytic: model {a['model_bytes'] / MIB:9.2f} MiB  optimizer "
+        f"{a['optimizer_bytes'] / MIB:9.2f}  activations {a['activation_bytes'] / MIB:9.2f}  "
+        f"inputs {a['input_bytes'] / MIB:7.2f}  total {a['total_bytes'] / MIB:9.2f}"
     )
     print(
         f"      FLOPs: {result['flops']:.4g} per step (jaxpr; XLA cost analysis: "
@@ -271,18 +202,17 @@ def _cmd_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lowmem_jax.report import run_report, to_markdown, write_report
-    from lowmem_jax.workloads import make_workload
+    from lowmem_jax.workloads import workload
 
     try:
-        work = make_workload(args.model, args.batch_size, seq_len=args.seq_len)
+        batch_size = workload(args.model, args.batch_size, seq_len=args.seq_len).batch_size
     except ValueError as err:
         parser.error(str(err))
-    batch_size = next(iter(work.batch.values())).shape[0]
     print(f"lowmem report: {args.model}, batch {batch_size} (compile-only, no step runs)")
     result = run_report(args.model, batch_size, seq_len=args.seq_len)
     command = "lowmem report " + " ".join(
         [f"--model {args.model}", f"--batch-size {batch_size}", f"--out-dir {args.out_dir}"]
-        + ([f"--seq-len {args.seq_len}"] if args.model == "dynamicconv-iwslt" else [])
+        + ([f"--seq-len {args.seq_len}"] if args.model.startswith("dynamicconv") else [])
     )
     paths = write_report(result, args.out_dir, command=command)
     print(to_markdown(result))
@@ -290,131 +220,132 @@ def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0
 
 
+def _add_train_flags(train: argparse.ArgumentParser) -> None:
+    from lowmem_jax.loop import DEFAULT_PLAN
+    from lowmem_jax.tasks import DATASETS
+
+    train.add_argument(
+        "--dataset", choices=list(DATASETS), help="Default: digits (embedded, nothing to prepare)"
+    )
+    train.add_argument(
+        "--model",
+        help="wrn-D-K for image datasets (default wrn-16-2); dynamicconv-small or "
+        "dynamicconv-iwslt for translation datasets (default dynamicconv-small)",
+    )
+    train.add_argument(
+        "--data-dir", metavar="DIR", help="TFDS data directory; nothing is downloaded"
+    )
+    _add_plan_flags(train, DEFAULT_PLAN)
+    run = train.add_argument_group("the run (defaults: the dataset's and the model's recipe)")
+    run.add_argument("--epochs", type=int, help="Default: 10 for image datasets")
+    run.add_argument("--steps", type=int, help="optimizer updates. Default: 200 for translation")
+    run.add_argument("--batch-size", type=int, help="images per batch. Default: 128")
+    run.add_argument("--image-size", type=int, help="digits: 8, 16 or 32 pixels. Default: 32")
+    run.add_argument(
+        "--lr", type=float, help="peak learning rate. Default: the recipe's (0.1 SGD Nesterov for "
+        "wrn-D-K; Adam 2e-3 for dynamicconv-small, 5e-4 for dynamicconv-iwslt)",
+    )  # fmt: skip
+    run.add_argument(
+        "--lr-schedule",
+        choices=SCHEDULES,
+        help="step: x0.2 at 30/60/80%% of training. Default: cosine for wrn-D-K, inverse_sqrt "
+        "for dynamicconv-*",
+    )
+    run.add_argument(
+        "--warmup", type=int, help="inverse_sqrt warmup. Default: 50 small, 4000 iwslt"
+    )
+    run.add_argument(
+        "--weight-decay",
+        type=float,
+        help="Default: 5e-4 for wrn-D-K (kernels only), 1e-4 for dynamicconv-* (decoupled)",
+    )
+    run.add_argument("--seed", type=int, help="Default: 0")
+    run.add_argument(
+        "--eval-every", type=int, help="steps between records. Default: an epoch; 1000 translation"
+    )
+    text = train.add_argument_group("translation datasets (DynamicConv Transformer)")
+    text.add_argument("--max-tokens", type=int, help="padded tokens per batch. Default: 1024")
+    text.add_argument("--label-smoothing", type=float, help="Default: 0.1")
+    text.add_argument("--beam-size", type=int, help="Default: 4")
+    text.add_argument(
+        "--average-last", type=int, help="average the newest N checkpoints. Default: 1"
+    )
+    ckpt = train.add_argument_group("checkpoints and output")
+    ckpt.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="save Orbax checkpoints here (atomic); the records go to DIR/metrics.jsonl and "
+        "TensorBoard event files in DIR",
+    )
+    ckpt.add_argument("--checkpoint-every", type=int, help="steps between saves. Default: 100")
+    ckpt.add_argument(
+        "--keep-checkpoints", type=int, help="checkpoints kept. Default: max(3, --average-last)"
+    )
+    ckpt.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue exactly from the newest checkpoint in --checkpoint-dir",
+    )
+    ckpt.add_argument(
+        "--no-tensorboard",
+        action="store_true",
+        help="write metrics.jsonl only, no TensorBoard event files",
+    )
+    ckpt.add_argument("--output", metavar="PATH", help="write the summary JSON here")
+    ckpt.add_argument(
+        "--json",
+        action="store_true",
+        help="print only the summary JSON on stdout (progress goes to stderr)",
+    )
+    ckpt.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+_COMMANDS = {
+    "analyze": (
+        "compile-only memory analysis of one configuration",
+        "Lower and compile one train step for abstract inputs (nothing runs, no data) and report "
+        "XLA's memory figures next to the analytic model / optimizer / activation breakdown.",
+    ),
+    "report": (
+        "the standard grid: baseline, each technique, combinations (tables and plots)",
+        "Memory analysis of the baseline, each technique alone at several settings and "
+        "combinations; prints a table and writes report.json, report.md, breakdown.png and "
+        "tradeoff.png.",
+    ),
+    "train": (
+        "train a model with a combination of low-memory techniques",
+        "Train a registered model: a WideResNet on the scikit-learn digits (1,797 8x8 images "
+        "upsampled to 32x32; ships with scikit-learn, nothing is downloaded) or on CIFAR-10, or "
+        "the DynamicConv Transformer on a synthetic task, IWSLT'14 or TED, the last three "
+        "prepared once with tensorflow-datasets (see the README). WRN recipe on CIFAR-10: "
+        "--dataset cifar10 --model wrn-28-2 --epochs 200 --lr-schedule step --precision fp32 "
+        "--microbatches 1 --remat none.",
+    ),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lowmem", description="How much memory does training take, and how to make it fit."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    commands = {}
+    for name, (summary, description) in _COMMANDS.items():
+        commands[name] = sub.add_parser(name, help=summary, description=description)
 
-    analyze = sub.add_parser(
-        "analyze",
-        help="compile-only memory analysis of one configuration",
-        description="Lower and compile one train step for abstract inputs (nothing runs, no "
-        "data) and report XLA's memory figures next to the analytic model / optimizer / "
-        "activation breakdown.",
-    )
-    _add_workload_flags(analyze, model="wrn-28-2", batch_size=None, models=MODELS)
-    _add_plan_flags(analyze, {"precision": "fp32", "microbatches": 1, "remat": "none"})
-    _add_sparsity_flags(analyze)
+    analyze = commands["analyze"]
+    _add_workload_flags(analyze)
+    _add_plan_flags(analyze, Plan())
     analyze.add_argument("--json", action="store_true", help="print exactly one JSON object")
     analyze.set_defaults(func=_cmd_analyze)
 
-    report = sub.add_parser(
-        "report",
-        help="the standard grid: baseline, each technique, combinations (tables and plots)",
-        description="Memory analysis of the baseline, each technique alone at several settings "
-        "and combinations; prints a table and writes report.json, report.md, breakdown.png and "
-        "tradeoff.png.",
-    )
-    _add_workload_flags(report, model="wrn-28-2", batch_size=None, models=MODELS)
+    report = commands["report"]
+    _add_workload_flags(report)
     report.add_argument("--out-dir", default="lowmem_report", help="Default: %(default)s")
     report.set_defaults(func=_cmd_report)
 
-    train = sub.add_parser(
-        "train",
-        help="train a model with a combination of low-memory techniques",
-        description="Train a WideResNet on the scikit-learn digits dataset (1,797 8x8 images "
-        "upsampled to 32x32; ships with scikit-learn, nothing is downloaded) or on CIFAR-10 "
-        "prepared once with tensorflow-datasets (see the README). WRN recipe on CIFAR-10: "
-        "--dataset cifar10 --model wrn-28-2 --epochs 200 --lr-schedule step --precision fp32 "
-        "--microbatches 1 --remat none.",
-    )
-    train.add_argument(
-        "--model",
-        default=None,
-        help="wrn-D-K for image datasets (default wrn-16-2); dynamicconv-small or "
-        "dynamicconv-iwslt for translation datasets (default dynamicconv-small)",
-    )
-    train.add_argument(
-        "--batch-size", type=int, default=128, help="images per batch. Default: %(default)s"
-    )
-    train.add_argument(
-        "--dataset",
-        default="digits",
-        choices=["digits", "cifar10", *TRANSLATION_DATASETS],
-        help="Default: digits",
-    )
-    train.add_argument(
-        "--data-dir", metavar="DIR", help="TFDS data directory (cifar10); nothing is downloaded"
-    )
-    _add_plan_flags(train, {"precision": "mixed_fp16", "microbatches": 4, "remat": "full"})
-    _add_sparsity_flags(train)
-    train.add_argument("--epochs", type=int, default=10, help="Default: %(default)s")
-    train.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help="peak learning rate. Default: 0.1 (SGD Nesterov) for images, 2e-3 (Adam, "
-        "inverse-sqrt) for translation",
-    )
-    train.add_argument(
-        "--lr-schedule",
-        default="cosine",
-        choices=["cosine", "step"],
-        help="cosine decay to 0, or step: x0.2 at 30/60/80%% of training. Default: %(default)s",
-    )
-    train.add_argument(
-        "--weight-decay",
-        type=float,
-        default=None,
-        help="Default: 5e-4 for images (kernels only), 1e-4 for translation (decoupled)",
-    )
-    text = train.add_argument_group("translation datasets (DynamicConv Transformer)")
-    text.add_argument("--steps", type=int, default=200, help="optimizer updates. Default: 200")
-    text.add_argument(
-        "--max-tokens", type=int, default=1024, help="padded tokens per batch. Default: 1024"
-    )
-    text.add_argument("--warmup", type=int, default=50, help="inverse-sqrt warmup. Default: 50")
-    text.add_argument("--label-smoothing", type=float, default=0.1, help="Default: 0.1")
-    text.add_argument("--beam-size", type=int, default=4, help="Default: 4")
-    text.add_argument(
-        "--average-last", type=int, default=1, help="average the newest N checkpoints. Default: 1"
-    )
-    text.add_argument("--eval-every", type=int, default=1000, help="Default: 1000")
-    train.add_argument("--seed", type=int, default=0, help="Default: %(default)s")
-    train.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        help="save Orbax checkpoints here (atomic); per-epoch (per-eval for translation) "
-        "metrics go to DIR/metrics.jsonl and TensorBoard event files in DIR",
-    )
-    train.add_argument(
-        "--no-tensorboard",
-        action="store_true",
-        help="write metrics.jsonl only, no TensorBoard event files",
-    )
-    train.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=100,
-        help="steps between saves. Default: %(default)s",
-    )
-    train.add_argument(
-        "--keep-checkpoints", type=int, default=3, help="checkpoints kept. Default: %(default)s"
-    )
-    train.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue exactly from the newest checkpoint in --checkpoint-dir",
-    )
-    train.add_argument("--output", metavar="PATH", help="write the summary JSON here")
-    train.add_argument(
-        "--json",
-        action="store_true",
-        help="print only the summary JSON on stdout (progress goes to stderr)",
-    )
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.set_defaults(func=_cmd_train)
+    _add_train_flags(commands["train"])
+    commands["train"].set_defaults(func=_cmd_train)
     return parser
 
 

@@ -40,7 +40,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.extend import core as jex_core
+
+from lowmem_jax import precision
+from lowmem_jax.base import Optimizer, as_optimizer
+from lowmem_jax.flops import count_flops, xla_flops
+from lowmem_jax.plan import Plan
 
 PyTree = Any
 
@@ -50,7 +56,6 @@ __all__ = [
     "xla_memory",
     "analytic_breakdown",
     "saved_activation_bytes",
-    "count_flops",
     "tree_bytes",
 ]
 
@@ -204,30 +209,37 @@ def saved_activation_bytes(
     return {"bytes": total, "count": len(items), "largest": items[:60]}
 
 
+def _model_params(state, opt: Optimizer) -> PyTree:
+    """Shapes of the parameters the model sees (``opt``'s materialized ``state.params``)."""
+    return jax.eval_shape(opt.materialize, state.params, state.opt_state)
+
+
 def analytic_breakdown(
     *,
     state,
     batch: PyTree,
     loss_fn: Callable | None = None,
     microbatches: int = 1,
-    model_params: PyTree | None = None,
-    grads_in_stored_layout: bool = False,
+    tx: optax.GradientTransformation | Optimizer | None = None,
 ) -> dict[str, Any]:
     """The report's model / optimizer / activations / inputs breakdown, in bytes.
 
     ``state`` is a :class:`~lowmem_jax.TrainState` (or its ``jax.eval_shape``); ``loss_fn``
-    is the loss as the step differentiates it (after the precision cast); without it the
-    activation figure is ``None``. ``model_params``: the parameters the loss sees when the
-    step materialises them from a different stored form (compressed sparse storage); the
-    model figure always counts the stored ``state.params``. ``grads_in_stored_layout``: the
-    step differentiates w.r.t. the stored parameters (gradients and accumulator stored-size).
+    is the loss the step differentiates, in the compute dtype (``precision.cast_loss_fn``);
+    without it the activation figure is ``None``. ``tx``: the step's optimizer; when it stores
+    the parameters in another form than the model sees (compressed sparse storage), the
+    activations are those of the materialized parameters and the gradients (and accumulator)
+    take the stored or the model's layout as the step does
+    (:attr:`~lowmem_jax.base.Optimizer.grads_wrt_stored`). The model figure always counts the
+    stored ``state.params``.
     """
-    model_params = state.params if model_params is None else model_params
+    opt = as_optimizer(optax.identity() if tx is None else tx)
+    model_params = _model_params(state, opt)
     optimizer = optimizer_breakdown(
         state.params,
         state.opt_state,
         microbatches,
-        state.params if grads_in_stored_layout else model_params,
+        state.params if opt.grads_wrt_stored else model_params,
     )
     activations = None
     if loss_fn is not None:
@@ -256,157 +268,43 @@ def analytic_breakdown(
     return out
 
 
-# --- FLOPs --------------------------------------------------------------------------------
-
-_FREE = {
-    "reshape",
-    "broadcast_in_dim",
-    "squeeze",
-    "expand_dims",
-    "transpose",
-    "slice",
-    "dynamic_slice",
-    "dynamic_update_slice",
-    "concatenate",
-    "pad",
-    "gather",
-    "scatter",
-    "convert_element_type",
-    "copy",
-    "copy_p",
-    "iota",
-    "select_n",
-    "rev",
-    "stop_gradient",
-    "name",
-    "optimization_barrier",
-    "random_bits",
-    "random_wrap",
-    "random_unwrap",
-    "random_fold_in",
-    "random_seed",
-    "threefry2x32",
-    "bitcast_convert_type",
-    "device_put",
-    "split",
-    "pjit",
-    "jit",
-    "closed_call",
-    "remat",
-    "checkpoint",
-    "scan",
-    "while",
-    "cond",
-    "custom_vjp_call",
-    "custom_jvp_call",
-    "shard_map",
-    "sharding_constraint",
-}
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jex_core.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jex_core.Jaxpr):
-                yield item
-
-
-def _eqn_flops(eqn) -> float:
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
-        k = math.prod(lhs.shape[d] for d in lhs_contract)
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval
-        spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, spatial...)
-        k = math.prod(rhs.shape[d] for d in spec[1:])  # C_in/groups x kernel window
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
-    if name in _FREE:
-        return 0.0
-    return float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
-
-
-def _jaxpr_flops(jaxpr, notes: set[str]) -> float:
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        subs = list(_sub_jaxprs(eqn))
-        if name == "scan":
-            total += eqn.params["length"] * _jaxpr_flops(eqn.params["jaxpr"].jaxpr, notes)
-        elif name == "cond":
-            total += max(_jaxpr_flops(j, notes) for j in subs)
-        elif name == "while":
-            notes.add("a while loop's body was counted once (unknown trip count)")
-            total += sum(_jaxpr_flops(j, notes) for j in subs)
-        elif name in ("custom_vjp_call", "custom_jvp_call"):
-            jaxpr_ = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-            if jaxpr_ is not None:
-                total += _jaxpr_flops(getattr(jaxpr_, "jaxpr", jaxpr_), notes)
-        elif subs:
-            total += sum(_jaxpr_flops(j, notes) for j in subs)
-        else:
-            total += _eqn_flops(eqn)
-    return total
-
-
-def count_flops(fn: Callable, *args) -> tuple[float, list[str]]:
-    """FLOPs of one call of ``fn(*args)`` counted from its jaxpr (module docstring)."""
-    notes: set[str] = set()
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return _jaxpr_flops(jaxpr, notes), sorted(notes)
-
-
-def _xla_flops(compiled) -> float | None:
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    flops = (cost or {}).get("flops")
-    return None if flops is None else float(flops)
-
-
 def analyze(
     train_step: Callable,
     state,
     batch: PyTree,
     *,
     loss_fn: Callable | None = None,
-    microbatches: int = 1,
-    model_params: PyTree | None = None,
-    grads_in_stored_layout: bool = False,
+    plan: Plan | None = None,
+    tx: optax.GradientTransformation | Optimizer | None = None,
     config: dict[str, Any] | None = None,
 ) -> MemoryReport:
     """Compiles ``train_step(state, batch)`` (never runs it) and reports its memory and FLOPs.
 
+    For a step of :func:`lowmem_jax.make_train_step`, pass what it was made from (``loss_fn``,
+    ``tx``, ``plan``); for a plain step of your own, ``loss_fn`` alone.
+
     Args:
-      train_step: a jitted step (``lowmem_jax.make_train_step``) or any function of
-        ``(state, batch)``; a plain function is jitted here.
+      train_step: a jitted step or any function of ``(state, batch)``; a plain function is
+        jitted here.
       state: the train state, concrete or abstract (``jax.eval_shape``).
       batch: the batch, concrete or ``jax.ShapeDtypeStruct`` leaves.
-      loss_fn: the loss as differentiated by the step (after the precision cast), for the
-        analytic activation figure; ``None`` leaves that figure out.
-      microbatches: the step's microbatch count (activations are per microbatch).
-      model_params: the parameters the loss sees, when the step builds them from a different
-        stored form (``make_train_step(..., materialize=...)``); default ``state.params``.
-      grads_in_stored_layout: the step differentiates w.r.t. the stored parameters even
-        though the model sees ``model_params`` (compressed sparse training,
-        ``SparseTraining.grads_in_stored_layout``): gradients are counted stored-size.
+      loss_fn: the loss, for the analytic activation figure (``None`` leaves it out); cast to
+        the plan's compute dtype as the step casts it.
+      plan: the step's :class:`~lowmem_jax.Plan` (precision, microbatches); ``None``: fp32, one
+        microbatch.
+      tx: the step's optimizer (``plan.wrap_optimizer(...)`` or any optax transformation): how
+        the parameters are stored; ``None``: as they are.
       config: recorded in the report as is.
     """
+    microbatches = 1 if plan is None else plan.microbatches
+    if loss_fn is not None and plan is not None:
+        loss_fn = precision.cast_loss_fn(loss_fn, plan.policy)
     step = train_step if hasattr(train_step, "lower") else jax.jit(train_step)
     lowered = step.lower(state, batch)
     compiled = lowered.compile()
     xla = xla_memory(compiled)
     analytic = analytic_breakdown(
-        state=state,
-        batch=batch,
-        loss_fn=loss_fn,
-        microbatches=microbatches,
-        model_params=model_params,
-        grads_in_stored_layout=grads_in_stored_layout,
+        state=state, batch=batch, loss_fn=loss_fn, microbatches=microbatches, tx=tx
     )
     flops, flop_notes = count_flops(getattr(step, "__wrapped__", step), state, batch)
     notes = [
@@ -421,18 +319,14 @@ def analyze(
             "parameter bytes but not temp bytes here (fp16 does); measure half-precision "
             "activation savings on a GPU"
         )
+    model_params = _model_params(state, as_optimizer(optax.identity() if tx is None else tx))
     return MemoryReport(
         config=dict(config or {}),
         backend=jax.default_backend(),
-        param_count=int(
-            sum(
-                math.prod(x.shape)
-                for x in jax.tree.leaves(state.params if model_params is None else model_params)
-            )
-        ),
+        param_count=int(sum(math.prod(x.shape) for x in jax.tree.leaves(model_params))),
         xla=xla,
         analytic=analytic,
         flops=flops,
-        flops_xla=_xla_flops(compiled),
+        flops_xla=xla_flops(compiled),
         notes=notes,
     )

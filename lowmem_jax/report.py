@@ -17,19 +17,19 @@ from typing import Any
 
 import jax
 
+from lowmem_jax.plan import Plan
 from lowmem_jax.remat import CONV_OUT, DOT_OUT
 from lowmem_jax.sparsity import SparseConfig
-from lowmem_jax.train import Plan
 from lowmem_jax.workloads import analyze_model
 
-__all__ = ["standard_grid", "run_report", "write_report", "to_markdown"]
+__all__ = ["standard_grid", "run_report", "write_report", "to_markdown", "summary_table"]
 
 MIB = 2.0**20
 # Sohoni et al. 2019, best combined reduction (analytic)
 PUBLISHED = {"wrn-28-2": 60.7, "dynamicconv-iwslt": 8.7}
 
 
-GridRow = tuple[str, str, Plan, SparseConfig | None]
+GridRow = tuple[str, str, Plan]
 
 
 def _dsr(sparsity: float) -> SparseConfig:
@@ -44,7 +44,7 @@ def divisor_at_most(batch_size: int, target: float) -> int:
 
 
 def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
-    """``(name, group, plan, sparse)`` for the baseline, single techniques and combinations.
+    """``(name, group, plan)`` for the baseline, single techniques and combinations.
 
     Microbatch sizes are 64, 32, ..., 2 examples for a power-of-two batch; for another batch each
     becomes the largest divisor of ``batch_size`` below it (100: 50, 25, 10, 5, 2), so every
@@ -55,7 +55,7 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
     def micro(target: int) -> int:
         return divisor_at_most(batch_size, target)
 
-    grid: list = [("baseline", "baseline", Plan())]
+    grid: list[GridRow] = [("baseline", "baseline", Plan())]
     for precision in ("mixed_bf16", "mixed_fp16", "bf16", "fp16"):
         grid.append((precision, "precision", Plan(precision=precision)))
     sizes = sorted({micro(t) for t in (64, 32, 16, 8, 4, 2) if 1 < micro(t) < batch_size},
@@ -65,7 +65,7 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
     for remat in ("dots", f"save:{saved_name}", "full", "every:2", "sqrt"):
         grid.append((f"remat {remat}", "remat", Plan(remat=remat)))
     for sparsity in (0.5, 0.7, 0.9):
-        grid.append((f"sparse {sparsity:.0%} dsr", "sparsity", Plan(), _dsr(sparsity)))
+        grid.append((f"sparse {sparsity:.0%} dsr", "sparsity", Plan(sparsity=_dsr(sparsity))))
     combos = [
         ("mixed_fp16", 32, "full"),
         ("fp16", 32, "full"),
@@ -83,9 +83,11 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
             grid.append((f"{precision} + mb {size} + remat {remat}", "combined", plan))
     size = micro(2)
     if 1 < size < batch_size:
-        plan = Plan(precision="fp16", microbatches=batch_size // size, remat="full")
-        grid.append((f"fp16 + mb {size} + remat full + sparse 90%", "combined", plan, _dsr(0.9)))
-    return [row if len(row) == 4 else (*row, None) for row in grid]
+        plan = Plan(
+            precision="fp16", microbatches=batch_size // size, remat="full", sparsity=_dsr(0.9)
+        )
+        grid.append((f"fp16 + mb {size} + remat full + sparse 90%", "combined", plan))
+    return grid
 
 
 def run_report(
@@ -107,12 +109,12 @@ def run_report(
         grid = standard_grid(batch_size, DOT_OUT if model.startswith("dynamicconv") else CONV_OUT)
     rows = []
     start = time.perf_counter()
-    for i, (name, group, plan, sparse) in enumerate(grid, 1):
+    for i, (name, group, plan) in enumerate(grid, 1):
         if reuse and name in reuse:
             rows.append(reuse[name])
             continue
         t0 = time.perf_counter()
-        report = analyze_model(model, batch_size, plan, sparse=sparse, seq_len=seq_len).to_dict()
+        report = analyze_model(model, batch_size, plan, seq_len=seq_len).to_dict()
         rows.append({"name": name, "group": group, **report})
         if progress:
             progress(
@@ -180,6 +182,32 @@ def to_markdown(result: dict[str, Any]) -> str:
         )
     notes = result["configs"][0]["notes"]
     lines += ["", "Notes:", *[f"- {n}" for n in notes]]
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(result: dict[str, Any], names: list[str]) -> str:
+    """A short markdown table of the rows ``names`` of a report (the README quotes one): MiB by
+    component (analytic), the analytic and XLA totals, both reductions and the FLOPs overhead.
+
+    Raises:
+      KeyError: for a name the report does not hold.
+    """
+    rows = {r["name"]: r for r in result["configs"]}
+    src = result["xla_source"]
+    lines = [
+        f"| config | model | optimizer | activations | analytic total | {src} total "
+        f"| reduction ({src}) | reduction (analytic) | FLOPs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in names:
+        r = rows[name]
+        a = r["analytic"]
+        lines.append(
+            f"| {name} | {a['model_bytes'] / MIB:.2f} | {a['optimizer_bytes'] / MIB:.1f} | "
+            f"{a['activation_bytes'] / MIB:.1f} | {a['total_bytes'] / MIB:.1f} | "
+            f"{r['xla']['total_bytes'] / MIB:.1f} | {r['reduction_xla']:.1f}x | "
+            f"{r['reduction_analytic']:.1f}x | {r['flops_overhead']:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -4,10 +4,12 @@ The step is a chain of function transforms over the user's loss (module :mod:`lo
 
     loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))
       -> precision.cast_loss_fn     params and batch cast to the compute dtype, loss back to fp32
+      -> base.differentiated_loss   the model's parameters from the stored ones (the optimizer's
+                                    storage: identity, or e.g. dense weights from sparse values)
       -> scaled_grad_fn             grad of (loss x S), divided by S (S from the loss-scale state)
       -> accumulate_gradients       lax.scan over k microbatches, BatchNorm state threaded in order
       = grad_fn(params, model_state, batch, rng) -> (grads, model_state, metrics)
-    optimizer (any optax transformation): grads -> updates -> new params
+    optimizer (any optax transformation, or a plan's wrap_optimizer): grads -> updates -> params
     if any gradient is non-finite: keep the old params, optimizer state and model state (the
     whole update is skipped, the optimizer's own step counter included), count the skip, and
     let the loss-scale state back off; no host sync.
@@ -18,11 +20,9 @@ sets it, and the compute dtype, on models that have ``remat`` / ``dtype`` attrib
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -31,98 +31,10 @@ from flax import struct
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import precision as precision_lib
-from lowmem_jax import remat as remat_lib
+from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer, differentiated_loss
+from lowmem_jax.plan import Plan
 
-PyTree = Any
-LossFn = Callable[[PyTree, PyTree, PyTree, Any], tuple[jax.Array, tuple[PyTree, PyTree]]]
-
-__all__ = [
-    "Plan",
-    "TrainState",
-    "scaled_grad_fn",
-    "make_train_step",
-    "classifier_loss_fn",
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Which techniques the train step composes. Validated on construction.
-
-    Attributes:
-      precision: a :mod:`lowmem_jax.precision` policy name (``fp32``, ``bf16``, ``fp16``,
-        ``mixed_bf16``, ``mixed_fp16``).
-      loss_scale: ``"auto"`` (dynamic when computing in float16, else none), ``"none"``,
-        ``"static"`` or ``"dynamic"``.
-      microbatches: ``k >= 1`` slices per batch, accumulated with ``lax.scan``.
-      remat: a :mod:`lowmem_jax.remat` policy name, applied per block by the model.
-      initial_loss_scale, loss_scale_period, loss_scale_factor, min_loss_scale: loss-scale
-        settings (2**15, 2000, 2, 1 by default).
-    """
-
-    precision: str = "fp32"
-    loss_scale: str = "auto"
-    microbatches: int = 1
-    remat: str = "none"
-    initial_loss_scale: float = 2.0**15
-    loss_scale_period: int = 2000
-    loss_scale_factor: float = 2.0
-    min_loss_scale: float = 1.0
-
-    def __post_init__(self):
-        precision_lib.get_policy(self.precision)
-        if self.loss_scale != "auto" and self.loss_scale not in loss_scale_lib.LOSS_SCALES:
-            raise ValueError(
-                f"Unknown loss_scale={self.loss_scale!r}; allowed values: "
-                f"{['auto', *loss_scale_lib.LOSS_SCALES]}"
-            )
-        microbatch_lib.check_num_microbatches(self.microbatches)
-        remat_lib.parse_policy(self.remat)
-        self.make_loss_scale()  # validates the loss-scale settings
-
-    @property
-    def policy(self) -> precision_lib.Policy:
-        return precision_lib.get_policy(self.precision)
-
-    @property
-    def loss_scale_kind(self) -> str:
-        if self.loss_scale == "auto":
-            return "dynamic" if self.policy.needs_loss_scale else "none"
-        return self.loss_scale
-
-    def make_loss_scale(self) -> loss_scale_lib.LossScale:
-        return loss_scale_lib.make_loss_scale(
-            self.loss_scale_kind,
-            initial_scale=self.initial_loss_scale,
-            period=self.loss_scale_period,
-            factor=self.loss_scale_factor,
-            min_loss_scale=self.min_loss_scale,
-        )
-
-    def configure_model(self, model: nn.Module) -> nn.Module:
-        """A copy of ``model`` with this plan's ``remat`` policy and compute ``dtype``.
-
-        Raises:
-          ValueError: if the plan asks for remat and the model has no ``remat`` attribute.
-        """
-        updates: dict[str, Any] = {}
-        if hasattr(model, "dtype"):
-            updates["dtype"] = self.policy.compute_dtype
-        if hasattr(model, "remat"):
-            updates["remat"] = self.remat
-        elif self.remat != "none":
-            raise ValueError(
-                f"remat={self.remat!r} needs a model with a `remat` attribute; "
-                f"{type(model).__name__} has none"
-            )
-        return model.clone(**updates)
-
-    def compiler_options(self) -> dict[str, str]:
-        """XLA options the jitted step needs for this plan (see :func:`remat.compiler_options`)."""
-        return remat_lib.compiler_options(self.remat)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "loss_scale": self.loss_scale_kind}
+__all__ = ["TrainState", "scaled_grad_fn", "make_train_step"]
 
 
 class TrainState(struct.PyTreeNode):
@@ -130,8 +42,9 @@ class TrainState(struct.PyTreeNode):
 
     Attributes:
       step: int32 scalar, steps attempted (applied + skipped).
-      params: parameters in the plan's ``param_dtype`` (the master weights).
-      opt_state: the optax state for ``params``.
+      params: parameters as the optimizer stores them (:class:`lowmem_jax.base.Optimizer`), in
+        the plan's ``param_dtype`` (the master weights).
+      opt_state: the optimizer's state.
       model_state: non-parameter collections, e.g. ``{"batch_stats": ...}`` (float32).
       loss_scale: a :mod:`lowmem_jax.loss_scale` state.
       skipped_steps: int32 scalar, steps skipped for non-finite gradients.
@@ -152,17 +65,20 @@ class TrainState(struct.PyTreeNode):
         cls,
         *,
         params: PyTree,
-        tx: optax.GradientTransformation,
+        tx: optax.GradientTransformation | Optimizer,
         plan: Plan,
         model_state: Mapping[str, Any] | None = None,
         rng: jax.Array | None = None,
     ) -> TrainState:
-        """Casts ``params`` to the plan's ``param_dtype`` and initialises ``tx`` on them."""
+        """Casts the model's ``params`` to the plan's ``param_dtype``, stores them as ``tx``
+        does (:meth:`~lowmem_jax.base.Optimizer.store`: as they are for a plain optax
+        transformation) and initialises its state."""
         params = plan.policy.cast_to_param(params)
+        stored, opt_state = as_optimizer(tx).store(params)
         return cls(
             step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=tx.init(params),
+            params=stored,
+            opt_state=opt_state,
             model_state=dict(model_state or {}),
             loss_scale=plan.make_loss_scale(),
             skipped_steps=jnp.zeros((), jnp.int32),
@@ -174,6 +90,11 @@ def _raw_key(rng: jax.Array) -> jax.Array:
     if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(rng)
     return rng
+
+
+def model_params(state: TrainState, tx: optax.GradientTransformation | Optimizer) -> PyTree:
+    """The parameters the model sees: ``state.params`` materialized by ``tx``'s storage."""
+    return as_optimizer(tx).materialize(state.params, state.opt_state)
 
 
 def scaled_grad_fn(loss_fn: LossFn, loss_scale: loss_scale_lib.LossScale):
@@ -196,50 +117,34 @@ def scaled_grad_fn(loss_fn: LossFn, loss_scale: loss_scale_lib.LossScale):
 
 def make_train_step(
     loss_fn: LossFn,
-    tx: optax.GradientTransformation,
+    tx: optax.GradientTransformation | Optimizer,
     plan: Plan,
     *,
     jit: bool = True,
     donate: bool = True,
-    materialize: Callable[[PyTree, PyTree], PyTree] | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds ``train_step(state, batch) -> (state, metrics)``, jitted once, state donated.
+
+    ``tx``: any optax transformation, or the plan's ``plan.wrap_optimizer(tx, params)`` (which
+    may store the parameters in another form, e.g. compressed sparse: the model then sees
+    ``tx.materialize(state.params, state.opt_state)``, built inside the step, so transiently).
 
     ``metrics`` holds the loss function's metrics (averaged over microbatches, float32) plus
     ``loss_scale`` (the scale used in this step), ``grads_finite`` (bool: was the update
     applied) and ``skipped_steps`` (running count).
-
-    ``materialize(params, opt_state) -> model_params``, when given, builds the parameters the
-    model sees from the stored ones (e.g. dense weights from compressed sparse storage,
-    :mod:`lowmem_jax.sparsity`); it runs inside the step, so what it builds is transient. The
-    loss is differentiated w.r.t. ``model_params``, and ``tx.update(grads, opt_state, params)``
-    receives those gradients (in the model's layout) with the stored ``params``; if ``tx`` has
-    ``grads_in_stored_layout = True`` (compressed sparse training that needs no dense gradient),
-    ``loss(materialize(params))`` is differentiated w.r.t. the stored ``params`` instead, so each
-    microbatch's gradient and the microbatch accumulator have the stored (compressed) size.
-    ``None`` (default): the model sees the stored parameters.
     """
+    opt = as_optimizer(tx)
     policy_loss_fn = precision_lib.cast_loss_fn(loss_fn, plan.policy)
 
     def train_step(state: TrainState, batch: PyTree):
         rng = jax.random.fold_in(state.rng, state.step)
-        loss = policy_loss_fn
-        if materialize is None:
-            model_params = state.params
-        elif getattr(tx, "grads_in_stored_layout", False):
-            model_params = state.params
-
-            def loss(params, model_state, batch, rng):  # the dense weights exist per microbatch
-                return policy_loss_fn(materialize(params, state.opt_state), model_state, batch, rng)
-
-        else:
-            model_params = materialize(state.params, state.opt_state)
+        loss, wrt = differentiated_loss(policy_loss_fn, opt, state.params, state.opt_state)
         grad_fn = scaled_grad_fn(loss, state.loss_scale)
         grad_fn = microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches)
-        grads, model_state, metrics = grad_fn(model_params, state.model_state, batch, rng)
+        grads, model_state, metrics = grad_fn(wrt, state.model_state, batch, rng)
 
         finite = loss_scale_lib.all_finite(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         params, opt_state, model_state = loss_scale_lib.select_tree(
             finite,
@@ -270,31 +175,3 @@ def make_train_step(
         donate_argnums=(0,) if donate else (),
         compiler_options=plan.compiler_options() or None,
     )
-
-
-def classifier_loss_fn(model: nn.Module, *, label_smoothing: float = 0.0) -> LossFn:
-    """Softmax cross-entropy loss for a Flax classifier ``model(images, train) -> logits``.
-
-    ``batch = {"image": [B, H, W, C] float, "label": [B] int}``. The loss is the mean over the
-    batch, computed in float32; metrics are ``loss`` and ``accuracy``. Model state collections
-    (``batch_stats``) are updated as in training mode.
-    """
-
-    def loss_fn(params, model_state, batch, rng):
-        mutable = list(model_state)
-        out = model.apply(
-            {"params": params, **model_state},
-            batch["image"],
-            train=True,
-            mutable=mutable or False,
-            rngs={"dropout": rng} if rng is not None else {},
-        )
-        logits, new_state = out if mutable else (out, {})
-        logits = logits.astype(jnp.float32)
-        labels = batch["label"]
-        targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
-        loss = optax.softmax_cross_entropy(logits, targets).mean()
-        accuracy = (logits.argmax(-1) == labels).mean()
-        return loss, (dict(new_state), {"loss": loss, "accuracy": accuracy})
-
-    return loss_fn

@@ -1,16 +1,23 @@
-"""Named workloads: a model, its input shapes, loss and optimizer recipe, under a :class:`Plan`.
+"""The registry of named models, and the one builder of a train step and its state.
 
-One place that turns ``("wrn-28-2", batch 128, plan)`` or ``("dynamicconv-iwslt", 100 x 40
-tokens, plan)`` into the pieces the training loop, the memory analysis, the report and the
-benchmarks all need, so that every figure they print refers to the same step.
+Every caller (``lowmem analyze | report | train``, the training loop, the experiments, the
+benchmarks) turns a name and a plan into a step the same way, so every figure they print refers
+to the same step::
 
-Models:
+    setup = build(workload("wrn-28-2", batch_size=128), plan)
+    state = setup.init_state(batch)            # or setup.abstract_state() for analysis
+    state, metrics = setup.step(state, batch)
+    report = setup.analyze()                   # compile-only memory analysis
 
-* ``wrn-D-K``: WideResNet-D-K on 32x32x3 images, 10 classes; SGD Nesterov recipe; batch =
-  ``{"image": [B, 32, 32, 3] float32, "label": [B] int32}``; default batch 128.
-* ``dynamicconv-iwslt``: fairseq's ``lightconv_iwslt_de_en`` (vocabularies 8,848 / 6,632); Adam
-  (0.9, 0.98) with weight decay 1e-4; batch = ``{"src", "tgt_in", "tgt_out": [B, T] int32}``;
-  default 100 sentences x 40 tokens = 4,000 tokens per side, the recipe's token budget.
+Names (:data:`MODEL_NAMES`):
+
+* ``wrn-D-K``: WideResNet-D-K, 10 classes; batch ``{"image": [B, S, S, 3] float32, "label":
+  [B] int32}`` (``S = image_size``, 32); default batch 128; the SGD Nesterov recipe.
+* ``dynamicconv-iwslt``: fairseq's ``lightconv_iwslt_de_en`` (vocabularies 8,848 / 6,632);
+  ``dynamicconv-small``: the CPU-sized preset (C = 64; vocabularies 32). Batch ``{"src",
+  "tgt_in", "tgt_out": [B, T] int32}``; default 100 sentences x 40 tokens (the recipe's 4,000
+  tokens per batch); fairseq's Adam / inverse-sqrt recipe (warmup 4,000 for the IWSLT preset,
+  50 for the small one), label smoothing 0.1.
 """
 
 from __future__ import annotations
@@ -23,141 +30,191 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
-from lowmem_jax import memory, models, precision, sparsity
-from lowmem_jax.train import Plan, TrainState, classifier_loss_fn, make_train_step
+from lowmem_jax import losses, memory, models, sparsity
+from lowmem_jax.base import LossFn, Optimizer, PyTree
+from lowmem_jax.plan import Plan
+from lowmem_jax.recipes import Recipe
+from lowmem_jax.train import TrainState, make_train_step
 
 __all__ = [
     "Workload",
-    "make_workload",
-    "make_model",
-    "sgd_nesterov",
+    "Setup",
+    "workload",
+    "build",
     "analyze_model",
-    "build_train_step",
-    "StepSetup",
-    "MODEL_PATTERN",
+    "translation_is_sparse",
+    "MODEL_NAMES",
 ]
 
-MODEL_PATTERN = "wrn-D-K (e.g. wrn-28-2) or dynamicconv-iwslt"
+MODEL_NAMES = "wrn-D-K (e.g. wrn-28-2), dynamicconv-small, dynamicconv-iwslt"
+TASKS = ("classification", "translation")
+
+WRN_RECIPE = Recipe("sgd_nesterov", 0.1, "cosine", weight_decay=5e-4, momentum=0.9)
+DYNAMICCONV_RECIPES = {
+    "dynamicconv-iwslt": Recipe(
+        "adamw", 5e-4, "inverse_sqrt", warmup=4000, weight_decay=1e-4, label_smoothing=0.1
+    ),
+    "dynamicconv-small": Recipe(
+        "adamw", 2e-3, "inverse_sqrt", warmup=50, weight_decay=1e-4, label_smoothing=0.1
+    ),
+}
 
 
-def make_model(name: str, num_classes: int = 10, **kwargs: Any) -> nn.Module:
-    """``wrn-D-K`` -> ``WideResNet(depth=D, width=K)``; ``dynamicconv-iwslt`` -> the IWSLT preset.
+def translation_is_sparse(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+    """The DynamicConv Transformer's sparse leaves: its dense (``Linear``) kernels.
 
-    Raises:
-      ValueError: naming ``model`` and the accepted names.
+    :func:`~lowmem_jax.sparsity.default_is_sparse` (kernels with ndim >= 2: the input/output
+    projections around each convolution, the attention projections, the FFN layers), minus the
+    DynamicConv's weight-predicting ``weight_linear`` (``C -> H * K``; 2% of the IWSLT model's
+    parameters), which stays dense: each of its outputs is a kernel tap fed to a softmax, so
+    zeroing its inputs changes every position's convolution kernel, for little memory. The
+    embeddings (``embedding``) and the output projection (``embed_out``) are not kernels and
+    stay dense, as the classifier's last layer does.
     """
-    if name == "dynamicconv-iwslt":
-        return models.DynamicConvTransformer.iwslt_de_en(**kwargs)
-    match = re.fullmatch(r"wrn-(\d+)-(\d+)", name or "")
-    if not match:
-        raise ValueError(f"Unknown model={name!r}; allowed values: {MODEL_PATTERN}")
-    depth, width = map(int, match.groups())
-    return models.WideResNet(depth=depth, width=width, num_classes=num_classes, **kwargs)
-
-
-def sgd_nesterov(
-    learning_rate: float | optax.Schedule = 0.1, momentum: float = 0.9, weight_decay: float = 5e-4
-) -> optax.GradientTransformation:
-    """The WRN recipe: SGD + Nesterov momentum, weight decay on conv/dense kernels only."""
-
-    def kernels_only(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: getattr(path[-1], "key", None) == "kernel", params
-        )
-
-    return optax.chain(
-        optax.add_decayed_weights(weight_decay, mask=kernels_only),
-        optax.sgd(learning_rate, momentum=momentum, nesterov=True),
-    )
+    return sparsity.default_is_sparse(path, shape) and "weight_linear" not in path
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """A model with its batch shapes, loss and optimizer.
+    """A named model with its task, batch shapes and recipe.
 
     Attributes:
-      name: the model name it was made from.
+      name: the registry name.
+      task: ``classification`` or ``translation``.
       model: the (unconfigured) Flax module; ``Plan.configure_model`` sets remat and dtype.
       batch: ``jax.ShapeDtypeStruct`` leaves of one batch.
       init_inputs: the batch leaves ``model.init`` takes, in order, after the rng.
-      loss_fn: ``model -> loss_fn(params, model_state, batch, rng)``.
-      tx: the recipe's optimizer.
-      is_sparse: which parameter leaves sparse training sparsifies by default
-        (``SparseConfig.is_sparse`` when left at :func:`~lowmem_jax.sparsity.default_is_sparse`).
+      recipe: the model's training :class:`~lowmem_jax.recipes.Recipe`.
+      is_sparse: which parameter leaves sparse training sparsifies by default.
     """
 
     name: str
+    task: str
     model: nn.Module
     batch: dict[str, jax.ShapeDtypeStruct]
     init_inputs: tuple[str, ...]
-    loss_fn: Callable[[nn.Module], Callable]
-    tx: optax.GradientTransformation
-    is_sparse: Callable = sparsity.default_is_sparse
+    recipe: Recipe
+    is_sparse: Callable[[tuple[str, ...], tuple[int, ...]], bool] = sparsity.default_is_sparse
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.batch.values())).shape[0]
+
+    def with_batch(self, batch: PyTree, batch_size: int | None = None) -> Workload:
+        """This workload with the shapes and dtypes of ``batch`` (e.g. real data), the leading
+        axis set to ``batch_size`` (default: ``batch``'s)."""
+
+        def shape(x):
+            size = x.shape[0] if batch_size is None else batch_size
+            return jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype)
+
+        return dataclasses.replace(self, batch={k: shape(v) for k, v in batch.items()})
+
+    def loss_fn(self, model: nn.Module, label_smoothing: float) -> LossFn:
+        """The task's loss for ``model`` (configured by a plan)."""
+        if self.task == "translation":
+            return losses.translation_loss_fn(model, label_smoothing=label_smoothing)
+        return losses.classifier_loss_fn(model, label_smoothing=label_smoothing)
 
 
-def make_workload(
-    model: str, batch_size: int | None = None, *, seq_len: int = 40, image_size: int = 32
+def workload(
+    name: str,
+    batch_size: int | None = None,
+    *,
+    seq_len: int = 40,
+    image_size: int = 32,
+    **model_overrides: Any,
 ) -> Workload:
-    """The named workload at ``batch_size`` (None: the model's default, see the module doc).
+    """The named workload (module docstring) at ``batch_size`` (None: the model's default).
+
+    ``model_overrides``: fields of the model (e.g. ``src_vocab_size``, ``dropout``).
 
     Raises:
-      ValueError: for an unknown model or a batch size / sequence length below 1.
+      ValueError: for an unknown name or a batch size / sequence length / image size below 1.
     """
-    flax_model = make_model(model)
-    if model == "dynamicconv-iwslt":
-        batch_size = 100 if batch_size is None else batch_size
-        tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    for label, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{label} must be >= 1, got {value}")
+    if image_size < 1:
+        raise ValueError(f"image_size must be >= 1, got {image_size}")
+    if name in DYNAMICCONV_RECIPES:
+        if name == "dynamicconv-iwslt":
+            model = models.DynamicConvTransformer.iwslt_de_en(**model_overrides)
+        else:
+            model = models.DynamicConvTransformer.small(**model_overrides)
+        tokens = jax.ShapeDtypeStruct((batch_size or 100, seq_len), jnp.int32)
         batch = {"src": tokens, "tgt_in": tokens, "tgt_out": tokens}
-        init_inputs = ("src", "tgt_in")
-        loss_fn = models.translation_loss_fn
-        tx = optax.adamw(5e-4, b1=0.9, b2=0.98, weight_decay=1e-4)
-    else:
-        batch_size = 128 if batch_size is None else batch_size
-        batch = {
-            "image": jax.ShapeDtypeStruct((batch_size, image_size, image_size, 3), jnp.float32),
-            "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
-        }
-        init_inputs = ("image",)
-        loss_fn = classifier_loss_fn
-        tx = sgd_nesterov()
-    if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
-    is_sparse = (
-        models.translation_is_sparse if model == "dynamicconv-iwslt" else sparsity.default_is_sparse
-    )
-    return Workload(model, flax_model, batch, init_inputs, loss_fn, tx, is_sparse)
+        return Workload(
+            name,
+            "translation",
+            model,
+            batch,
+            ("src", "tgt_in"),
+            DYNAMICCONV_RECIPES[name],
+            translation_is_sparse,
+        )
+    match = re.fullmatch(r"wrn-(\d+)-(\d+)", name or "")
+    if not match:
+        raise ValueError(f"Unknown model={name!r}; allowed values: {MODEL_NAMES}")
+    depth, width = map(int, match.groups())
+    overrides = {"num_classes": 10, **model_overrides}
+    model = models.WideResNet(depth=depth, width=width, **overrides)
+    b = batch_size or 128
+    batch = {
+        "image": jax.ShapeDtypeStruct((b, image_size, image_size, 3), jnp.float32),
+        "label": jax.ShapeDtypeStruct((b,), jnp.int32),
+    }
+    return Workload(name, "classification", model, batch, ("image",), WRN_RECIPE)
 
 
 @dataclasses.dataclass(frozen=True)
-class StepSetup:
-    """One named workload's train step under a plan, ready to analyse or to run.
+class Setup:
+    """One workload's train step under a plan, ready to run or to analyse (:func:`build`).
 
     Attributes:
       step: the jitted train step ``(state, batch) -> (state, metrics)``.
-      init_state: ``(*inputs) -> TrainState`` from the ``init_inputs`` batch leaves (pass
-        ``ShapeDtypeStruct`` through ``jax.eval_shape`` for shapes only).
-      workload: the :class:`Workload` (batch shapes, model, loss, optimizer).
-      loss_fn: the configured model's loss cast to the plan's policy (what the step
-        differentiates).
-      model_params: with compressed sparse storage, the dense parameters' shapes (the analytic
-        count needs them); else ``None``.
-      config: a JSON-able description (model, batch size, plan, sparsity).
-      grads_in_stored_layout: the step differentiates w.r.t. the stored (compressed) parameters.
+      tx: the plan's optimizer (``plan.wrap_optimizer`` of the recipe's).
+      loss_fn: the configured model's loss (what the step casts and differentiates).
+      model: the configured model (remat, compute dtype).
+      plan: the plan, with the workload's sparsity defaults filled in.
+      workload: the :class:`Workload`.
+      recipe: the recipe the optimizer was built from.
+      config: a JSON-able description (model, batch size, plan).
     """
 
     step: Callable
-    init_state: Callable[..., TrainState]
+    tx: Optimizer
+    loss_fn: LossFn
+    model: nn.Module
+    plan: Plan
     workload: Workload
-    loss_fn: Callable
-    model_params: Any
+    recipe: Recipe
     config: dict[str, Any]
-    grads_in_stored_layout: bool = False
+
+    def init_state(
+        self, batch: PyTree, rng: jax.Array | None = None, *, jit: bool = True
+    ) -> TrainState:
+        """A fresh state: parameters initialised from the first rows of ``batch``'s
+        ``init_inputs`` with ``rng`` (default ``PRNGKey(0)``, also the state's step key).
+
+        ``jit=False`` initialises op by op; the initial values can differ from the jitted ones in
+        the last bit (fused arithmetic), so a run keeps one choice to stay reproducible.
+        """
+        rng = jax.random.PRNGKey(0) if rng is None else rng
+        return (jax.jit(self._init_state) if jit else self._init_state)(batch, rng)
+
+    def _init_state(self, batch: PyTree, rng: jax.Array) -> TrainState:
+        inputs = [batch[k][:2] for k in self.workload.init_inputs]
+        variables = self.model.init(rng, *inputs, train=False)
+        model_state = {k: v for k, v in variables.items() if k != "params"}
+        return TrainState.create(
+            params=variables["params"], tx=self.tx, plan=self.plan, model_state=model_state, rng=rng
+        )
 
     def abstract_state(self) -> TrainState:
-        inputs = [self.workload.batch[k] for k in self.workload.init_inputs]
-        return jax.eval_shape(self.init_state, *inputs)
+        """The state's shapes and dtypes (nothing is computed)."""
+        return jax.eval_shape(self._init_state, self.workload.batch, jax.random.PRNGKey(0))
 
     def example_batch(self, seed: int = 0) -> dict[str, jax.Array]:
         """A random batch of the workload's shapes: images ~ N(0, 1), labels in [0, 10),
@@ -173,84 +230,58 @@ class StepSetup:
                 out[name] = jax.random.randint(key, leaf.shape, 4, 1000, leaf.dtype)
         return out
 
-    def concrete_state(self, batch: dict[str, jax.Array]) -> TrainState:
-        """A real initial state (parameters initialised from ``batch``'s first rows)."""
-        inputs = [batch[k][:2] for k in self.workload.init_inputs]
-        return jax.jit(self.init_state)(*inputs)
+    def analyze(self) -> memory.MemoryReport:
+        """Compile-only memory analysis of the step at the workload's batch shapes."""
+        return memory.analyze(
+            self.step,
+            self.abstract_state(),
+            self.workload.batch,
+            loss_fn=self.loss_fn,
+            plan=self.plan,
+            tx=self.tx,
+            config=self.config,
+        )
 
 
-def build_train_step(
-    model: str,
-    batch_size: int | None,
+def build(
+    work: Workload,
     plan: Plan,
     *,
-    sparse: sparsity.SparseConfig | None = None,
-    seq_len: int = 40,
-    image_size: int = 32,
-    tx: optax.GradientTransformation | None = None,
-) -> StepSetup:
-    """The train step of a named model under ``plan`` (and ``sparse``), with its initial state.
+    recipe: Recipe | None = None,
+    total_steps: int | None = None,
+) -> Setup:
+    """The train step of ``work`` under ``plan``, with the recipe's optimizer.
 
-    ``sparse``: train sparsely (the recipe's optimizer wrapped by
-    :func:`lowmem_jax.sparsity.sparse_training`); with ``compressed=True`` the state stores only
-    the non-zeros and their indices, and the step materialises dense weights transiently.
+    ``recipe``: overrides the workload's. ``total_steps``: the run's length, for the schedule
+    (``None``: a one-step schedule, enough for analysis) and for sparsity's default
+    ``end_step`` (75% of the run; ``None``: never stop). A sparse plan whose ``is_sparse`` is
+    the default gets the workload's (e.g. :func:`translation_is_sparse`).
 
     Raises:
-      ValueError: for an unknown model, a bad plan, or a batch size the microbatches don't divide.
+      ValueError: a batch size the plan's microbatches do not divide.
     """
-    work = make_workload(model, batch_size, seq_len=seq_len, image_size=image_size)
-    size = next(iter(work.batch.values())).shape[0]
-    if size % plan.microbatches:
-        raise ValueError(f"batch_size={size} is not divisible by microbatches={plan.microbatches}")
-    flax_model = plan.configure_model(work.model)
-    tx = tx or work.tx
-    loss_fn = work.loss_fn(flax_model)
-    config = {"model": model, "batch_size": size, **plan.to_dict()}
-
-    def init_variables(*x):
-        return flax_model.init(jax.random.PRNGKey(0), *x, train=False)
-
-    def split(variables):
-        return variables["params"], {k: v for k, v in variables.items() if k != "params"}
-
-    if sparse is None:
-
-        def init_state(*x):
-            params, model_state = split(init_variables(*x))
-            return TrainState.create(params=params, tx=tx, plan=plan, model_state=model_state)
-
-        step = make_train_step(loss_fn, tx, plan)
-        model_params = None
-        stored_grads = False
-    else:
+    if work.batch_size % plan.microbatches:
+        raise ValueError(
+            f"batch_size={work.batch_size} is not divisible by microbatches={plan.microbatches}"
+        )
+    config = {"model": work.name, "batch_size": work.batch_size, **plan.to_dict()}
+    sparse = plan.sparsity
+    if sparse is not None:
         if sparse.is_sparse is sparsity.default_is_sparse:
             sparse = dataclasses.replace(sparse, is_sparse=work.is_sparse)
-        inputs = [work.batch[k] for k in work.init_inputs]
-        abstract_params = jax.eval_shape(init_variables, *inputs)["params"]
-        model_params = plan.policy.cast_to_param(abstract_params)
-        sparse_tx = sparsity.sparse_training(tx, sparse, abstract_params)
-
-        def init_state(*x):
-            params, model_state = split(init_variables(*x))
-            return sparse_tx.create_train_state(params=params, plan=plan, model_state=model_state)
-
-        step = make_train_step(loss_fn, sparse_tx, plan, materialize=sparse_tx.materialize)
-        stored_grads = sparse_tx.grads_in_stored_layout
-        config["sparsity"] = {
-            "algorithm": sparse.algorithm,
-            "sparsity": 1.0 - sparse.density,
-            "distribution": sparse.distribution,
-            "storage": "compressed" if sparse.compressed else "masked",
-        }
-    return StepSetup(
-        step=step,
-        init_state=init_state,
-        workload=work,
-        loss_fn=precision.cast_loss_fn(loss_fn, plan.policy),
-        model_params=model_params,
-        config=config,
-        grads_in_stored_layout=stored_grads,
-    )
+        if sparse.end_step is None and total_steps is not None:
+            sparse = dataclasses.replace(sparse, end_step=int(0.75 * total_steps))
+        plan = dataclasses.replace(plan, sparsity=sparse)
+    recipe = recipe or work.recipe
+    if total_steps is None:  # analysis: a constant rate, as before the registry owned recipes
+        recipe = dataclasses.replace(recipe, schedule="constant")
+    model = plan.configure_model(work.model)
+    inputs = [work.batch[k] for k in work.init_inputs]
+    params = jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *inputs)
+    tx = plan.wrap_optimizer(recipe.optimizer_for(total_steps or 1), params["params"])
+    loss_fn = work.loss_fn(model, recipe.label_smoothing)
+    step = make_train_step(loss_fn, tx, plan)
+    return Setup(step, tx, loss_fn, model, plan, work, recipe, config)
 
 
 def analyze_model(
@@ -258,28 +289,13 @@ def analyze_model(
     batch_size: int | None,
     plan: Plan,
     *,
-    sparse: sparsity.SparseConfig | None = None,
     seq_len: int = 40,
     image_size: int = 32,
-    tx: optax.GradientTransformation | None = None,
 ) -> memory.MemoryReport:
     """Memory analysis of one train step of a named model: compile-only, no data, no step run.
-
-    Arguments as :func:`build_train_step`.
 
     Raises:
       ValueError: for an unknown model, a bad plan, or a batch size the microbatches don't divide.
     """
-    setup = build_train_step(
-        model, batch_size, plan, sparse=sparse, seq_len=seq_len, image_size=image_size, tx=tx
-    )
-    return memory.analyze(
-        setup.step,
-        setup.abstract_state(),
-        setup.workload.batch,
-        loss_fn=setup.loss_fn,
-        microbatches=plan.microbatches,
-        model_params=setup.model_params,
-        grads_in_stored_layout=setup.grads_in_stored_layout,
-        config=setup.config,
-    )
+    work = workload(model, batch_size, seq_len=seq_len, image_size=image_size)
+    return build(work, plan).analyze()

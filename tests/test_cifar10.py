@@ -3,8 +3,8 @@ import pytest
 import tensorflow_datasets as tfds
 
 from lowmem_jax.data.cifar10 import MEAN, STD, augment, load_cifar10
-from lowmem_jax.run import TrainConfig, train_and_evaluate
-from lowmem_jax.train import Plan
+from lowmem_jax.loop import TrainConfig, train_and_evaluate
+from lowmem_jax.plan import Plan
 
 
 def test_loads_normalised_arrays_from_tfds():
@@ -33,6 +33,7 @@ def test_augment_is_a_reflect_pad_crop_and_flip_deterministic_per_seed():
         assert np.array_equal(y, x) or np.array_equal(y, x[:, ::-1])
 
 
+@pytest.mark.slow
 def test_train_on_cifar10_end_to_end_with_mock_data():
     config = TrainConfig(
         model="wrn-10-1", dataset="cifar10", plan=Plan(microbatches=2), batch_size=8, epochs=1,

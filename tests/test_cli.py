@@ -5,6 +5,7 @@ import pytest
 from lowmem_jax import cli
 
 
+@pytest.mark.slow
 def test_train_runs_end_to_end_and_learns(capsys, tmp_path):
     out = tmp_path / "summary.json"
     code = cli.main(
@@ -22,6 +23,8 @@ def test_train_runs_end_to_end_and_learns(capsys, tmp_path):
             "full",
             "--precision",
             "mixed_fp16",
+            "--image-size",  # the digits' own 8x8 pixels: ~10x cheaper than 32x32
+            "8",
             "--no-progress",
             "--json",
             "--output",
@@ -60,10 +63,11 @@ def test_help_explains_every_technique(capsys):
         assert flag in text
 
 
+@pytest.mark.slow
 def test_train_sparse_keeps_the_budget(capsys):
     code = cli.main([
         "train", "--model", "wrn-10-1", "--epochs", "1", "--batch-size", "64",
-        "--microbatches", "1", "--precision", "fp32", "--sparsity", "0.8",
+        "--microbatches", "1", "--precision", "fp32", "--sparsity", "0.8", "--image-size", "8",
         "--sparse-algorithm", "rigl", "--sparse-period", "5", "--no-progress", "--json",
     ])  # fmt: skip
     assert code == 0
@@ -73,6 +77,7 @@ def test_train_sparse_keeps_the_budget(capsys):
     assert summary["param_count"] == 77_562 and summary["steps"] == 1437 // 64
 
 
+@pytest.mark.slow
 def test_train_routes_translation_datasets_to_the_transformer(capsys):
     code = cli.main([
         "train", "--dataset", "synthetic-reverse", "--steps", "10", "--max-tokens", "256",
@@ -89,25 +94,87 @@ def test_train_rejects_an_image_model_for_translation(capsys):
     assert exc.value.code == 2 and "dynamicconv-small" in capsys.readouterr().err
 
 
-def test_train_accepts_sparsity_for_translation(monkeypatch, capsys):
-    """The flags reach TranslationConfig (sparse runs themselves: test_run_translation.py)."""
-    from lowmem_jax import run_translation
+def _fake_train(monkeypatch, summary):
+    """Replaces the one training loop; returns the dict that receives the config it gets."""
+    from lowmem_jax import loop
 
     seen = {}
 
     def fake_train(config, log):
         seen["config"] = config
-        sparsity = {"density": 0.1}
-        return {"token_accuracy": 0.5, "bleu_greedy": 1.0, "bleu_beam": 1.0, "steps": 10,
-                "train_seconds": 1.0, "sparsity": sparsity}  # fmt: skip
+        return {"steps": 10, "train_seconds": 1.0, "skipped_steps": 0, "param_count": 1000,
+                "backend": "cpu", **summary}  # fmt: skip
 
-    monkeypatch.setattr(run_translation, "train_and_evaluate_translation", fake_train)
+    monkeypatch.setattr(loop, "train_and_evaluate", fake_train)
+    return seen
+
+
+def test_train_accepts_sparsity_for_translation(monkeypatch, capsys):
+    """The flags reach the plan of the one loop's config (sparse runs themselves:
+    test_loop_translation.py)."""
+    seen = _fake_train(
+        monkeypatch,
+        {"token_accuracy": 0.5, "bleu_greedy": 1.0, "bleu_beam": 1.0, "beam_size": 4,
+         "sparsity": {"density": 0.1}},
+    )  # fmt: skip
     code = cli.main([
         "train", "--dataset", "synthetic-copy", "--sparsity", "0.9", "--sparse-algorithm", "set",
         "--sparse-period", "4", "--sparse-storage", "masked", "--no-tensorboard",
     ])  # fmt: skip
-    assert code == 0 and "density 0.1000" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and "density 0.1000" in out
+    assert "token accuracy 0.5000, BLEU greedy 1.0 / beam-4 1.0 after 10 steps" in out
     config = seen["config"]
-    assert config.sparse.algorithm == "set" and config.sparse.density == pytest.approx(0.1)
-    assert config.sparse.update_period == 4 and not config.sparse.compressed
-    assert config.tensorboard is False
+    sparse = config.plan.sparsity
+    assert sparse.algorithm == "set" and sparse.density == pytest.approx(0.1)
+    assert sparse.update_period == 4 and not sparse.compressed
+    assert config.tensorboard is False and config.model_name == "dynamicconv-small"
+
+
+def test_train_flags_left_out_keep_the_config_defaults(monkeypatch, capsys):
+    from lowmem_jax.loop import TrainConfig
+
+    seen = _fake_train(monkeypatch, {"test_accuracy": 0.5})
+    assert cli.main(["train"]) == 0
+    assert seen["config"] == TrainConfig()  # digits, wrn-16-2, the default plan and recipe
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("training wrn-16-2 on digits")
+    assert lines[-1].startswith("test accuracy 0.5000 after 10 steps (")
+    assert "density" not in lines[-1]
+
+
+def test_train_steps_epochs_and_image_size_reach_either_task(monkeypatch, capsys):
+    seen = _fake_train(monkeypatch, {"test_accuracy": 0.5})
+    argv = ["train", "--model", "wrn-10-1", "--steps", "7", "--image-size", "8"]
+    assert cli.main([*argv, "--lr-schedule", "step", "--eval-every", "3"]) == 0
+    config = seen["config"]
+    assert (config.steps, config.epochs, config.image_size) == (7, None, 8)
+    assert (config.lr_schedule, config.eval_every) == ("step", 3)
+    seen = _fake_train(
+        monkeypatch, {"token_accuracy": 0.5, "bleu_greedy": 1.0, "bleu_beam": 1.0, "beam_size": 2}
+    )
+    argv = ["train", "--dataset", "synthetic-reverse", "--epochs", "2", "--beam-size", "2"]
+    assert cli.main([*argv, "--lr-schedule", "constant", "--lr", "0.01"]) == 0
+    config = seen["config"]
+    assert (config.epochs, config.steps, config.beam_size) == (2, None, 2)
+    assert (config.lr_schedule, config.learning_rate) == ("constant", 0.01)
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--dataset", "wmt"], "dataset"),
+        (["--lr-schedule", "linear"], "lr-schedule"),
+        (["--epochs", "2", "--steps", "3"], "epochs"),
+        (["--image-size", "12"], "image_size"),
+        (["--dataset", "cifar10", "--image-size", "8"], "image_size"),
+        (["--dataset", "synthetic-copy", "--lr-schedule", "inverse_sqrt", "--warmup", "0"],
+         "warmup"),
+    ],
+)  # fmt: skip
+def test_bad_train_settings_exit_with_a_clear_message(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *argv])
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import FAST_COMPILE, fast_jit
 
 import lowmem_jax as lm
-from lowmem_jax.models import DynamicConv, DynamicConvTransformer, LightConv, translation_loss_fn
+from lowmem_jax.losses import translation_loss_fn
+from lowmem_jax.models import DynamicConv, DynamicConvTransformer, LightConv
 
 V = 20  # small vocabularies (pad id 0)
-# XLA:CPU's LLVM optimisation dominates these tests' time; it changes no HLO-level semantics.
-FAST_COMPILE = {"xla_backend_optimization_level": "0"}
 
 
 def _tokens(rng, shape, vocab=V, low=3):
@@ -233,8 +233,7 @@ def test_train_step_mixed_bf16_microbatched_full_remat():
     assert model.dtype == jnp.bfloat16 and model.remat == "full"
     tx = optax.adam(1e-3)
     state = lm.TrainState.create(params=_small_params((3, 3)), tx=tx, plan=plan)
-    step = lm.make_train_step(translation_loss_fn(model), tx, plan, jit=False)
-    step = jax.jit(step, compiler_options={**plan.compiler_options(), **FAST_COMPILE})
+    step = fast_jit(lm.make_train_step(translation_loss_fn(model), tx, plan, jit=False), plan)
     batch = _batch(np.random.default_rng(5))
     state, metrics = step(state, batch)
     assert np.isfinite(float(metrics["loss"])) and bool(metrics["grads_finite"])

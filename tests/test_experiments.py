@@ -10,8 +10,8 @@ import types
 import pytest
 
 from experiments import rq4_search, study
-from lowmem_jax.run import TrainConfig
-from lowmem_jax.train import Plan
+from lowmem_jax.loop import TrainConfig
+from lowmem_jax.plan import Plan
 
 
 def _record(name, seed, value, technique="precision"):
@@ -42,6 +42,7 @@ def test_summarize_pairs_each_variant_with_the_baseline_of_the_same_seed():
     assert rows["baseline"]["delta_vs_baseline"]["mean"] == 0.0
 
 
+@pytest.mark.slow
 def test_run_variants_trains_once_and_resumes(tmp_path, monkeypatch):
     tiny = TrainConfig(model="wrn-10-1", image_size=8, epochs=1, batch_size=64, progress=False)
     monkeypatch.setattr(
@@ -66,6 +67,7 @@ def test_full_size_settings_match_the_memory_grid():
         {"microbatches": 16},
         None,
     )
+    assert by_name["dsr90"].plan.sparsity.algorithm == "dsr"  # the sparsity is in the plan
     row, plan, sparse = rq4_search.full_size("digits", by_name["dsr90"])
     assert row == "sparse 90% dsr" and plan == {} and sparse.density == pytest.approx(0.1)
     by_name = {v.name: v for v in study.single_variants("translation")}
@@ -115,7 +117,8 @@ def test_greedy_search_adds_what_lowers_xla_memory_and_stops(tmp_path, monkeypat
     ]
     monkeypatch.setattr(rq4_search, "load_or_run_report", lambda model: {"configs": rows})
 
-    def fake_analyze(model, batch, plan, sparse=None, seq_len=40):
+    def fake_analyze(model, batch, plan, seq_len=40):
+        sparse = plan.sparsity
         mib = 500.0
         mib *= 0.8 if plan.precision == "mixed_fp16" else 1.0
         mib *= 0.2 if plan.microbatches == 16 else 1.0

@@ -1,27 +1,10 @@
 import json
 import os
 
-import numpy as np
 import pytest
+from conftest import assert_tensorboard_matches_jsonl
 
 from lowmem_jax.metrics_writer import MetricsWriter, read_jsonl, read_scalars
-
-
-def expected_scalars(records):
-    """What TensorBoard should hold for JSON records: every number but ``step``, as float32."""
-    out = {}
-    for r in records:
-        for k, v in r.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                out.setdefault(k, []).append((r["step"], float(np.float32(v))))
-    return out
-
-
-def assert_tensorboard_matches_jsonl(directory):
-    """The event files in ``directory`` hold exactly the numbers of its ``metrics.jsonl``."""
-    records = read_jsonl(os.path.join(directory, "metrics.jsonl"))
-    assert records, "no records"
-    assert read_scalars(str(directory)) == expected_scalars(records)
 
 
 def test_writes_json_lines_and_tensorboard_scalars(tmp_path):

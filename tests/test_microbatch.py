@@ -1,35 +1,16 @@
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import MLP, BNNet, assert_trees_close, classification_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
 
 
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=True):
-        x = nn.tanh(nn.Dense(16)(x))
-        return nn.Dense(3)(x)
-
-
-class BNNet(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=True):
-        x = nn.Dense(8)(x)
-        x = nn.BatchNorm(use_running_average=not train, momentum=0.8)(x)
-        return nn.Dense(3)(nn.relu(x))
-
-
 def _setup(model, batch_size, seed=0):
-    rng = np.random.default_rng(seed)
-    batch = {
-        "image": jnp.asarray(rng.normal(size=(batch_size, 5)), jnp.float32),
-        "label": jnp.asarray(rng.integers(0, 3, size=batch_size), jnp.int32),
-    }
+    batch = classification_batch(batch_size, seed=seed)
     variables = model.init(jax.random.key(seed), batch["image"], train=False)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
@@ -37,16 +18,12 @@ def _setup(model, batch_size, seed=0):
     return grad_fn, params, model_state, batch
 
 
-def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
-
-
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_mean_of_microbatch_grads_equals_full_batch(k):
     grad_fn, params, state, batch = _setup(MLP(), 32)
     full, _, full_metrics = jax.jit(grad_fn)(params, state, batch, None)
     acc, _, acc_metrics = jax.jit(lm.accumulate_gradients(grad_fn, k))(params, state, batch, None)
-    _assert_trees_close(acc, full)
+    assert_trees_close(acc, full)
     np.testing.assert_allclose(acc_metrics["loss"], full_metrics["loss"], rtol=1e-6)
     np.testing.assert_allclose(acc_metrics["accuracy"], full_metrics["accuracy"], rtol=1e-6)
 
@@ -61,12 +38,12 @@ def test_accumulation_equals_full_batch_property(microbatch_size, k, seed):
     grad_fn, params, state, batch = _setup(MLP(), microbatch_size * k, seed)
     full, _, _ = grad_fn(params, state, batch, None)
     acc, _, _ = lm.accumulate_gradients(grad_fn, k)(params, state, batch, None)
-    _assert_trees_close(acc, full, rtol=1e-4, atol=1e-6)
+    assert_trees_close(acc, full, rtol=1e-4, atol=1e-6)
 
 
 def test_batchnorm_semantics_per_microbatch_stats_and_ordered_running_averages():
     k = 4
-    grad_fn, params, state, batch = _setup(BNNet(), 16)
+    grad_fn, params, state, batch = _setup(BNNet(momentum=0.8), 16)
     acc, acc_state, _ = lm.accumulate_gradients(grad_fn, k)(params, state, batch, None)
 
     # Reference: k ordinary steps over consecutive slices, threading the running averages.
@@ -76,8 +53,8 @@ def test_batchnorm_semantics_per_microbatch_stats_and_ordered_running_averages()
         g, ref_state, _ = grad_fn(params, ref_state, micro, None)
         ref_grads.append(g)
     ref_mean = jax.tree.map(lambda *gs: sum(gs) / k, *ref_grads)
-    _assert_trees_close(acc, ref_mean)
-    _assert_trees_close(acc_state, ref_state)
+    assert_trees_close(acc, ref_mean)
+    assert_trees_close(acc_state, ref_state)
 
     # ...which is not what one full-batch BatchNorm pass gives.
     full, full_state, _ = grad_fn(params, state, batch, None)

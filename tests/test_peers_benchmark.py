@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-from typing import Any
 
-import flax.linen as nn
 import pytest
-
-from lowmem_jax.ops import Conv
+from conftest import TinyConvNet
 
 PEERS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
 
@@ -22,23 +19,10 @@ def peers():
     return module
 
 
-class Tiny(nn.Module):
-    """Conv (ours, loop-friendly) + BatchNorm + ReLU + pooling + Dense."""
-
-    num_classes: int = 10
-    dtype: Any = None
-
-    @nn.compact
-    def __call__(self, x, train: bool):
-        x = Conv(8, (3, 3), dtype=self.dtype)(x)
-        x = nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x)
-        x = nn.relu(x).mean((1, 2))
-        return nn.Dense(self.num_classes, dtype=self.dtype)(x)
-
-
+@pytest.mark.slow
 def test_microbatch_methods_agree_and_ours_saves_temp(peers):
     result = peers.microbatch_comparison(
-        "wrn-10-1", batch_size=32, ks=(4,), repeats=1, image_size=8, model=Tiny(), log=None
+        "wrn-10-1", batch_size=32, ks=(4,), repeats=1, image_size=8, model=TinyConvNet(), log=None
     )
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"plain", "ours_k4", "optax_microbatch_k4", "optax_multisteps_k4"}
@@ -67,7 +51,7 @@ def test_injected_overflow_ruins_unscaled_run_and_is_skipped_by_ours(peers):
         steps=6,
         fault_step=2,
         fault_scale=1e6,
-        model=Tiny(),
+        model=TinyConvNet(),
         measure_underflow=False,
         log=None,
     )

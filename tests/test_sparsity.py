@@ -1,37 +1,20 @@
 """Sparse training (lowmem_jax.sparsity): config, layout, selection, the optax wrapper."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import FAST_COMPILE, OPTIMIZERS, tiny_params
 
 import lowmem_jax as lm
 from lowmem_jax import sparsity
+from lowmem_jax.base import OptaxOptimizer
+from lowmem_jax.sparsity import algorithms, slots
 from lowmem_jax.sparsity import masks as masks_lib
-
-
-def tiny_params(seed=0):
-    rng = np.random.default_rng(seed)
-
-    def f(*shape):
-        return jnp.asarray(rng.normal(size=shape), jnp.float32)
-
-    return {
-        "conv": {"kernel": f(3, 3, 2, 4), "bias": f(4)},
-        "stack": {"dense": {"kernel": f(2, 6, 5)}},
-        "dense": {"kernel": f(10, 7)},
-        "classifier": {"kernel": f(7, 3), "bias": f(3)},
-    }
-
-
-OPTIMIZERS = {
-    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
-    "inject_sgd": lambda: optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
-}
-
+from lowmem_jax.sparsity.layout import layer_densities, leaves_by_key, make_layout
 
 # --- configuration and layout ------------------------------------------------------------
 
@@ -61,9 +44,9 @@ def test_config_rejects_bad_input(kwargs, match):
 
 def test_layer_densities_reject_bad_input():
     with pytest.raises(ValueError, match="distribution"):
-        sparsity.layer_densities([(3, 3)], 0.5, "gaussian")
+        layer_densities([(3, 3)], 0.5, "gaussian")
     with pytest.raises(ValueError, match="density"):
-        sparsity.layer_densities([(3, 3)], 0.0, "erk")
+        layer_densities([(3, 3)], 0.0, "erk")
 
 
 def test_default_selection_and_budgets_on_wrn():
@@ -73,7 +56,7 @@ def test_default_selection_and_budgets_on_wrn():
     )["params"]
     for dist in ("uniform", "erk"):
         cfg = sparsity.SparseConfig(density=0.1, distribution=dist)
-        layout = sparsity.make_layout(params, cfg)
+        layout = make_layout(params, cfg)
         keys = layout.keys
         assert "stem/kernel" in keys and "group0_first/stack/conv1/kernel" in keys
         assert layout.by_key()["group1_rest/stack/conv1/kernel"].shape == (2, 3, 3, 32, 32)
@@ -81,7 +64,7 @@ def test_default_selection_and_budgets_on_wrn():
         total = sum(s.size for s in layout.leaves)
         assert abs(layout.total_budget - 0.1 * total) <= len(keys)
         assert all(s.capacity == s.budget for s in layout.leaves)
-    erk = sparsity.make_layout(params, sparsity.SparseConfig(distribution="erk")).by_key()
+    erk = make_layout(params, sparsity.SparseConfig(distribution="erk")).by_key()
     # ERK gives the small stem a higher density than a wide 3x3 conv.
     stem, conv = erk["stem/kernel"], erk["group2_first/stack/conv2/kernel"]
     assert stem.budget / stem.size > conv.budget / conv.size
@@ -89,7 +72,7 @@ def test_default_selection_and_budgets_on_wrn():
 
 def test_erk_densities_are_capped_at_one_and_keep_the_mean():
     shapes = [(3, 3, 3, 16), (3, 3, 64, 64), (64, 10)]
-    d = sparsity.layer_densities(shapes, 0.5, "erk")
+    d = layer_densities(shapes, 0.5, "erk")
     sizes = [np.prod(s) for s in shapes]
     assert max(d) <= 1.0
     assert np.isclose(np.dot(d, sizes), 0.5 * sum(sizes))
@@ -108,17 +91,14 @@ def test_allocate_is_exact_and_respects_room():
 def test_mirror_slots_are_found_structurally(name):
     params = tiny_params()
     state = OPTIMIZERS[name]().init(params)
-    mirrors = sparsity.find_mirrors(state, params)
+    mirrors = slots.find_mirrors(state, params)
     assert len(mirrors) == (2 if name.startswith("adam") else 1)
-    zeroed = sparsity.map_mirrors(lambda m: jax.tree.map(jnp.ones_like, m), state, params)
+    zeroed = slots.map_mirrors(lambda m: jax.tree.map(jnp.ones_like, m), state, params)
     assert all(
         float(x.min()) == 1.0
-        for m in sparsity.find_mirrors(zeroed, params)
+        for m in slots.find_mirrors(zeroed, params)
         for x in jax.tree.leaves(m)
     )
-
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _layers(*arrays):
@@ -129,7 +109,7 @@ def test_rigl_grows_where_the_gradient_is_largest_and_drops_the_smallest():
     w = _layers([0.0, 5.0, 0.1, 0.0, 3.0, 0.0, 0.0, 0.0])
     m = [w[0] != 0]
     g = _layers([9.0, 0.0, 0.0, 1.0, 0.0, 7.0, 0.0, 2.0])
-    out = sparsity.rewire(
+    out = algorithms.rewire(
         "rigl", weights=w, masks=m, caps=(8,), rng=jax.random.key(0), fraction=0.67, grads=g
     )
     # floor(0.67 * 3) = 2 dropped (|w| = 0.1 and 3.0), 2 grown (g = 9 and 7 among the zeros).
@@ -143,7 +123,7 @@ def test_dsr_prunes_below_threshold_regrows_by_survivors_and_adapts_threshold():
     small = jnp.zeros(40).at[:10].set(0.01).at[10:20].set(1.5)
     weights = [big[0].at[20:].set(0), small, big[1].at[10:].set(0)]
     masks = [w != 0 for w in weights]
-    out = sparsity.rewire(
+    out = algorithms.rewire(
         "dsr",
         weights=weights,
         masks=masks,
@@ -159,7 +139,7 @@ def test_dsr_prunes_below_threshold_regrows_by_survivors_and_adapts_threshold():
     assert kept == [20, 10, 10] and sum(grown) == 10
     assert grown == [5, 2, 3]  # proportional to 20:10:10, cumulative flooring
     assert float(out.threshold) == np.float32(0.2)  # K = 10 < 0.9 * 100: doubled
-    out = sparsity.rewire(
+    out = algorithms.rewire(
         "dsr",
         weights=weights,
         masks=masks,
@@ -176,7 +156,7 @@ def test_snfs_shares_regrowth_by_mean_momentum():
     w = _layers(np.r_[np.arange(1, 11), np.zeros(30)], np.r_[np.arange(1, 11), np.zeros(30)])
     masks = [x != 0 for x in w]
     mom = [jnp.where(masks[0], 10.0, 0.0).at[30].set(1.0), jnp.where(masks[1], 1.0, 0.0)]
-    out = sparsity.rewire(
+    out = algorithms.rewire(
         "snfs",
         weights=w,
         masks=masks,
@@ -221,13 +201,13 @@ def test_compressed_rewire_selects_what_the_dense_rewire_selects(algorithm):
         target_pruned=5,
     )
     dense = jax.jit(
-        lambda: sparsity.rewire(
+        lambda: algorithms.rewire(
             algorithm, weights=weights, masks=masks, caps=caps, momentum=moms, **common
         ),
         compiler_options=FAST_COMPILE,
     )()
     comp = jax.jit(
-        lambda: sparsity.rewire_compressed(
+        lambda: algorithms.rewire_compressed(
             algorithm, values=values, indices=indices, sizes=sizes, momentum=moms_c, **common
         ),
         compiler_options=FAST_COMPILE,
@@ -248,9 +228,9 @@ def test_compressed_rewire_selects_what_the_dense_rewire_selects(algorithm):
 def test_rewire_rejects_bad_input():
     w = _layers([1.0, 0.0])
     with pytest.raises(ValueError, match="algorithm"):
-        sparsity.rewire("magic", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
+        algorithms.rewire("magic", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
     with pytest.raises(ValueError, match="grads"):
-        sparsity.rewire("rigl", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
+        algorithms.rewire("rigl", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
 
 
 def test_initial_masks_random_magnitude_and_snip():
@@ -261,14 +241,14 @@ def test_initial_masks_random_magnitude_and_snip():
         sp = sparsity.sparse_training(optax.sgd(0.1), cfg, params)
         masks = sp.initial_masks(params, grads)
         assert sum(int(m.sum()) for m in masks.values()) == sp.layout.total_budget
-        leaves = sparsity.transform._by_key(params, sp.layout.keys)
+        leaves = leaves_by_key(params, sp.layout.keys)
         if init == "magnitude":
             for s in sp.layout.leaves:
                 a = np.abs(np.asarray(leaves[s.key])).reshape(-1)
                 m = np.asarray(masks[s.key]).reshape(-1)
                 assert int(m.sum()) == s.budget and a[m].min() >= a[~m].max()
         if init == "snip":
-            g = sparsity.transform._by_key(grads, sp.layout.keys)
+            g = leaves_by_key(grads, sp.layout.keys)
             score = np.concatenate(
                 [np.abs(np.asarray(leaves[k] * g[k])).reshape(-1) for k in sp.layout.keys]
             )
@@ -276,6 +256,22 @@ def test_initial_masks_random_magnitude_and_snip():
             assert score[m].min() >= score[~m].max()
     with pytest.raises(ValueError, match="snip"):
         sp.initial_masks(params)
+
+
+def test_snip_store_takes_the_gradient_and_init_recovers_its_masks():
+    params = tiny_params()
+    grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
+    cfg = sparsity.SparseConfig(density=0.2, init="snip", distribution="uniform")
+    sp = sparsity.sparse_training(optax.sgd(0.1), cfg, params)
+    with pytest.raises(ValueError, match="snip"):
+        sp.store(params)
+    stored, state = sp.store(params, grads)
+    masks = sp.initial_masks(params, grads)
+    jax.tree.map(np.testing.assert_array_equal, state.pattern, masks)
+    # Masked storage: init of the stored (masked) parameters finds the same masks.
+    jax.tree.map(np.testing.assert_array_equal, sp.init(stored).pattern, masks)
+    for k in sp.layout.keys:
+        assert not np.asarray(leaves_by_key(stored, [k])[k])[~np.asarray(masks[k])].any()
 
 
 def test_compressed_init_and_unselected_params_raise():
@@ -294,47 +290,47 @@ def test_update_resets_slots_of_regrown_weights_for_any_optimizer(name):
     params = tiny_params()
     cfg = sparsity.SparseConfig(algorithm="set", density=0.3, update_period=2, drop_fraction=0.5)
     sp = sparsity.sparse_training(OPTIMIZERS[name](), cfg, params)
-    stored, state = sp.prepare(params)
-    assert sp.init(stored).masks.keys() == state.masks.keys()
+    stored, state = sp.store(params)
+    assert sp.init(stored).pattern.keys() == state.pattern.keys()
     update = jax.jit(sp.update, compiler_options=FAST_COMPILE)
     grads = jax.tree.map(jnp.sin, params)
     for t in range(2):
-        old_masks = state.masks
+        old_masks = state.pattern
         updates, state = update(grads, state, stored)
         stored = optax.apply_updates(stored, updates)
-        mirrors = sparsity.find_mirrors(state.inner, stored)
+        mirrors = slots.find_mirrors(state.inner_state, stored)
         assert mirrors
         for k in sp.layout.keys:
-            regrown = np.asarray(state.masks[k] & ~old_masks[k])
+            regrown = np.asarray(state.pattern[k] & ~old_masks[k])
             assert regrown.any() == (t == 1)  # rewired on the 2nd applied step only
             for mirror in mirrors:
-                slot = np.asarray(sparsity.transform._by_key(mirror, [k])[k])
-                assert not slot[regrown].any() and not slot[~np.asarray(state.masks[k])].any()
+                slot = np.asarray(leaves_by_key(mirror, [k])[k])
+                assert not slot[regrown].any() and not slot[~np.asarray(state.pattern[k])].any()
                 if t == 1:  # surviving weights kept their (non-zero) slots
-                    assert slot[np.asarray(state.masks[k] & old_masks[k])].any()
+                    assert slot[np.asarray(state.pattern[k] & old_masks[k])].any()
 
 
 def test_static_sparsity_never_changes_the_mask():
     params = tiny_params()
     cfg = sparsity.SparseConfig(algorithm="static", init="magnitude", density=0.3)
     sp = sparsity.sparse_training(optax.adam(1e-2), cfg, params)
-    stored, state = sp.prepare(params)
-    masks = state.masks
+    stored, state = sp.store(params)
+    masks = state.pattern
     update = jax.jit(sp.update, compiler_options=FAST_COMPILE)
     for _ in range(3):
         updates, state = update(jax.tree.map(jnp.cos, params), state, stored)
         stored = optax.apply_updates(stored, updates)
-    jax.tree.map(np.testing.assert_array_equal, state.masks, masks)
+    jax.tree.map(np.testing.assert_array_equal, state.pattern, masks)
     for k in sp.layout.keys:
-        leaf = np.asarray(sparsity.transform._by_key(stored, [k])[k])
+        leaf = np.asarray(leaves_by_key(stored, [k])[k])
         assert not leaf[~np.asarray(masks[k])].any()
 
 
 def test_drop_fraction_is_cosine_annealed():
-    assert np.isclose(float(sparsity.drop_fraction(0.3, jnp.int32(0), 100)), 0.3)
-    assert np.isclose(float(sparsity.drop_fraction(0.3, jnp.int32(50), 100)), 0.15)
-    assert np.isclose(float(sparsity.drop_fraction(0.3, jnp.int32(100), 100)), 0.0, atol=1e-7)
-    assert float(sparsity.drop_fraction(0.3, jnp.int32(50), None)) == np.float32(0.3)
+    assert np.isclose(float(algorithms.drop_fraction(0.3, jnp.int32(0), 100)), 0.3)
+    assert np.isclose(float(algorithms.drop_fraction(0.3, jnp.int32(50), 100)), 0.15)
+    assert np.isclose(float(algorithms.drop_fraction(0.3, jnp.int32(100), 100)), 0.0, atol=1e-7)
+    assert float(algorithms.drop_fraction(0.3, jnp.int32(50), None)) == np.float32(0.3)
 
 
 def test_period_schedule_grows():
@@ -343,14 +339,14 @@ def test_period_schedule_grows():
         algorithm="set", density=0.3, update_period=((0, 2), (4, 3)), drop_fraction=0.5
     )
     sp = sparsity.sparse_training(optax.sgd(0.1, momentum=0.9), cfg, params)
-    stored, state = sp.prepare(params)
+    stored, state = sp.store(params)
     update = jax.jit(sp.update, compiler_options=FAST_COMPILE)
     rewired = []
     for t in range(1, 10):
-        old = state.masks
+        old = state.pattern
         updates, state = update(jax.tree.map(jnp.sin, params), state, stored)
         stored = optax.apply_updates(stored, updates)
-        if any(bool((state.masks[k] != old[k]).any()) for k in sp.layout.keys):
+        if any(bool((state.pattern[k] != old[k]).any()) for k in sp.layout.keys):
             rewired.append(t)
     assert rewired == [2, 6, 9]
 
@@ -365,8 +361,8 @@ def test_update_takes_stored_layout_grads_equal_to_gathered_dense_grads(algorith
         algorithm=algorithm, density=0.3, distribution="uniform", compressed=True, update_period=1
     )
     tx = sparsity.sparse_training(optax.sgd(0.1, momentum=0.9), cfg, params)
-    assert tx.grads_in_stored_layout
-    stored, state = tx.prepare(params)
+    assert tx.grads_wrt_stored
+    stored, state = tx.store(params)
     dense_grads = tiny_params(seed=1)
     for _ in range(2):  # the second update rewires (update_period=1 from count 1)
         # What differentiating loss(materialize(stored)) w.r.t. the stored values gives:
@@ -393,8 +389,8 @@ def test_stored_layout_grads_are_refused_where_they_cannot_work():
     params = tiny_params()
     rigl = sparsity.SparseConfig(algorithm="rigl", density=0.3, compressed=True)
     tx = sparsity.sparse_training(optax.sgd(0.1), rigl, params)
-    assert not tx.grads_in_stored_layout  # RigL grows where |dense grad| is largest
-    stored, state = tx.prepare(params)
+    assert not tx.grads_wrt_stored  # RigL grows where |dense grad| is largest
+    stored, state = tx.store(params)
     with pytest.raises(ValueError, match="rigl"):
         tx.update(jax.tree.map(jnp.zeros_like, stored), state, stored)
     dsr = sparsity.sparse_training(
@@ -404,27 +400,69 @@ def test_stored_layout_grads_are_refused_where_they_cannot_work():
         ),
         params,
     )
-    stored, state = dsr.prepare(params)
+    stored, state = dsr.store(params)
     wrong = jax.tree.map(lambda x: jnp.zeros(x.shape[:-1] + (x.shape[-1] + 1,)), stored)
     with pytest.raises(ValueError, match="dense model parameters or"):
         dsr.update(wrong, state, stored)
 
 
+@pytest.mark.slow
 def test_compressed_microbatch_accumulator_has_the_stored_size():
     from lowmem_jax.workloads import analyze_model
 
     plan = lm.Plan(microbatches=2)
     dense = analyze_model("wrn-10-1", 8, plan, image_size=8).analytic["optimizer_breakdown"]
+    cfg = sparsity.SparseConfig(
+        algorithm="dsr", density=0.1, distribution="uniform", compressed=True
+    )
     sparse = analyze_model(
         "wrn-10-1",
         8,
-        plan,
+        dataclasses.replace(plan, sparsity=cfg),
         image_size=8,
-        sparse=sparsity.SparseConfig(
-            algorithm="dsr", density=0.1, distribution="uniform", compressed=True
-        ),
     )
     breakdown = sparse.analytic["optimizer_breakdown"]
     stored_bytes = sparse.analytic["model_bytes"]  # float32 values (+ dense leaves)
     assert breakdown["gradient_accumulator"] == stored_bytes
     assert breakdown["gradient_accumulator"] < 0.3 * dense["gradient_accumulator"]
+
+
+# --- the plan's optimizer and the summary facts -------------------------------------------
+
+
+def test_plan_wraps_the_optimizer_and_describe_reports_the_pattern():
+    params = tiny_params()
+    tx = optax.sgd(0.1, momentum=0.9)
+    dense = lm.Plan().wrap_optimizer(tx)
+    assert isinstance(dense, OptaxOptimizer) and dense.tx is tx and dense.describe() == {}
+    with pytest.raises(ValueError, match="SparseConfig"):
+        lm.Plan(sparsity={"density": 0.1})
+    cfg = sparsity.SparseConfig(
+        algorithm="set", density=0.3, distribution="uniform", compressed=True
+    )
+    plan = lm.Plan(sparsity=cfg)
+    with pytest.raises(ValueError, match="params"):
+        plan.wrap_optimizer(tx)
+    sp = plan.wrap_optimizer(tx, jax.eval_shape(lambda: params))  # shapes are enough
+    assert isinstance(sp, sparsity.SparseTraining) and sp.inner is tx and sp.config is cfg
+    state = lm.TrainState.create(params=params, tx=sp, plan=plan)
+    size = sum(s.size for s in sp.layout.leaves)
+    budget = sp.layout.total_budget
+    assert sp.describe(state.opt_state) == {
+        "sparsity": {
+            "algorithm": "set",
+            "storage": "compressed",
+            "target_density": 0.3,
+            "nnz": budget,
+            "budget": budget,
+            "size": size,
+            "density": budget / size,
+            "sparse_leaves": 3,  # conv, stack/dense and dense kernels; not the classifier
+        }
+    }
+    # Measured on model parameters: the non-zero fraction of the sparse leaves.
+    measured = sp.describe(params=lm.model_params(state, sp))
+    assert measured == {"sparsity": {"density": budget / size}}
+    assert sp.describe(params=params) == {"sparsity": {"density": 1.0}}
+    assert plan.to_dict()["sparsity"] == cfg.describe()
+    assert "sparsity" not in lm.Plan().to_dict()

@@ -1,30 +1,35 @@
 """XLA:CPU memory of the compressed sparse train step: the mask update must not cost more than
 sparse storage saves (compile-only, no step run)."""
 
+import dataclasses
+
 import jax
 import pytest
+from conftest import FAST_COMPILE
 
 import lowmem_jax as lm
 from lowmem_jax import sparsity
-from lowmem_jax.workloads import build_train_step
+from lowmem_jax.sparsity.layout import make_layout
+from lowmem_jax.workloads import build, workload
 
 # Tiny activations (8x8 images, microbatches of 4, full remat), so the step's temporaries are
 # mostly weight-sized: the dense gradient, its microbatch accumulator and (compressed) the
-# transiently materialised dense weights; what the rewiring adds shows.
+# transiently materialised dense weights; what the rewiring adds shows. FAST_COMPILE: cheaper
+# LLVM code generation only, buffer assignment (the figures) is unchanged.
 MODEL, BATCH, IMAGE = "wrn-10-1", 8, 8
 PLAN = lm.Plan(precision="fp16", microbatches=2, remat="full")
-# Cheaper LLVM code generation only: buffer assignment (the figures) is unchanged.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _temp_bytes(sparse):
-    setup = build_train_step(MODEL, BATCH, PLAN, sparse=sparse, image_size=IMAGE)
+    plan = dataclasses.replace(PLAN, sparsity=sparse)
+    setup = build(workload(MODEL, BATCH, image_size=IMAGE), plan)
     lowered = setup.step.lower(setup.abstract_state(), setup.workload.batch)
     compiled = lowered.compile(compiler_options=FAST_COMPILE)
     return compiled.memory_analysis().temp_size_in_bytes, setup
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU buffer assignment")
+@pytest.mark.slow
 def test_compressed_dsr_rewiring_temporaries_stay_within_the_dense_step():
     """Before per-layer rewiring, sorts / scatters over every layer's dense size were alive at
     once: 2.48 MB of temporaries against the dense step's 0.99 MB here (1.13 MB now). Two
@@ -37,6 +42,7 @@ def test_compressed_dsr_rewiring_temporaries_stay_within_the_dense_step():
     # The one honest extra: the compressed step scatters the dense weights of the sparse leaves
     # transiently (arguments, not temporaries, of the dense step): at most 4 bytes per weight.
     # The rewiring itself must fit in what the dense step already needs.
-    layout = sparsity.make_layout(setup.model_params, cfg)
+    model_params = jax.eval_shape(lambda s: lm.model_params(s, setup.tx), setup.abstract_state())
+    layout = make_layout(model_params, cfg)
     materialized = 4 * sum(s.size for s in layout.leaves)
     assert sparse <= dense + materialized, (sparse, dense, materialized)

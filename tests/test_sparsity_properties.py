@@ -7,11 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import FAST_COMPILE, OPTIMIZERS, tiny_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_sparsity import OPTIMIZERS, tiny_params
 
 from lowmem_jax import sparsity
+from lowmem_jax.sparsity.layout import leaves_by_key
+from lowmem_jax.sparsity.slots import find_mirrors
 
 # Each example compiles a few-layer trajectory (~1-3 s on 2 shared cores): bounded.
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -25,38 +27,38 @@ def _grads(params, step):
 
 def dense_view(sp, stored, opt_state):
     """(weights, masks, [mirror slots]) as ``{key: flat dense array}`` whatever the storage."""
-    by_key, scatter = sparsity.transform._by_key, sparsity.transform._scatter
     keys = sp.layout.keys
-    dense = by_key(sp.materialize(stored, opt_state), keys)
+    dense = leaves_by_key(sp.materialize(stored, opt_state), keys)
     weights = {k: v.reshape(-1) for k, v in dense.items()}
     slots = []
-    for mirror in sparsity.find_mirrors(opt_state.inner, stored):
-        leaves = by_key(mirror, keys)
+    for mirror in find_mirrors(opt_state.inner_state, stored):
+        leaves = leaves_by_key(mirror, keys)
         if sp.config.compressed:
             leaves = {
-                s.key: scatter(s.size, opt_state.indices[s.key], leaves[s.key])
+                s.key: _scatter(s.size, opt_state.pattern[s.key], leaves[s.key])
                 for s in sp.layout.leaves
             }
         slots.append({k: v.reshape(-1) for k, v in leaves.items()})
     if sp.config.compressed:
         masks = {
-            s.key: scatter(s.size, opt_state.indices[s.key], jnp.ones((s.capacity,), bool))
+            s.key: _scatter(s.size, opt_state.pattern[s.key], jnp.ones((s.capacity,), bool))
             for s in sp.layout.leaves
         }
     else:
-        masks = {k: v.reshape(-1) for k, v in opt_state.masks.items()}
+        masks = {k: v.reshape(-1) for k, v in opt_state.pattern.items()}
     return weights, masks, slots
 
 
-# Tiny programs: cheap XLA:CPU compiles matter more than fast code here.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+def _scatter(size, indices, values):
+    """Compressed ``[capacity]`` values at their flat ``indices`` (``size``: unused) -> dense."""
+    return jnp.zeros((size,), values.dtype).at[indices].set(values, mode="drop")
 
 
 @functools.lru_cache(maxsize=8)
 def _runner(sp):
     @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
     def run(params, grads):
-        stored, state = sp.prepare(params)
+        stored, state = sp.store(params)
 
         def body(carry, g):
             stored, state = carry

@@ -1,61 +1,56 @@
-"""Sparse training inside `lm.make_train_step`: the materialize hook, masked vs compressed
-storage through the step, a skipped fp16 step, and the WRN-28-2 storage bytes at 90%."""
+"""Sparse training inside `lm.make_train_step`: an optimizer's own parameter storage
+(materialize), masked vs compressed storage through the step, a skipped fp16 step, and the
+WRN-28-2 storage bytes at 90%."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import FAST_COMPILE, TinyMLP, classification_batch, fast_jit
 
 import lowmem_jax as lm
 from lowmem_jax import sparsity
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _fast_jit(step, plan):
-    """``jax.jit`` with the plan's options plus cheap-compile ones (tests compile a lot)."""
-    return jax.jit(step, compiler_options={**plan.compiler_options(), **FAST_COMPILE})
+from lowmem_jax.sparsity.layout import leaves_by_key
 
 
-class TinyMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=True):
-        x = nn.relu(nn.Dense(16, name="hidden")(x))
-        x = nn.relu(nn.Dense(12, name="hidden2")(x))
-        return nn.Dense(3, name="classifier")(x)
+class DoubledSGD(lm.Optimizer):
+    """SGD on parameters stored at half the values the model sees: a custom storage."""
+
+    def __init__(self, learning_rate):
+        self.tx = optax.sgd(learning_rate)
+
+    def init(self, params):
+        return self.tx.init(params)
+
+    def update(self, grads, state, params=None):
+        return self.tx.update(grads, state, params)
+
+    def materialize(self, params, state):
+        del state
+        return jax.tree.map(lambda x: 2 * x, params)
 
 
-def _mlp_batch(n=8, seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "image": jnp.asarray(rng.normal(size=(n, 6)), jnp.float32),
-        "label": jnp.asarray(rng.integers(0, 3, size=n), jnp.int32),
-    }
-
-
-def test_materialize_hook_differentiates_the_materialized_params():
+def test_optimizer_materialize_is_what_the_step_differentiates():
     plan = lm.Plan()
-    model, batch = TinyMLP(), _mlp_batch()
+    model, batch = TinyMLP(), classification_batch(features=6)
     params = model.init(jax.random.key(0), batch["image"])["params"]
     loss_fn = lm.classifier_loss_fn(model)
-    tx = optax.sgd(0.1)
+    tx = DoubledSGD(0.1)
     state = lm.TrainState.create(params=params, tx=tx, plan=plan)
+    jax.tree.map(np.testing.assert_array_equal, state.params, params)  # stored as given
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(a, 2 * b), lm.model_params(state, tx), params
+    )
 
-    def double(p, opt_state):
-        del opt_state
-        return jax.tree.map(lambda x: 2 * x, p)
-
-    step = lm.make_train_step(loss_fn, tx, plan, donate=False, materialize=double)
+    step = lm.make_train_step(loss_fn, tx, plan, donate=False)
     new, _ = step(state, batch)
-    grads = jax.grad(lambda p: loss_fn(p, {}, batch, None)[0])(double(params, None))
+    grads = jax.grad(lambda p: loss_fn(p, {}, batch, None)[0])(tx.materialize(params, None))
     expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), new.params, expected)
 
 
 def _sparse_run(compressed, algorithm, steps=4):
-    plan = lm.Plan(microbatches=2)
-    model, batch = TinyMLP(), _mlp_batch()
+    model, batch = TinyMLP(), classification_batch(features=6)
     params = model.init(jax.random.key(0), batch["image"])["params"]
     cfg = sparsity.SparseConfig(
         algorithm=algorithm,
@@ -66,17 +61,16 @@ def _sparse_run(compressed, algorithm, steps=4):
         dsr_threshold=0.1,
         dsr_target_pruned=10,
     )
-    sp = sparsity.sparse_training(optax.sgd(0.1, momentum=0.9), cfg, params)
-    state = sp.create_train_state(params=params, plan=plan)
-    step = lm.make_train_step(
-        lm.classifier_loss_fn(model), sp, plan, jit=False, materialize=sp.materialize
-    )
-    step = _fast_jit(step, plan)
+    plan = lm.Plan(microbatches=2, sparsity=cfg)
+    sp = plan.wrap_optimizer(optax.sgd(0.1, momentum=0.9), params)
+    assert isinstance(sp, sparsity.SparseTraining)
+    state = lm.TrainState.create(params=params, tx=sp, plan=plan)
+    step = fast_jit(lm.make_train_step(lm.classifier_loss_fn(model), sp, plan, jit=False), plan)
     losses, dense = [], []
     for _ in range(steps):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-        dense.append(jax.tree.map(np.asarray, sp.materialize(state.params, state.opt_state)))
+        dense.append(jax.tree.map(np.asarray, lm.model_params(state, sp)))
     return sp, state, losses, dense
 
 
@@ -90,12 +84,13 @@ def test_masked_and_compressed_storage_train_identically_through_the_step():
         # Stored: values [capacity] for sparse kernels, dense classifier and biases.
         assert state.params["hidden"]["kernel"].ndim == 1
         assert state.params["classifier"]["kernel"].shape == (12, 3)
-        report = sparsity.density_report(sp, state.params, state.opt_state)
+        report = sparsity.density_report(sp, state.opt_state)
         assert report["nnz"] == sp.layout.total_budget
 
 
 def test_skipped_fp16_step_changes_no_mask_then_rigl_rewires_a_wrn():
-    plan = lm.Plan(precision="mixed_fp16", microbatches=2, remat="full")
+    cfg = sparsity.SparseConfig(algorithm="rigl", density=0.2, update_period=1, drop_fraction=0.3)
+    plan = lm.Plan(precision="mixed_fp16", microbatches=2, remat="full", sparsity=cfg)
     model = plan.configure_model(lm.models.WideResNet(depth=10, width=1, num_classes=10))
     rng = np.random.default_rng(0)
     batch = {
@@ -104,15 +99,14 @@ def test_skipped_fp16_step_changes_no_mask_then_rigl_rewires_a_wrn():
     }
     # Jitted: eager init / mask selection would dispatch op by op (slow on CPU).
     variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(batch["image"][:2])
-    cfg = sparsity.SparseConfig(algorithm="rigl", density=0.2, update_period=1, drop_fraction=0.3)
-    sp = sparsity.sparse_training(optax.sgd(0.1, momentum=0.9), cfg, variables["params"])
+    sp = plan.wrap_optimizer(optax.sgd(0.1, momentum=0.9), variables["params"])
     assert "group0_rest" not in " ".join(sp.layout.keys)  # depth 10: one block per group
     state = jax.jit(
-        lambda v: sp.create_train_state(
-            params=v["params"], plan=plan, model_state={"batch_stats": v["batch_stats"]}
+        lambda v: lm.TrainState.create(
+            params=v["params"], tx=sp, plan=plan, model_state={"batch_stats": v["batch_stats"]}
         )
     )(variables)
-    step = _fast_jit(lm.make_train_step(lm.classifier_loss_fn(model), sp, plan, jit=False), plan)
+    step = fast_jit(lm.make_train_step(lm.classifier_loss_fn(model), sp, plan, jit=False), plan)
     before = jax.tree.map(np.asarray, state)
 
     bad = {**batch, "image": batch["image"].at[0, 0, 0, 0].set(jnp.inf)}
@@ -128,14 +122,15 @@ def test_skipped_fp16_step_changes_no_mask_then_rigl_rewires_a_wrn():
     state, metrics = step(state, batch)
     assert bool(metrics["grads_finite"]) and int(state.opt_state.count) == 1
     changed = [
-        bool((np.asarray(state.opt_state.masks[k]) != before.opt_state.masks[k]).any())
+        bool((np.asarray(state.opt_state.pattern[k]) != before.opt_state.pattern[k]).any())
         for k in sp.layout.keys
     ]
     assert any(changed)
     for s in sp.layout.leaves:
-        mask = np.asarray(state.opt_state.masks[s.key])
+        mask = np.asarray(state.opt_state.pattern[s.key])  # masked storage: bool [*shape]
+        assert mask.dtype == bool and mask.shape == s.shape
         assert int(mask.sum()) == s.budget
-        leaf = sparsity.transform._by_key(state.params, [s.key])[s.key]
+        leaf = leaves_by_key(state.params, [s.key])[s.key]
         assert not np.asarray(leaf)[~mask].any()
     # The classifier and BatchNorm stay dense.
     assert np.asarray(state.params["classifier"]["kernel"]).all()
@@ -161,22 +156,26 @@ def test_compressed_wrn_28_2_stores_at_most_a_quarter_of_dense_at_90_percent():
     loss_fn = lm.classifier_loss_fn(model)
     for algorithm in ("static", "rigl", "dsr"):
         cfg = sparsity.SparseConfig(algorithm=algorithm, density=0.1, compressed=True)
-        sp = sparsity.sparse_training(tx, cfg, params)
+        sparse_plan = lm.Plan(sparsity=cfg)
+        sp = sparse_plan.wrap_optimizer(tx, params)
 
-        def sparse_state(sp=sp):
+        def sparse_state(sp=sp, sparse_plan=sparse_plan):
             v = model.init(jax.random.key(0), images, train=False)
-            return sp.create_train_state(
-                params=v["params"], plan=plan, model_state={"batch_stats": v["batch_stats"]}
+            return lm.TrainState.create(
+                params=v["params"],
+                tx=sp,
+                plan=sparse_plan,
+                model_state={"batch_stats": v["batch_stats"]},
             )
 
         state = jax.eval_shape(sparse_state)
-        analytic = lm.memory.analytic_breakdown(state=state, batch=batch)
+        analytic = lm.memory.analytic_breakdown(state=state, batch=batch, tx=sp)
         stored = analytic["model_bytes"] + sum(
             v for k, v in analytic["optimizer_breakdown"].items() if k.startswith("slot:")
         )
         assert stored <= 0.25 * dense_bytes, (algorithm, stored / dense_bytes)
         if algorithm == "static":  # same stored layout as SET / RigL; cheapest to compile
-            step = lm.make_train_step(loss_fn, sp, plan, materialize=sp.materialize)
+            step = lm.make_train_step(loss_fn, sp, sparse_plan)
             compiled = step.lower(state, batch).compile(FAST_COMPILE)
             args = compiled.memory_analysis().argument_size_in_bytes
             extra = lm.memory.tree_bytes(batch) + lm.memory.tree_bytes(

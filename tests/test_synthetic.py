@@ -9,7 +9,8 @@ import pytest
 import lowmem_jax as lm
 from lowmem_jax.data import iterate_batches, make_translation_task
 from lowmem_jax.data.synthetic import BOS, EOS, FIRST_TOKEN, PAD
-from lowmem_jax.models import DynamicConvTransformer, greedy_decode, translation_loss_fn
+from lowmem_jax.losses import translation_loss_fn
+from lowmem_jax.models import DynamicConvTransformer, greedy_decode
 
 
 def _content(row):
@@ -68,6 +69,7 @@ def test_validation_errors():
         next(iterate_batches(make_translation_task("copy", 4), 0))
 
 
+@pytest.mark.slow
 def test_dynamic_conv_transformer_learns_copy():
     vocab, steps = 12, 200
     train = make_translation_task("copy", 4096, vocab_size=vocab, max_len=8, seed=0)

@@ -1,21 +1,11 @@
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import BNNet, classification_batch, to_numpy
 
 import lowmem_jax as lm
-
-
-class TinyBNNet(nn.Module):
-    dtype: object = None
-
-    @nn.compact
-    def __call__(self, x, train=True):
-        x = nn.Dense(8, dtype=self.dtype)(x)
-        x = nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x)
-        return nn.Dense(3, dtype=self.dtype)(nn.relu(x))
 
 
 def _weighted(loss_fn, weight):
@@ -27,12 +17,8 @@ def _weighted(loss_fn, weight):
 
 
 def _state_and_step(plan, tx, batch_size=8, loss_weight=1.0, seed=0):
-    model = plan.configure_model(TinyBNNet())
-    rng = np.random.default_rng(seed)
-    batch = {
-        "image": jnp.asarray(rng.normal(size=(batch_size, 5)), jnp.float32),
-        "label": jnp.asarray(rng.integers(0, 3, size=batch_size), jnp.int32),
-    }
+    model = plan.configure_model(BNNet())
+    batch = classification_batch(batch_size, seed=seed)
     variables = model.init(jax.random.key(seed), batch["image"], train=False)
     state = lm.TrainState.create(
         params=variables["params"],
@@ -45,15 +31,11 @@ def _state_and_step(plan, tx, batch_size=8, loss_weight=1.0, seed=0):
     return state, step, batch
 
 
-def _copy(tree):
-    return jax.tree.map(lambda x: np.array(x), tree)
-
-
 def test_fp32_step_matches_a_handwritten_step():
     plan = lm.Plan()
     tx = optax.sgd(0.1, momentum=0.9)
     state, step, batch = _state_and_step(plan, tx)
-    model = TinyBNNet()
+    model = BNNet()
 
     def loss(p):
         logits, upd = model.apply(
@@ -83,14 +65,14 @@ def test_fp16_overflow_skips_whole_update_halves_scale_then_recovers():
     plan = lm.Plan(precision="mixed_fp16", loss_scale="dynamic")
     tx = optax.adam(1e-3)
     state, step, batch = _state_and_step(plan, tx, loss_weight=1e3)
-    before = _copy(state)
+    before = to_numpy(state)
     new, metrics = step(state, batch)
     assert not bool(metrics["grads_finite"])
     assert int(new.skipped_steps) == 1 and int(metrics["skipped_steps"]) == 1
     assert float(new.loss_scale.loss_scale) == 2.0**14
     for name in ("params", "opt_state", "model_state"):
         jax.tree.map(
-            np.testing.assert_array_equal, _copy(getattr(new, name)), getattr(before, name)
+            np.testing.assert_array_equal, to_numpy(getattr(new, name)), getattr(before, name)
         )
     assert int(optax.tree_utils.tree_get(new.opt_state, "count")) == 0  # adam's own counter
 
@@ -162,7 +144,7 @@ def test_plan_rejects_bad_input(kwargs, match):
 
 def test_plan_remat_needs_a_model_with_remat():
     with pytest.raises(ValueError, match="remat"):
-        lm.Plan(remat="full").configure_model(TinyBNNet())
+        lm.Plan(remat="full").configure_model(BNNet())
 
 
 def test_auto_loss_scale_is_dynamic_only_for_fp16_compute():
@@ -170,3 +152,16 @@ def test_auto_loss_scale_is_dynamic_only_for_fp16_compute():
     assert lm.Plan(precision="fp16").loss_scale_kind == "dynamic"
     assert lm.Plan(precision="mixed_bf16").loss_scale_kind == "none"
     assert lm.Plan().loss_scale_kind == "none"
+
+
+def test_plain_optax_transformations_store_parameters_as_they_are():
+    tx = optax.sgd(0.1, momentum=0.9)
+    opt = lm.as_optimizer(tx)
+    assert isinstance(opt, lm.Optimizer) and lm.as_optimizer(opt) is opt
+    assert lm.Plan().wrap_optimizer(tx).tx is tx and not opt.grads_wrt_stored
+    params = {"w": jnp.arange(3.0)}
+    state = lm.TrainState.create(params=params, tx=tx, plan=lm.Plan(), rng=jax.random.key(1))
+    assert lm.model_params(state, tx) is state.params
+    jax.tree.map(np.testing.assert_array_equal, state.opt_state, tx.init(params))
+    # A typed key is stored as raw key data, so the state converts and checkpoints plainly.
+    np.testing.assert_array_equal(state.rng, jax.random.key_data(jax.random.key(1)))

@@ -7,23 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import FAST_COMPILE
 
 import lowmem_jax as lm
-from lowmem_jax.checkpointing import Checkpointer
-from lowmem_jax.models import DynamicConvTransformer, greedy_decode
-from lowmem_jax.translation import (
+from lowmem_jax.checkpointing import (
+    Checkpointer,
     average_checkpoints,
     average_last_checkpoints,
-    beam_search,
-    bleu,
-    detokenize,
-    sequence_log_prob,
+    checkpoint_steps,
+    param_checksum,
 )
+from lowmem_jax.models import DynamicConvTransformer, beam_search, greedy_decode, sequence_log_prob
+from lowmem_jax.tasks.translation import bleu, detokenize
 
 # A tiny vocabulary (PAD, BOS, EOS + 3 content ids) so that a random model emits EOS often.
 V, MAX_LEN = 6, 8
-# XLA:CPU's LLVM optimisation dominates these tests' time; it changes no HLO-level semantics.
-FAST_COMPILE = {"xla_backend_optimization_level": "0"}
 MODEL = DynamicConvTransformer.small(
     V,
     V,
@@ -171,12 +169,12 @@ def test_average_checkpoints_of_two_pytrees():
     assert avg["h"].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(avg["h"], np.float32), [1.5, 3.5])
     assert int(avg["n"]) == 4  # integers: floor of the mean, as fairseq
-    # TrainStates contribute their params.
+    # TrainStates contribute their params (pytrees only: the caller picks what to average).
     plan, tx = lm.Plan(), optax.adam(1e-3)
     states = [
         lm.TrainState.create(params=p, tx=tx, plan=plan) for p in ({"w": a["w"]}, {"w": b["w"]})
     ]
-    np.testing.assert_allclose(average_checkpoints(states)["w"], [2.0, 4.0])
+    np.testing.assert_allclose(average_checkpoints([s.params for s in states])["w"], [2.0, 4.0])
     with pytest.raises(ValueError, match="structure"):
         average_checkpoints([a, {"w": a["w"]}])
     with pytest.raises(ValueError, match="at least one"):
@@ -193,8 +191,14 @@ def test_average_last_checkpoints_from_checkpointer(tmp_path):
     assert steps == [3, 4]
     np.testing.assert_allclose(params["w"], [3.5, 3.5, 3.5])
     ckpt.close()
+    assert checkpoint_steps(tmp_path) == [2, 3, 4] and checkpoint_steps(tmp_path / "none") == []
     params, steps = average_last_checkpoints(str(tmp_path), state, 3)  # from the directory
     assert steps == [2, 3, 4]
     np.testing.assert_allclose(params["w"], [3.0, 3.0, 3.0])
     with pytest.raises(FileNotFoundError, match="n=4"):
         average_last_checkpoints(str(tmp_path), state, 4)
+    # What to average of each restored state: here the step counter, as an array.
+    steps_avg, _ = average_last_checkpoints(str(tmp_path), state, 2, params=lambda s: s.step)
+    assert int(steps_avg) == 3  # integers: floor of (3 + 4) / 2
+    assert param_checksum(params) == param_checksum({"w": np.full(3, 3.0, np.float32)})
+    assert param_checksum(params) != param_checksum({"w": np.full(3, 3.5, np.float32)})

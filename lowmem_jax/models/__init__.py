@@ -1,4 +1,9 @@
-"""Benchmark models of the technical report, written for the remat and precision transforms."""
+"""Benchmark models of the technical report, written for the remat and precision transforms.
+
+Models import neither the data pipelines nor the techniques: a plan configures them
+(``Plan.configure_model``: ``remat`` and ``dtype``), the registry (:mod:`lowmem_jax.workloads`)
+names them.
+"""
 
 from lowmem_jax.models.dynamic_conv import (
     DecoderLayer,
@@ -7,10 +12,10 @@ from lowmem_jax.models.dynamic_conv import (
     EncoderLayer,
     LightConv,
     MultiHeadAttention,
+    beam_search,
     greedy_decode,
+    sequence_log_prob,
     sinusoidal_positions,
-    translation_is_sparse,
-    translation_loss_fn,
 )
 from lowmem_jax.models.wide_resnet import PreActBlock, WideResNet
 
@@ -24,7 +29,7 @@ __all__ = [
     "EncoderLayer",
     "DecoderLayer",
     "sinusoidal_positions",
-    "translation_loss_fn",
-    "translation_is_sparse",
     "greedy_decode",
+    "beam_search",
+    "sequence_log_prob",
 ]

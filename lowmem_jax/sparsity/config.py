@@ -6,6 +6,9 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable
+from typing import Any
+
+from lowmem_jax.sparsity.storage import COMPRESSED, MASKED, Storage
 
 __all__ = [
     "SparseConfig",
@@ -20,7 +23,7 @@ __all__ = [
 ALGORITHMS = ("static", "set", "rigl", "snfs", "dsr")
 #: Per-layer densities: the same everywhere, or Erdos-Renyi-Kernel (Evci et al. 2020).
 DISTRIBUTIONS = ("uniform", "erk")
-#: How the initial mask is chosen (``snip`` needs a gradient, see ``SparseTraining.prepare``).
+#: How the initial mask is chosen (``snip`` needs a gradient, see ``SparseTraining.store``).
 INITS = ("random", "magnitude", "snip")
 #: Algorithms whose per-layer non-zero counts change (need capacity headroom when compressed).
 REALLOCATING = ("snfs", "dsr")
@@ -134,6 +137,20 @@ class SparseConfig:
     def dynamic(self) -> bool:
         """Whether masks change during training."""
         return self.algorithm != "static"
+
+    @property
+    def storage(self) -> Storage:
+        """How sparse leaves are stored (:mod:`.storage`): compressed or masked."""
+        return COMPRESSED if self.compressed else MASKED
+
+    def describe(self) -> dict[str, Any]:
+        """A short JSON-able description: algorithm, sparsity, distribution, storage."""
+        return {
+            "algorithm": self.algorithm,
+            "sparsity": 1.0 - self.density,
+            "distribution": self.distribution,
+            "storage": self.storage.name,
+        }
 
     @property
     def capacity(self) -> float:

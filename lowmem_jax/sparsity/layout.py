@@ -17,14 +17,22 @@ from lowmem_jax.sparsity.config import SparseConfig
 
 PyTree = Any
 
-__all__ = ["LeafSpec", "Layout", "make_layout", "layer_densities", "path_names"]
+__all__ = [
+    "LeafSpec",
+    "Layout",
+    "make_layout",
+    "layer_densities",
+    "path_names",
+    "leaves_by_key",
+    "replace_leaves",
+]
 
 
 class LeafSpec(NamedTuple):
     """One sparse leaf.
 
     Attributes:
-      key: ``"a/b/kernel"``, the leaf's path (dict keys of the state's ``masks`` / ``indices``).
+      key: ``"a/b/kernel"``, the leaf's path (the keys of ``SparseState.pattern``).
       shape: the dense shape.
       size: ``prod(shape)``.
       budget: non-zeros at initialisation (from ``density`` and ``distribution``).
@@ -66,6 +74,26 @@ def path_names(path) -> tuple[str, ...]:
         else:
             out.append(str(k))
     return tuple(out)
+
+
+def leaves_by_key(tree: PyTree, keys) -> dict[str, jax.Array]:
+    """``{key: leaf}`` for the leaves of ``tree`` whose ``"a/b/kernel"`` path is in ``keys``."""
+    keys = set(keys)
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        k = "/".join(path_names(path))
+        if k in keys:
+            out[k] = leaf
+    return out
+
+
+def replace_leaves(tree: PyTree, new: dict[str, jax.Array]) -> PyTree:
+    """``tree`` with the leaves whose path is a key of ``new`` replaced by its values."""
+
+    def fn(path, leaf):
+        return new.get("/".join(path_names(path)), leaf)
+
+    return jax.tree_util.tree_map_with_path(fn, tree)
 
 
 def _erk_shape(names: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:

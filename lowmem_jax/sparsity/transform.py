@@ -1,21 +1,22 @@
-"""The sparse optimizer wrapper: masks (or indices) as optimizer state around any optax transform.
+"""The sparse optimizer: a sparsity pattern as optimizer state around any optax transform.
 
-:class:`SparseTraining` wraps an inner ``optax.GradientTransformation``; its ``init`` / ``update``
-follow the optax protocol, so it drops into :func:`lowmem_jax.make_train_step` as the ``tx``.
-``update(grads, state, params)``:
+:class:`SparseTraining` wraps an inner ``optax.GradientTransformation`` and is a
+:class:`lowmem_jax.base.Optimizer`: besides ``init`` / ``update`` it stores the parameters
+(:meth:`~SparseTraining.store`: masked or compressed, :mod:`.storage`) and builds the dense
+ones the model sees (:meth:`~SparseTraining.materialize`), so the train step needs nothing
+sparse-specific. ``update(grads, state, params)``:
 
-1. masks the gradient (masked storage) or gathers it at the stored indices (compressed
-   storage), runs the inner transform, and masks its updates (pruned weights never move);
-2. if the schedule says so (``lax.cond``, no host sync), rewires
-   (:func:`~lowmem_jax.sparsity.algorithms.rewire`; compressed storage:
-   :func:`~lowmem_jax.sparsity.algorithms.rewire_compressed`, per layer, selecting the same
-   weights with small temporaries) from the weights *after* this update, the
-   dense gradient and the momentum; the returned updates then zero the pruned weights exactly
-   (``update = -w``), regrown weights start at 0, and every optimizer slot that mirrors the
-   parameters (:mod:`~lowmem_jax.sparsity.slots`) is zeroed outside the surviving weights.
+1. brings the gradient to the stored layout (:meth:`.storage.Storage.gather`, or zeroes unused
+   slots of a gradient already w.r.t. the stored values), runs the inner transform, and zeroes
+   its updates off the pattern (pruned weights never move);
+2. if the schedule says so (``lax.cond``, no host sync), rewires (:meth:`.storage.Storage.rewire`)
+   from the weights *after* this update, the dense gradient (RigL) and the momentum (SNFS); the
+   returned updates then zero the pruned weights exactly (``update = -w``), regrown weights
+   start at 0, and every optimizer slot that mirrors the parameters (:mod:`.slots`) is zeroed
+   outside the surviving weights.
 
 The train step keeps the old optimizer state on a non-finite step, so a skipped step changes no
-mask, counter, threshold or slot. With microbatching the wrapper runs once per optimizer step.
+pattern, counter, threshold or slot. With microbatching the wrapper runs once per optimizer step.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lowmem_jax.base import Optimizer
 from lowmem_jax.sparsity import algorithms
 from lowmem_jax.sparsity import masks as masks_lib
 from lowmem_jax.sparsity import slots as slots_lib
 from lowmem_jax.sparsity.config import DSR_PRUNED_FRACTION, SparseConfig
-from lowmem_jax.sparsity.layout import Layout, make_layout, path_names
+from lowmem_jax.sparsity.layout import Layout, leaves_by_key, make_layout, replace_leaves
+from lowmem_jax.sparsity.storage import Storage
 
 PyTree = Any
 
@@ -39,64 +42,27 @@ __all__ = ["SparseState", "SparseTraining", "sparse_training", "density_report"]
 
 
 class SparseState(NamedTuple):
-    """The wrapper's optimizer state (a pytree).
+    """The sparse optimizer's state (a pytree).
 
     Attributes:
-      inner: the inner transform's state (its slots shaped like the stored parameters).
-      masks: masked storage: ``{leaf_key: bool[*dense_shape]}``; compressed: ``{}``.
-      indices: compressed storage: ``{leaf_key: int32[capacity]}``, flat positions in the dense
-        leaf; unused capacity holds ``size`` (out of range: scatters drop it, gathers read 0);
-        masked: ``{}``.
+      inner_state: the inner transform's state (its slots shaped like the stored parameters).
+      pattern: ``{leaf_key: pattern}``, where each sparse leaf's non-zeros are: bool masks
+        ``[*shape]`` (masked storage) or int32 flat positions ``[capacity]`` (compressed;
+        ``size`` in unused slots), see :mod:`.storage`.
       count: int32 scalar, optimizer steps applied.
       threshold: float32 scalar, DSR's ``H`` (unused otherwise).
       rng: uint32 ``[2]`` raw key for random regrowth (``fold_in(rng, count)``).
     """
 
-    inner: PyTree
-    masks: dict[str, jax.Array]
-    indices: dict[str, jax.Array]
+    inner_state: PyTree
+    pattern: dict[str, jax.Array]
     count: jax.Array
     threshold: jax.Array
     rng: jax.Array
 
 
-def _by_key(tree: PyTree, keys) -> dict[str, jax.Array]:
-    keys = set(keys)
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        k = "/".join(path_names(path))
-        if k in keys:
-            out[k] = leaf
-    return out
-
-
-def _replace(tree: PyTree, new: dict[str, jax.Array]) -> PyTree:
-    def fn(path, leaf):
-        return new.get("/".join(path_names(path)), leaf)
-
-    return jax.tree_util.tree_map_with_path(fn, tree)
-
-
-def _scatter(size: int, idx: jax.Array, values: jax.Array) -> jax.Array:
-    return jnp.zeros((size,), values.dtype).at[idx].set(values, mode="drop")
-
-
-def _gather(dense_flat: jax.Array, idx: jax.Array) -> jax.Array:
-    return dense_flat.at[idx].get(mode="fill", fill_value=0)
-
-
-class _Given(NamedTuple):
-    """A transformation whose ``init`` returns a given state (for ``TrainState.create``)."""
-
-    state: PyTree
-
-    def init(self, params):
-        del params
-        return self.state
-
-
 @dataclasses.dataclass(frozen=True)
-class SparseTraining:
+class SparseTraining(Optimizer):
     """Dynamic (or static) sparse training around ``inner``; build with :func:`sparse_training`.
 
     Attributes:
@@ -111,6 +77,10 @@ class SparseTraining:
     layout: Layout
 
     @property
+    def storage(self) -> Storage:
+        return self.config.storage
+
+    @property
     def dsr_target_pruned(self) -> int:
         """DSR's ``N_p``: the config's, or ``DSR_PRUNED_FRACTION`` of the sparse weights."""
         if self.config.dsr_target_pruned is not None:
@@ -119,27 +89,22 @@ class SparseTraining:
         return max(1, round(DSR_PRUNED_FRACTION * total))
 
     @property
-    def grads_in_stored_layout(self) -> bool:
-        """Whether :meth:`update` takes gradients w.r.t. the stored (compressed) parameters.
+    def grads_wrt_stored(self) -> bool:
+        """Whether the step differentiates w.r.t. the stored (compressed) values.
 
-        True for compressed storage unless the algorithm reads the dense gradient (RigL grows
-        where ``|dense grad|`` is largest) or a leaf is stored at full size (capacity = size,
-        where the two layouts would be indistinguishable). :func:`~lowmem_jax.make_train_step`
-        then differentiates ``loss(materialize(stored))`` w.r.t. the stored parameters, so each
-        microbatch's gradient and the accumulator hold only the kept weights.
+        True when every sparse leaf is stored shorter than dense (compressed storage, capacity
+        below size: otherwise the two layouts are indistinguishable) and the algorithm does not
+        read the dense gradient (RigL grows where ``|dense grad|`` is largest). Each
+        microbatch's gradient and the accumulator then hold only the kept weights.
         """
-        return (
-            self.config.compressed
-            and self.config.algorithm != "rigl"
-            and all(s.capacity < s.size for s in self.layout.leaves)
+        return self.config.algorithm != "rigl" and all(
+            self.storage.capacity(s) < s.size for s in self.layout.leaves
         )
 
     # --- initialisation -----------------------------------------------------------------
 
     def _caps(self) -> tuple[int, ...]:
-        if self.config.compressed:
-            return tuple(s.capacity for s in self.layout.leaves)
-        return tuple(s.size for s in self.layout.leaves)
+        return tuple(self.storage.capacity(s) for s in self.layout.leaves)
 
     def initial_masks(self, params: PyTree, grads: PyTree | None = None) -> dict[str, jax.Array]:
         """``{leaf_key: bool[*shape]}`` with exactly the layer budgets set (SNIP: the global
@@ -149,13 +114,13 @@ class SparseTraining:
           ValueError: ``init="snip"`` without ``grads``.
         """
         cfg = self.config
-        leaves = _by_key(params, self.layout.keys)
+        leaves = leaves_by_key(params, self.layout.keys)
         key = jax.random.PRNGKey(cfg.seed)
         out = {}
         if cfg.init == "snip":
             if grads is None:
                 raise ValueError("init='snip' needs grads (the dense gradient of the loss)")
-            g = _by_key(grads, self.layout.keys)
+            g = leaves_by_key(grads, self.layout.keys)
             scores = [
                 jnp.abs(leaves[s.key] * g[s.key]).reshape(-1).astype(jnp.float32)
                 for s in self.layout.leaves
@@ -183,163 +148,143 @@ class SparseTraining:
             out[s.key] = masks_lib.top_k_mask(score, s.budget).reshape(s.shape)
         return out
 
-    def store(
-        self, params: PyTree, masks: dict[str, jax.Array]
-    ) -> tuple[PyTree, dict[str, jax.Array]]:
-        """Stored parameters and indices for dense ``params`` under ``masks``.
-
-        Masked storage: ``params * mask`` and ``{}``. Compressed: each sparse leaf becomes its
-        values ``[capacity]`` (ascending positions, zero padded) and the indices are returned.
-        """
-        leaves = _by_key(params, self.layout.keys)
-        if not self.config.compressed:
-            return _replace(
-                params, {k: jnp.where(masks[k], leaves[k], 0) for k in self.layout.keys}
-            ), {}
-        values, indices = {}, {}
-        for s in self.layout.leaves:
-            (idx,) = jnp.nonzero(masks[s.key].reshape(-1), size=s.capacity, fill_value=s.size)
-            idx = idx.astype(jnp.int32)
-            indices[s.key] = idx
-            values[s.key] = _gather(leaves[s.key].reshape(-1), idx)
-        return _replace(params, values), indices
-
-    def init_from(
-        self, stored: PyTree, masks: dict[str, jax.Array], indices: dict[str, jax.Array]
-    ) -> SparseState:
-        """The optimizer state for stored parameters (from :meth:`store`)."""
+    def _state(self, stored: PyTree, pattern: dict[str, jax.Array]) -> SparseState:
         return SparseState(
-            inner=self.inner.init(stored),
-            masks={k: jnp.asarray(v, bool) for k, v in masks.items()}
-            if not self.config.compressed
-            else {},
-            indices=dict(indices),
+            inner_state=self.inner.init(stored),
+            pattern=dict(pattern),
             count=jnp.zeros((), jnp.int32),
             threshold=jnp.asarray(self.config.dsr_threshold, jnp.float32),
             rng=jax.random.PRNGKey(self.config.seed + 1),
         )
 
-    def prepare(self, params: PyTree, grads: PyTree | None = None) -> tuple[PyTree, SparseState]:
-        """Dense ``params`` -> ``(stored_params, opt_state)``: initial masks, storage, state."""
+    def store(self, params: PyTree, grads: PyTree | None = None) -> tuple[PyTree, SparseState]:
+        """Dense ``params`` -> ``(stored params, state)``: initial masks, storage, state.
+
+        ``grads``: the dense gradient at ``params``, needed by ``init="snip"`` only.
+        """
         masks = self.initial_masks(params, grads)
-        stored, indices = self.store(params, masks)
-        return stored, self.init_from(stored, masks, indices)
-
-    def create_train_state(
-        self,
-        *,
-        params: PyTree,
-        plan,
-        model_state=None,
-        rng: jax.Array | None = None,
-        grads: PyTree | None = None,
-    ):
-        """A :class:`~lowmem_jax.TrainState` holding the stored parameters and sparse state."""
-        from lowmem_jax.train import TrainState
-
-        params = plan.policy.cast_to_param(params)
-        stored, opt_state = self.prepare(params, grads)
-        return TrainState.create(
-            params=stored, tx=_Given(opt_state), plan=plan, model_state=model_state, rng=rng
-        )
+        leaves = leaves_by_key(params, self.layout.keys)
+        pattern, stored = {}, {}
+        for s in self.layout.leaves:
+            pattern[s.key] = self.storage.pattern(masks[s.key], s)
+            stored[s.key] = self.storage.store(leaves[s.key], pattern[s.key], s)
+        stored = replace_leaves(params, stored)
+        return stored, self._state(stored, pattern)
 
     def init(self, params: PyTree) -> SparseState:
         """optax ``init`` (masked storage only): the initial masks of ``params``.
 
         Random and magnitude masks are recomputed from the seed / magnitudes, so ``init`` of the
         dense or of the already masked parameters gives the same masks; for SNIP the non-zeros
-        of ``params`` are taken as the mask (call it on :meth:`prepare`'d parameters). The
-        parameters themselves are not masked here: use :meth:`prepare` or
-        :meth:`create_train_state`.
+        of ``params`` are taken as the mask (call it on :meth:`store`'d parameters). The
+        parameters themselves are not masked here: use :meth:`store` (``TrainState.create``
+        does).
 
         Raises:
           ValueError: in compressed mode (the indices cannot be derived from the values).
         """
         if self.config.compressed:
             raise ValueError(
-                "compressed=True: build the state with SparseTraining.prepare or "
-                "create_train_state (init cannot recover indices from the stored values)"
+                "compressed=True: build the state with SparseTraining.store or "
+                "lm.TrainState.create (init cannot recover indices from the stored values)"
             )
         if self.config.init == "snip":
-            leaves = _by_key(params, self.layout.keys)
+            leaves = leaves_by_key(params, self.layout.keys)
             masks = {k: leaves[k] != 0 for k in self.layout.keys}
         else:
             masks = self.initial_masks(params)
-        return self.init_from(params, masks, {})
+        return self._state(params, masks)
+
+    def describe(self, state: PyTree | None = None, params: PyTree | None = None) -> dict:
+        """``{"sparsity": ...}``: with ``state``, the configuration and the pattern's counts
+        (``nnz``, ``budget``, ``size``, ``density``); with dense model ``params``, the measured
+        ``density`` (non-zero fraction) of their sparse leaves."""
+        cfg = self.config
+        if params is not None:
+            leaves = leaves_by_key(params, self.layout.keys)
+            nnz = sum(int(jnp.count_nonzero(x)) for x in leaves.values())
+            return {"sparsity": {"density": nnz / sum(s.size for s in self.layout.leaves)}}
+        report = density_report(self, state)
+        return {
+            "sparsity": {
+                "algorithm": cfg.algorithm,
+                "storage": self.storage.name,
+                "target_density": cfg.density,
+                "nnz": report["nnz"],
+                "budget": self.layout.total_budget,
+                "size": report["size"],
+                "density": report["density"],
+                "sparse_leaves": len(self.layout.leaves),
+            }
+        }
 
     # --- the step --------------------------------------------------------------------------
 
-    def materialize(self, params: PyTree, opt_state: PyTree) -> PyTree:
-        """The dense parameters the model sees (the ``materialize`` hook of
-        :func:`~lowmem_jax.make_train_step`); identity for masked storage. ``opt_state`` is the
-        :class:`SparseState` or any pytree containing one."""
-        if not self.config.compressed:
-            return params
-        state = _find_state(opt_state)
-        values = _by_key(params, self.layout.keys)
+    def materialize(self, params: PyTree, state: PyTree) -> PyTree:
+        """The dense parameters the model sees; ``state`` is the :class:`SparseState` or any
+        pytree containing one."""
+        pattern = _find_state(state).pattern
+        values = leaves_by_key(params, self.layout.keys)
         dense = {
-            s.key: _scatter(s.size, state.indices[s.key], values[s.key]).reshape(s.shape)
+            s.key: self.storage.materialize(values[s.key], pattern[s.key], s)
             for s in self.layout.leaves
         }
-        return _replace(params, dense)
+        return replace_leaves(params, dense)
 
     def update(self, grads: PyTree, state: SparseState, params: PyTree | None = None):
         """optax ``update``: ``params`` as stored; ``grads`` w.r.t. the model's dense parameters,
         or (compressed storage, not RigL) w.r.t. the stored ones -- cheaper: see
-        :attr:`grads_in_stored_layout`.
+        :attr:`grads_wrt_stored`.
 
         Raises:
           ValueError: without ``params``, or for gradients of neither layout.
         """
         if params is None:
             raise ValueError("SparseTraining.update needs params")
-        cfg, specs = self.config, self.layout.leaves
+        cfg, specs, storage = self.config, self.layout.leaves, self.storage
         keys = self.layout.keys
-        g = {k: v.reshape(-1) for k, v in _by_key(grads, keys).items()}
-        p = {k: v.reshape(-1) for k, v in _by_key(params, keys).items()}
+        g = {k: v.reshape(-1) for k, v in leaves_by_key(grads, keys).items()}
+        p = {k: v.reshape(-1) for k, v in leaves_by_key(params, keys).items()}
+        caps = dict(zip(keys, self._caps(), strict=True))
         # The layout is told by the shapes: stored when every leaf has its capacity's length
         # and some leaf is shorter than dense (else the two layouts coincide: dense).
-        stored = (
-            cfg.compressed
-            and all(g[s.key].shape[0] == s.capacity for s in specs)
-            and any(s.capacity < s.size for s in specs)
+        stored = all(g[k].shape[0] == caps[k] for k in keys) and any(
+            caps[s.key] < s.size for s in specs
         )
         if not stored and any(g[s.key].shape[0] != s.size for s in specs):
             raise ValueError(
                 "grads must be w.r.t. the dense model parameters or (compressed storage) the "
                 "stored ones: got sizes "
                 f"{ {s.key: g[s.key].shape[0] for s in specs} }, dense "
-                f"{ {s.key: s.size for s in specs} }, stored { {s.key: s.capacity for s in specs} }"
+                f"{ {s.key: s.size for s in specs} }, stored {caps}"
             )
         if stored and cfg.algorithm == "rigl":
             raise ValueError(
                 "algorithm='rigl' grows where |dense grad| is largest: pass grads "
                 "w.r.t. the dense model parameters"
             )
-        if stored:
-            live = {s.key: state.indices[s.key] < s.size for s in specs}
-            inner_g = {s.key: jnp.where(live[s.key], g[s.key], 0) for s in specs}
-        elif cfg.compressed:
-            live = {s.key: state.indices[s.key] < s.size for s in specs}
-            inner_g = {s.key: _gather(g[s.key], state.indices[s.key]) for s in specs}
-        else:
-            live = {k: state.masks[k].reshape(-1) for k in keys}
-            inner_g = {k: jnp.where(live[k], g[k], 0) for k in keys}
-        inner_grads = _replace(
-            grads, {s.key: inner_g[s.key].reshape(_stored_shape(params, s.key)) for s in specs}
-        )
-        updates, inner = self.inner.update(inner_grads, state.inner, params)
-        u = {k: jnp.where(live[k], v.reshape(-1), 0) for k, v in _by_key(updates, keys).items()}
+        live = {s.key: storage.live(state.pattern[s.key], s) for s in specs}
+        inner_g = {
+            s.key: jnp.where(live[s.key], g[s.key], 0)
+            if stored
+            else storage.gather(g[s.key], state.pattern[s.key], s)
+            for s in specs
+        }
+        inner_grads = replace_leaves(grads, _shape_like(inner_g, params, cast=False))
+        updates, inner_state = self.inner.update(inner_grads, state.inner_state, params)
+        u = {
+            k: jnp.where(live[k], v.reshape(-1), 0) for k, v in leaves_by_key(updates, keys).items()
+        }
         count = state.count + 1
-        new_state = state._replace(inner=inner, count=count)
+        new_state = state._replace(inner_state=inner_state, count=count)
         if not cfg.dynamic:
-            return _replace(updates, _shape_like(u, params)), new_state
+            return replace_leaves(updates, _shape_like(u, params)), new_state
 
         def keep(_):
-            return u, inner, state.masks, state.indices, state.threshold
+            return u, inner_state, state.pattern, state.threshold
 
         def rewire(_):
-            return self._rewire(state, inner, params, p, g, u, live, count)
+            return self._rewire(state, inner_state, params, p, g, u, live, count)
 
         do = count >= cfg.start_step
         period = jnp.int32(cfg.periods[0][1])
@@ -348,74 +293,43 @@ class SparseTraining:
         do &= count % period == 0
         if cfg.end_step is not None:
             do &= count <= cfg.end_step
-        u, inner, masks, indices, threshold = jax.lax.cond(do, rewire, keep, None)
+        u, inner_state, pattern, threshold = jax.lax.cond(do, rewire, keep, None)
         new_state = new_state._replace(
-            inner=inner, masks=masks, indices=indices, threshold=threshold
+            inner_state=inner_state, pattern=pattern, threshold=threshold
         )
-        return _replace(updates, _shape_like(u, params)), new_state
+        return replace_leaves(updates, _shape_like(u, params)), new_state
 
-    def _rewire(self, state, inner, params, p, g, u, live, count):
+    def _rewire(self, state, inner_state, params, p, g, u, live, count):
         cfg, specs = self.config, self.layout.leaves
-        compressed = cfg.compressed
         momentum = None
         if cfg.algorithm == "snfs":
-            mirrors = slots_lib.find_mirrors(inner, params)
+            mirrors = slots_lib.find_mirrors(inner_state, params)
             if not mirrors:
                 raise ValueError(
                     "algorithm='snfs' needs an inner optimizer with a momentum slot "
                     "(a state subtree shaped like params), e.g. optax.sgd(lr, momentum=0.9)"
                 )
-            mom = _by_key(mirrors[0], self.layout.keys)
+            mom = leaves_by_key(mirrors[0], self.layout.keys)
             momentum = [mom[s.key].reshape(-1) for s in specs]
-        rng = jax.random.fold_in(state.rng, count)
-        fraction = algorithms.drop_fraction(cfg.drop_fraction, count, cfg.end_step, cfg.anneal)
-        common = dict(
-            rng=rng,
-            fraction=fraction,
+        keep, pattern, threshold = self.storage.rewire(
+            cfg.algorithm,
+            specs=specs,
+            values=[p[s.key] + u[s.key] for s in specs],
+            patterns=[state.pattern[s.key] for s in specs],
+            live=[live[s.key] for s in specs],
             grads=[g[s.key] for s in specs] if cfg.algorithm == "rigl" else None,
             momentum=momentum,
+            rng=jax.random.fold_in(state.rng, count),
+            fraction=algorithms.drop_fraction(cfg.drop_fraction, count, cfg.end_step, cfg.anneal),
             threshold=state.threshold,
             target_pruned=self.dsr_target_pruned,
         )
-        new_u, keep, new_masks, new_indices = {}, {}, {}, {}
-        if compressed:
-            # Per layer, in the [capacity] slots; dense [n] temporaries one layer at a time.
-            idx = state.indices
-            out = algorithms.rewire_compressed(
-                cfg.algorithm,
-                values=[p[s.key] + u[s.key] for s in specs],
-                indices=[idx[s.key] for s in specs],
-                sizes=tuple(s.size for s in specs),
-                **common,
-            )
-            for i, s in enumerate(specs):
-                kept = out.survivors[i]
-                # Survivors keep their slots; regrown weights fill the freed ones in order.
-                (free_slot,) = jnp.nonzero(~kept, size=s.capacity, fill_value=s.capacity)
-                new_indices[s.key] = (
-                    jnp.where(kept, idx[s.key], s.size)
-                    .at[free_slot]
-                    .set(out.grown[i], mode="drop")
-                    .astype(jnp.int32)
-                )
-                keep[s.key] = kept
-        else:
-            out = algorithms.rewire(
-                cfg.algorithm,
-                weights=[p[s.key] + u[s.key] for s in specs],
-                masks=[live[s.key] for s in specs],
-                caps=self._caps(),
-                **common,
-            )
-            for i, s in enumerate(specs):
-                keep[s.key] = out.survivors[i]
-                new_masks[s.key] = out.masks[i].reshape(s.shape)
-        for s in specs:
-            new_u[s.key] = jnp.where(keep[s.key], u[s.key], -p[s.key])
+        keep = {s.key: k for s, k in zip(specs, keep, strict=True)}
+        new_u = {s.key: jnp.where(keep[s.key], u[s.key], -p[s.key]) for s in specs}
 
         def reset(mirror):
-            leaves = _by_key(mirror, self.layout.keys)
-            return _replace(
+            leaves = leaves_by_key(mirror, self.layout.keys)
+            return replace_leaves(
                 mirror,
                 {
                     k: jnp.where(keep[k].reshape(v.shape), v, jnp.zeros_like(v))
@@ -423,19 +337,21 @@ class SparseTraining:
                 },
             )
 
-        inner = slots_lib.map_mirrors(reset, inner, params)
-        if compressed:
-            return new_u, inner, state.masks, new_indices, out.threshold
-        return new_u, inner, new_masks, state.indices, out.threshold
+        inner_state = slots_lib.map_mirrors(reset, inner_state, params)
+        pattern = {s.key: x for s, x in zip(specs, pattern, strict=True)}
+        return new_u, inner_state, pattern, threshold
 
 
-def _stored_shape(params: PyTree, key: str) -> tuple[int, ...]:
-    return tuple(_by_key(params, [key])[key].shape)
-
-
-def _shape_like(flat: dict[str, jax.Array], params: PyTree) -> dict[str, jax.Array]:
-    leaves = _by_key(params, flat.keys())
-    return {k: v.reshape(leaves[k].shape).astype(leaves[k].dtype) for k, v in flat.items()}
+def _shape_like(
+    flat: dict[str, jax.Array], params: PyTree, cast: bool = True
+) -> dict[str, jax.Array]:
+    leaves = leaves_by_key(params, flat.keys())
+    return {
+        k: v.reshape(leaves[k].shape).astype(leaves[k].dtype)
+        if cast
+        else v.reshape(leaves[k].shape)
+        for k, v in flat.items()
+    }
 
 
 def _find_state(tree: PyTree) -> SparseState:
@@ -469,15 +385,12 @@ def sparse_training(
     return SparseTraining(inner=inner, config=config, layout=layout)
 
 
-def density_report(sparse: SparseTraining, params: PyTree, opt_state: PyTree) -> dict[str, Any]:
-    """Per-layer and total non-zero counts of the current masks (host-side, for logging)."""
-    state = _find_state(opt_state)
+def density_report(sparse: SparseTraining, opt_state: PyTree) -> dict[str, Any]:
+    """Per-layer and total non-zero counts of the current pattern (host-side, for logging)."""
+    pattern = _find_state(opt_state).pattern
     layers = {}
     for s in sparse.layout.leaves:
-        if sparse.config.compressed:
-            nnz = int((state.indices[s.key] < s.size).sum())
-        else:
-            nnz = int(state.masks[s.key].sum())
+        nnz = int(sparse.storage.nnz(pattern[s.key], s))
         layers[s.key] = {"nnz": nnz, "size": s.size, "density": nnz / s.size}
     total = sum(v["nnz"] for v in layers.values())
     size = sum(v["size"] for v in layers.values())

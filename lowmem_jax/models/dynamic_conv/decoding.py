@@ -1,49 +1,37 @@
-"""Translation decoding and evaluation: beam search, BLEU, checkpoint averaging.
+"""Decoding for the DynamicConv Transformer: greedy and beam search, incremental.
 
 For a :class:`~lowmem_jax.models.DynamicConvTransformer` (or any model with the same
 ``encode`` / ``decode`` and incremental ``init_cache`` / ``decode_step`` / ``reorder_cache``
-methods) and the token conventions of :mod:`lowmem_jax.data`
-(``PAD = 0``, ``BOS = 1``, ``EOS = 2``):
+methods) and its token conventions (``model.pad_id``; ``bos_id``, ``eos_id`` given, 1 and 2 by
+default as in :mod:`lowmem_jax.data`):
 
+- :func:`greedy_decode`: the argmax token each step.
 - :func:`beam_search`: fairseq's beam search with static shapes (``jit``-able): hypotheses are
   scored by ``sum_t log p(y_t | y_<t, x) / len(y) ** length_penalty`` (``len`` counts EOS);
   a sentence stops once ``beam_size`` hypotheses have ended, so ``beam_size=1`` is greedy
   decoding. :func:`sequence_log_prob` scores given hypotheses with the same log-probabilities.
-- :func:`detokenize` and :func:`bleu`: token rows -> strings -> sacreBLEU corpus BLEU.
-- :func:`average_checkpoints` (pure) and :func:`average_last_checkpoints` (from an Orbax
-  :class:`~lowmem_jax.checkpointing.Checkpointer` directory): fairseq's
-  ``scripts/average_checkpoints.py``.
 
 Decoding is incremental: each step feeds one token per hypothesis through the model's
 ``decode_step`` with a per-hypothesis cache (fairseq's ``incremental_state``), reordered by the
-chosen parent beams each step, so decoding costs ``O(max_len)`` decoder token-positions per
-hypothesis (like :func:`lowmem_jax.models.greedy_decode`), ``K`` times greedy's for beam size ``K``.
+chosen parent beams each step (beam search), so decoding costs ``O(max_len)`` decoder
+token-positions per hypothesis, ``K`` times greedy's for beam size ``K``.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from lowmem_jax.checkpointing import Checkpointer
-from lowmem_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from lowmem_jax.train import TrainState
+if TYPE_CHECKING:
+    from lowmem_jax.models.dynamic_conv.model import DynamicConvTransformer
 
-__all__ = [
-    "beam_search",
-    "sequence_log_prob",
-    "detokenize",
-    "bleu",
-    "average_checkpoints",
-    "checkpoint_steps",
-    "average_last_checkpoints",
-]
+__all__ = ["greedy_decode", "beam_search", "sequence_log_prob", "BOS_ID", "EOS_ID"]
 
+# The special ids of lowmem_jax.data (PAD = 0 is the model's pad_id).
+BOS_ID = 1
+EOS_ID = 2
 PyTree = Any
 _NEG_INF = -jnp.inf
 
@@ -230,132 +218,40 @@ def sequence_log_prob(
     return jnp.where(after_eos, 0.0, logp).sum(axis=1)
 
 
-def detokenize(rows: Any, tokenizer: Tokenizer | None = None) -> list[str]:
-    """Token rows ``[N, T]`` (or a list of id lists) -> ``N`` strings, each cut at its first EOS.
-
-    With a ``tokenizer``: :meth:`Tokenizer.decode` (subwords joined into text). Without: the ids
-    as space-separated decimal words (PAD and BOS skipped): ``[5, 9, 2, 0] -> "5 9"``, which is
-    how BLEU is computed on the synthetic tasks.
-    """
-    out = []
-    for row in rows:
-        if tokenizer is not None:
-            out.append(tokenizer.decode(row))
-            continue
-        words = []
-        for i in np.asarray(row).tolist():
-            if i == EOS_ID:
-                break
-            if i not in (PAD_ID, BOS_ID):
-                words.append(str(i))
-        out.append(" ".join(words))
-    return out
-
-
-def bleu(
-    hypotheses: Sequence[str],
-    references: Sequence[str],
+def greedy_decode(
+    model: DynamicConvTransformer,
+    params: Any,
+    src_tokens: jax.Array,
+    max_len: int,
     *,
-    tokenize: str = "13a",
-    lowercase: bool = False,
-) -> float:
-    """sacreBLEU corpus BLEU (0..100) of detokenized ``hypotheses`` against one reference each.
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+) -> jax.Array:
+    """Greedy decoding: ``src_tokens [B, S]`` -> ``[B, max_len]`` int32 target tokens.
 
-    ``tokenize`` is sacreBLEU's tokenizer (``13a`` the default, ``none`` for pre-tokenized text
-    such as the synthetic id strings). Identical corpora score 100, disjoint ones 0.
-
-    Raises:
-      ValueError: for empty or unequal-length inputs.
+    Encodes once, then feeds ``BOS y_1 .. y_{max_len - 1}`` one token per step through
+    :meth:`DynamicConvTransformer.decode_step` (incremental state: ``O(max_len)`` decoder work,
+    not a re-run of the decoder over the prefix) and takes the argmax. The pad token is never
+    emitted; after a row's EOS the row is filled with ``model.pad_id``. Jittable with ``max_len``
+    static. The decoder state follows the compute dtype (``model.dtype`` or the params').
     """
-    import sacrebleu
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    variables = {"params": params}
+    memory, src_mask = model.apply(variables, src_tokens, method=model.encode)
+    cache = model.apply(variables, memory, src_mask, method=model.init_cache)
+    pad = model.pad_id
+    b = src_tokens.shape[0]
+    out = jnp.full((b, max_len), pad, jnp.int32)
 
-    if len(hypotheses) != len(references):
-        raise ValueError(
-            f"hypotheses and references must have equal lengths, got {len(hypotheses)} and "
-            f"{len(references)}"
-        )
-    if not hypotheses:
-        raise ValueError("hypotheses must not be empty")
-    result = sacrebleu.corpus_bleu(
-        list(hypotheses), [list(references)], tokenize=tokenize, lowercase=lowercase
-    )
-    return float(result.score)
+    def body(t, carry):
+        out, last, done, cache = carry
+        logits, cache = model.apply(variables, last, cache, method=model.decode_step)
+        # An emitted pad would be read as padding on the next step (and shift positions).
+        logits = logits.at[:, pad].set(-jnp.inf)
+        nxt = jnp.where(done, pad, logits.argmax(-1).astype(jnp.int32))
+        out = jax.lax.dynamic_update_index_in_dim(out, nxt, t, axis=1)
+        return out, nxt, done | (nxt == eos_id), cache
 
-
-def average_checkpoints(states_or_params: Sequence[Any]) -> PyTree:
-    """The element-wise mean of ``N`` parameter pytrees (fairseq ``average_checkpoints.py``).
-
-    ``states_or_params``: ``TrainState`` s (their ``params`` are used) or parameter pytrees of
-    one structure. Floating leaves: ``sum_i p_i / N`` accumulated in float32 (float64 stays
-    float64) and cast back to the leaf's dtype; integer leaves: ``sum_i p_i // N`` (as fairseq).
-
-    Raises:
-      ValueError: for an empty sequence or pytrees of different structures or shapes.
-    """
-    trees = [s.params if isinstance(s, TrainState) else s for s in states_or_params]
-    if not trees:
-        raise ValueError("states_or_params must hold at least one pytree")
-    structure = jax.tree.structure(trees[0])
-    for i, tree in enumerate(trees[1:], 1):
-        if jax.tree.structure(tree) != structure:
-            raise ValueError(f"states_or_params[{i}] has a different structure than [0]")
-    n = len(trees)
-
-    def mean(*leaves):
-        shapes = {jnp.shape(x) for x in leaves}
-        if len(shapes) != 1:
-            raise ValueError(f"leaf shapes differ across states_or_params: {sorted(shapes)}")
-        dtype = jnp.result_type(leaves[0])
-        if jnp.issubdtype(dtype, jnp.floating):
-            acc = jnp.promote_types(dtype, jnp.float32)
-            return (sum(jnp.asarray(x, acc) for x in leaves) / n).astype(dtype)
-        return (sum(jnp.asarray(x) for x in leaves) // n).astype(dtype)
-
-    return jax.tree.map(mean, *trees)
-
-
-def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
-    """The steps of the complete checkpoints in a :class:`Checkpointer` directory, ascending.
-
-    Orbax names each step's directory by the step; in-progress writes carry a temporary suffix
-    and are not listed.
-    """
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(p) for p in os.listdir(directory) if p.isdigit())
-
-
-def average_last_checkpoints(
-    checkpointer: Checkpointer | str | os.PathLike, target: Any, n: int
-) -> tuple[PyTree, list[int]]:
-    """Restores the newest ``n`` checkpoints and averages their parameters.
-
-    Args:
-      checkpointer: a :class:`Checkpointer` or its directory.
-      target: the saved structure (a ``TrainState`` or its ``jax.eval_shape``).
-      n: how many of the newest checkpoints to average (fairseq ``--num-epoch-checkpoints``).
-
-    Returns:
-      ``(params, steps)``: the averaged parameters and the steps averaged (ascending).
-
-    Raises:
-      ValueError: for ``n < 1``.
-      FileNotFoundError: if the directory holds fewer than ``n`` checkpoints.
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    own = not isinstance(checkpointer, Checkpointer)
-    if own:
-        checkpointer = Checkpointer(str(checkpointer), keep=max(n, 1))
-    try:
-        steps = checkpoint_steps(checkpointer.directory)[-n:]
-        if len(steps) < n:
-            raise FileNotFoundError(
-                f"average of the last n={n} checkpoints needs {n}, found {len(steps)} in "
-                f"{checkpointer.directory}"
-            )
-        states = [checkpointer.restore(target, step=s) for s in steps]
-    finally:
-        if own:
-            checkpointer.close()
-    return average_checkpoints(states), steps
+    carry = (out, jnp.full((b,), bos_id, jnp.int32), jnp.zeros((b,), bool), cache)
+    return jax.lax.fori_loop(0, max_len, body, carry)[0]

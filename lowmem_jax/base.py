@@ -1,0 +1,114 @@
+"""What the techniques and the composer share: the optimizer protocol and common type aliases.
+
+An :class:`Optimizer` is an optax transformation (``init`` / ``update``) that also owns the form
+in which the parameters it updates are *stored* in the train state, which may differ from the
+form the model *sees*:
+
+    stored, opt_state = opt.store(params)             once, from the model's parameters
+    model_params = opt.materialize(stored, opt_state) inside every step (transient)
+    updates, opt_state = opt.update(grads, opt_state, stored)
+
+Compressed sparse storage (:mod:`lowmem_jax.sparsity`) keeps each sparse kernel as its non-zero
+values and builds the dense kernel inside the step; a plain optax transformation stores the
+parameters as they are (:func:`as_optimizer`). The train step (:func:`lowmem_jax.make_train_step`)
+and the memory analysis (:func:`lowmem_jax.analyze`) read the storage from here, so a technique
+that stores parameters differently needs no hook in either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+PyTree = Any
+#: ``loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))``.
+LossFn = Callable[[PyTree, PyTree, PyTree, Any], tuple[jax.Array, tuple[PyTree, PyTree]]]
+
+__all__ = ["Optimizer", "OptaxOptimizer", "as_optimizer", "differentiated_loss", "PyTree", "LossFn"]
+
+
+class Optimizer:
+    """An optax-protocol transformation that owns the stored form of the parameters.
+
+    Subclasses implement :meth:`init` and :meth:`update` (the optax protocol) and, when they
+    store parameters in another form than the model sees, :meth:`store`, :meth:`materialize`
+    and :attr:`grads_wrt_stored`. The defaults store the parameters as they are.
+    """
+
+    def init(self, params: PyTree) -> PyTree:
+        """optax ``init`` on the stored parameters."""
+        raise NotImplementedError
+
+    def update(
+        self, grads: PyTree, state: PyTree, params: PyTree | None = None
+    ) -> tuple[PyTree, PyTree]:
+        """optax ``update``: ``grads`` (model or stored layout, see :attr:`grads_wrt_stored`),
+        ``state`` and the stored ``params`` -> ``(updates, state)`` in the stored layout."""
+        raise NotImplementedError
+
+    def store(self, params: PyTree) -> tuple[PyTree, PyTree]:
+        """The model's parameters -> ``(stored parameters, initial optimizer state)``."""
+        return params, self.init(params)
+
+    def materialize(self, params: PyTree, state: PyTree) -> PyTree:
+        """The stored parameters (and the state that locates them) -> the model's parameters.
+
+        Runs inside the step, so what it builds is transient."""
+        del state
+        return params
+
+    @property
+    def grads_wrt_stored(self) -> bool:
+        """Whether the step differentiates ``loss(materialize(stored))`` w.r.t. the stored
+        parameters (gradients, and the microbatch accumulator, take the stored size) instead of
+        ``loss`` w.r.t. the materialized ones."""
+        return False
+
+    def describe(self, state: PyTree | None = None, params: PyTree | None = None) -> dict:
+        """JSON-able facts for a run's summary, keyed by technique (``{}`` here): of the
+        optimizer ``state``, or measured on model ``params`` (e.g. an average of checkpoints)."""
+        del state, params
+        return {}
+
+
+class OptaxOptimizer(Optimizer):
+    """A plain optax transformation as an :class:`Optimizer`: parameters stored as they are."""
+
+    def __init__(self, tx: optax.GradientTransformation):
+        self.tx = tx
+
+    def init(self, params: PyTree) -> PyTree:
+        return self.tx.init(params)
+
+    def update(self, grads, state, params=None):
+        return self.tx.update(grads, state, params)
+
+    def __repr__(self) -> str:
+        return f"OptaxOptimizer({self.tx!r})"
+
+
+def as_optimizer(tx: optax.GradientTransformation | Optimizer) -> Optimizer:
+    """``tx`` itself if it is an :class:`Optimizer`, else :class:`OptaxOptimizer` ``(tx)``."""
+    return tx if isinstance(tx, Optimizer) else OptaxOptimizer(tx)
+
+
+def differentiated_loss(
+    loss_fn: LossFn, opt: Optimizer, params: PyTree, opt_state: PyTree
+) -> tuple[LossFn, PyTree]:
+    """``(loss, wrt)``: the loss as the train step differentiates it and what it is
+    differentiated w.r.t., for stored ``params`` and ``opt_state``.
+
+    ``(loss_fn, materialize(params))``, or with :attr:`Optimizer.grads_wrt_stored`
+    ``(loss_fn o materialize, params)``. The memory analysis calls it too, so it counts what the
+    step differentiates.
+    """
+    if opt.grads_wrt_stored:
+
+        def loss(stored, model_state, batch, rng):  # the dense weights exist per microbatch
+            return loss_fn(opt.materialize(stored, opt_state), model_state, batch, rng)
+
+        return loss, params
+    return loss_fn, opt.materialize(params, opt_state)

@@ -1,0 +1,277 @@
+"""The one training loop: any registered model, any task, any plan.
+
+Written like the Flax examples: a :class:`TrainConfig` per run, then :func:`train_and_evaluate`,
+which reads top to bottom: the task's data, the step and state from the one builder
+(:func:`lowmem_jax.workloads.build`), resume, the step loop with records and checkpoints,
+the summary. A task (:mod:`lowmem_jax.tasks`) supplies data, periodic evaluation and its
+summary; the loop does the rest the same way for every task:
+
+* records: every ``eval_every`` steps and at the last step, ``{step, epoch, train_loss,
+  train_accuracy, <the task's test metrics>, skipped_steps, loss_scale, learning_rate,
+  seconds}`` appended to ``history``, to ``<checkpoint_dir>/metrics.jsonl`` and TensorBoard;
+* checkpoints: every ``checkpoint_every`` steps and at the end; a step's record is written
+  before that step's checkpoint, so a resumed run (``resume``) loses and repeats nothing;
+* data order is a function of ``(seed, step)``, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+
+from lowmem_jax import tasks as tasks_lib
+from lowmem_jax.checkpointing import param_checksum, resume_or_start
+from lowmem_jax.plan import Plan
+from lowmem_jax.recipes import Recipe
+from lowmem_jax.train import model_params
+from lowmem_jax.workloads import build, workload
+
+__all__ = ["TrainConfig", "train_and_evaluate", "DEFAULT_PLAN"]
+
+#: The embedded default job's plan (``lowmem train``): the report's four step techniques.
+DEFAULT_PLAN = Plan(precision="mixed_fp16", microbatches=4, remat="full")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run. ``None`` means the dataset's or the model's default.
+
+    The defaults are the embedded default job: WideResNet-16-2 on the digits that ship with
+    scikit-learn, mixed fp16 with dynamic loss scaling, 4 microbatches, per-block remat.
+
+    Attributes:
+      dataset: one of :data:`lowmem_jax.tasks.DATASETS` (its task: classification or
+        translation).
+      model: a registry name (:data:`lowmem_jax.workloads.MODEL_NAMES`) of the dataset's task;
+        ``None``: ``wrn-16-2`` (classification), ``dynamicconv-small`` (translation).
+      plan: the techniques (:class:`lowmem_jax.Plan`, sparsity included).
+      epochs, steps: the run's length, one of the two (``None`` both: 10 epochs for
+        classification, 200 steps for translation).
+      batch_size: images per batch (classification).
+      max_tokens: padded tokens per batch (translation; fairseq ``--max-tokens``).
+      learning_rate, lr_schedule, warmup, weight_decay, momentum, label_smoothing: override the
+        model's :class:`~lowmem_jax.recipes.Recipe`.
+      seed: parameters, dropout, data split and order.
+      data_dir: the TFDS directory (CIFAR-10, IWSLT'14, TED); nothing is downloaded.
+      image_size: digits only (8, 16 or 32 pixels; 8 is the original resolution).
+      dropout, model_overrides, vocab_size, length_multiple, eval_sentences, beam_size,
+        length_penalty, max_len_a, max_len_b, average_last: translation
+        (:mod:`lowmem_jax.tasks.translation`).
+      eval_every: steps between records (``None``: one epoch for classification, 1000 steps
+        for translation).
+      checkpoint_dir, checkpoint_every, keep_checkpoints, resume: Orbax checkpoints (module
+        docstring); ``keep_checkpoints=None`` keeps ``max(3, average_last)``.
+      tensorboard: also write the records as TensorBoard scalars.
+      progress: a progress bar on stderr.
+    """
+
+    dataset: str = "digits"
+    model: str | None = None
+    plan: Plan = DEFAULT_PLAN
+    epochs: int | None = None
+    steps: int | None = None
+    batch_size: int = 128
+    max_tokens: int = 1024
+    learning_rate: float | None = None
+    lr_schedule: str | None = None
+    warmup: int | None = None
+    weight_decay: float | None = None
+    momentum: float | None = None
+    label_smoothing: float | None = None
+    seed: int = 0
+    data_dir: str | None = None
+    image_size: int = 32
+    dropout: float | None = None
+    model_overrides: dict[str, Any] | None = None
+    vocab_size: int = 10000
+    length_multiple: int = 8
+    eval_sentences: int | None = 1000
+    beam_size: int = 4
+    length_penalty: float = 1.0
+    max_len_a: float = 1.0
+    max_len_b: int = 8
+    average_last: int = 1
+    eval_every: int | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+    keep_checkpoints: int | None = None
+    resume: bool = False
+    tensorboard: bool = True
+    progress: bool = True
+
+    def __post_init__(self):
+        task = tasks_lib.task_of(self.dataset)
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError(
+                f"give epochs or steps, not both (epochs={self.epochs}, steps={self.steps})"
+            )
+        for name in (
+            "epochs", "steps", "batch_size", "max_tokens", "length_multiple", "beam_size",
+            "average_last", "eval_every", "checkpoint_every", "keep_checkpoints", "vocab_size",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.eval_sentences is not None and self.eval_sentences < 0:
+            raise ValueError(f"eval_sentences must be >= 0 or None, got {self.eval_sentences}")
+        if self.length_penalty < 0:
+            raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume=True needs a checkpoint_dir")
+        if self.average_last > 1 and not self.checkpoint_dir:
+            raise ValueError(f"average_last={self.average_last} needs a checkpoint_dir")
+        if self.average_last > self.keep:
+            raise ValueError(
+                f"average_last={self.average_last} needs keep_checkpoints >= average_last, "
+                f"got keep_checkpoints={self.keep_checkpoints}"
+            )
+        work = workload(self.model_name)  # validates the name
+        if work.task != task.KIND:
+            raise ValueError(
+                f"model={self.model_name!r} does not fit dataset={self.dataset!r} "
+                f"({task.KIND}); allowed values: {task.MODELS}"
+            )
+        task.check_config(self)
+        self.recipe(work.recipe)  # validates the recipe overrides
+
+    @property
+    def model_name(self) -> str:
+        """``model``, or the dataset's default."""
+        return self.model or tasks_lib.task_of(self.dataset).DEFAULT_MODEL
+
+    @property
+    def keep(self) -> int:
+        """``keep_checkpoints``, or ``max(3, average_last)``."""
+        return self.keep_checkpoints or max(3, self.average_last)
+
+    def recipe(self, base: Recipe) -> Recipe:
+        """``base`` (the model's recipe) with this config's overrides."""
+        overrides = {
+            "learning_rate": self.learning_rate,
+            "schedule": self.lr_schedule,
+            "warmup": self.warmup,
+            "weight_decay": self.weight_decay,
+            "momentum": self.momentum,
+            "label_smoothing": self.label_smoothing,
+        }
+        return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class _Meter:
+    """Means of the training loss and accuracy since the last record."""
+
+    def __init__(self):
+        self.sums, self.count = {"loss": 0.0, "accuracy": 0.0}, 0
+
+    def add(self, metrics) -> None:
+        self.count += 1
+        for k in self.sums:
+            self.sums[k] += float(metrics[k])
+
+    def flush(self) -> dict[str, float]:
+        out = {f"train_{k}": v / max(self.count, 1) for k, v in self.sums.items()}
+        self.sums, self.count = {k: 0.0 for k in self.sums}, 0
+        return out
+
+
+def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
+    """Trains ``config.model`` on ``config.dataset``; returns the summary with the history.
+
+    ``log`` receives one line per record (``None`` to stay quiet).
+    """
+    from tqdm.auto import tqdm
+
+    # Data, the step and the state.
+    task = tasks_lib.make_task(config)
+    total_steps = task.total_steps
+    work = task.workload(config)
+    recipe = config.recipe(work.recipe)
+    setup = build(work, config.plan, recipe=recipe, total_steps=total_steps)
+    rng = jax.random.PRNGKey(config.seed)
+    state = setup.init_state(task.example_batch(), rng, jit=task.jit_init)
+    checkpointer, state, metrics_writer = resume_or_start(
+        state,
+        config.checkpoint_dir,
+        every=config.checkpoint_every,
+        keep=config.keep,
+        resume=config.resume,
+        tensorboard=config.tensorboard,
+    )
+    start_step = int(state.step)
+    if log and start_step:
+        log(f"resumed from step {start_step} in {config.checkpoint_dir}")
+    materialize = jax.jit(lambda s: model_params(s, setup.tx))
+    evaluator = task.evaluator(setup)
+    learning_rate = recipe.learning_rate_fn(total_steps)
+
+    # The step loop.
+    history, meter = [], _Meter()
+    start = last = time.perf_counter()
+    bar = tqdm(total=total_steps, initial=start_step, disable=not config.progress, leave=False)
+    for epoch, batch in task.train_batches(start_step, total_steps):
+        state, metrics = setup.step(state, batch)
+        step = int(state.step)
+        meter.add(metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+        if step % task.eval_every == 0 or step == total_steps:
+            record = {
+                "step": step,
+                "epoch": epoch,
+                **meter.flush(),
+                **evaluator.evaluate(materialize(state), state.model_state),
+                "skipped_steps": int(state.skipped_steps),
+                "loss_scale": float(state.loss_scale.loss_scale),
+                "learning_rate": float(learning_rate(step - 1)),  # of this step's update
+                "seconds": time.perf_counter() - start,
+            }
+            history.append(record)
+            if metrics_writer:  # the record first, then the checkpoint of its step
+                metrics_writer.write(record)
+            if log:
+                now = time.perf_counter()
+                log(_record_line(record, now - last))
+                last = now
+        if checkpointer:
+            checkpointer.save(step, state)
+    bar.close()
+    train_seconds = time.perf_counter() - start
+    if checkpointer:
+        checkpointer.save(int(state.step), state, force=True)
+
+    # The summary.
+    params = materialize(state)
+    summary = {
+        "model": config.model_name,
+        "dataset": config.dataset,
+        "plan": setup.plan.to_dict(),
+        "recipe": dataclasses.asdict(recipe),
+        "seed": config.seed,
+        "param_count": int(sum(x.size for x in jax.tree.leaves(params))),
+        "param_checksum": param_checksum(state.params),
+        **setup.tx.describe(state.opt_state),
+        "steps": int(state.step),
+        "skipped_steps": int(state.skipped_steps),
+        "train_seconds": train_seconds,
+        "backend": jax.default_backend(),
+        **task.summary(evaluator, state, params, history, checkpointer, materialize),
+        "history": history,
+    }
+    if checkpointer:
+        checkpointer.close()
+    if metrics_writer:
+        metrics_writer.close()
+    summary["seconds"] = time.perf_counter() - start
+    return summary
+
+
+def _record_line(record: dict[str, Any], seconds: float) -> str:
+    tests = "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("test_"))
+    return (
+        f"step {record['step']:6d}  epoch {record['epoch']:3d}  loss {record['train_loss']:.4f}  "
+        f"train acc {record['train_accuracy']:.4f}  {tests}  skipped {record['skipped_steps']}  "
+        f"scale {record['loss_scale']:.0f}  lr {record['learning_rate']:.2e}  {seconds:.1f}s"
+    )

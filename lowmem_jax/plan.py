@@ -1,0 +1,178 @@
+"""The Plan: which techniques a train step composes, each one a field, validated on construction.
+
+==================  ================================  =============================================
+field               technique module                  where it acts
+==================  ================================  =============================================
+``precision``       :mod:`lowmem_jax.precision`       the step (cast in, fp32 out) and the model's
+                                                      compute ``dtype`` (:meth:`configure_model`)
+``loss_scale`` (+   :mod:`lowmem_jax.loss_scale`      the step (scale, unscale, skip, adjust)
+settings)
+``microbatches``    :mod:`lowmem_jax.microbatch`      the step (``lax.scan`` accumulation)
+``remat``           :mod:`lowmem_jax.remat`           the model, per block (:meth:`configure_model`)
+``sparsity``        :mod:`lowmem_jax.sparsity`        the optimizer and the parameters' storage
+                                                      (:meth:`wrap_optimizer`)
+==================  ================================  =============================================
+
+A technique module never imports this one or another technique; the plan names them and
+:func:`lowmem_jax.make_train_step` (step-side), :meth:`Plan.configure_model` (model-side) and
+:meth:`Plan.wrap_optimizer` (optimizer-side) compose them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import optax
+
+from lowmem_jax import loss_scale as loss_scale_lib
+from lowmem_jax import microbatch as microbatch_lib
+from lowmem_jax import precision as precision_lib
+from lowmem_jax import remat as remat_lib
+from lowmem_jax import sparsity as sparsity_lib
+from lowmem_jax.base import Optimizer, PyTree, as_optimizer
+
+__all__ = ["Plan"]
+
+
+def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A technique field that ``lowmem`` exposes as ``--field-name`` (``help``, ``choices``)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which techniques the train step composes. Validated on construction.
+
+    Attributes:
+      precision: a :mod:`lowmem_jax.precision` policy name (``fp32``, ``bf16``, ``fp16``,
+        ``mixed_bf16``, ``mixed_fp16``).
+      loss_scale: ``"auto"`` (dynamic when computing in float16, else none), ``"none"``,
+        ``"static"`` or ``"dynamic"``.
+      microbatches: ``k >= 1`` slices per batch, accumulated with ``lax.scan``.
+      remat: a :mod:`lowmem_jax.remat` policy name, applied per block by the model.
+      sparsity: a :class:`lowmem_jax.sparsity.SparseConfig` (sparse training, masked or
+        compressed storage), or ``None`` for dense training.
+      initial_loss_scale, loss_scale_period, loss_scale_factor, min_loss_scale: loss-scale
+        settings (2**15, 2000, 2, 1 by default).
+    """
+
+    precision: str = _flag(
+        "fp32",
+        "dtype policy: fp32; bf16/fp16 (params and compute half); mixed_bf16/mixed_fp16 (fp32 "
+        "master weights, half compute)",
+        choices=tuple(sorted(precision_lib.POLICIES)),
+    )
+    loss_scale: str = _flag(
+        "auto",
+        "loss scaling; auto = dynamic when computing in float16, else none. Non-finite gradients "
+        "skip the whole update",
+        choices=("auto", *loss_scale_lib.LOSS_SCALES),
+    )
+    microbatches: int = _flag(
+        1,
+        "split each batch into K microbatches and accumulate gradients with lax.scan (BatchNorm "
+        "uses per-microbatch statistics)",
+    )
+    remat: str = _flag(
+        "none",
+        "rematerialization policy per block: none, full (save block inputs), dots (save "
+        "conv/matmul outputs), save:NAME[,NAME] (save tagged activations, e.g. save:conv_out), "
+        "every:K (checkpoint segments of K blocks), sqrt",
+    )
+    sparsity: sparsity_lib.SparseConfig | None = None
+    initial_loss_scale: float = 2.0**15
+    loss_scale_period: int = 2000
+    loss_scale_factor: float = 2.0
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self):
+        precision_lib.get_policy(self.precision)
+        if self.loss_scale != "auto" and self.loss_scale not in loss_scale_lib.LOSS_SCALES:
+            raise ValueError(
+                f"Unknown loss_scale={self.loss_scale!r}; allowed values: "
+                f"{['auto', *loss_scale_lib.LOSS_SCALES]}"
+            )
+        microbatch_lib.check_num_microbatches(self.microbatches)
+        remat_lib.parse_policy(self.remat)
+        if self.sparsity is not None and not isinstance(self.sparsity, sparsity_lib.SparseConfig):
+            raise ValueError(
+                f"sparsity must be a lowmem_jax.sparsity.SparseConfig or None, got "
+                f"{type(self.sparsity).__name__}"
+            )
+        self.make_loss_scale()  # validates the loss-scale settings
+
+    @property
+    def policy(self) -> precision_lib.Policy:
+        return precision_lib.get_policy(self.precision)
+
+    @property
+    def loss_scale_kind(self) -> str:
+        if self.loss_scale == "auto":
+            return "dynamic" if self.policy.needs_loss_scale else "none"
+        return self.loss_scale
+
+    def make_loss_scale(self) -> loss_scale_lib.LossScale:
+        return loss_scale_lib.make_loss_scale(
+            self.loss_scale_kind,
+            initial_scale=self.initial_loss_scale,
+            period=self.loss_scale_period,
+            factor=self.loss_scale_factor,
+            min_loss_scale=self.min_loss_scale,
+        )
+
+    def configure_model(self, model: nn.Module) -> nn.Module:
+        """A copy of ``model`` with this plan's ``remat`` policy and compute ``dtype``.
+
+        Raises:
+          ValueError: if the plan asks for remat and the model has no ``remat`` attribute.
+        """
+        updates: dict[str, Any] = {}
+        if hasattr(model, "dtype"):
+            updates["dtype"] = self.policy.compute_dtype
+        if hasattr(model, "remat"):
+            updates["remat"] = self.remat
+        elif self.remat != "none":
+            raise ValueError(
+                f"remat={self.remat!r} needs a model with a `remat` attribute; "
+                f"{type(model).__name__} has none"
+            )
+        return model.clone(**updates)
+
+    def wrap_optimizer(
+        self, tx: optax.GradientTransformation, params: PyTree | None = None
+    ) -> Optimizer:
+        """``tx`` (any optax transformation) with this plan's optimizer-side techniques.
+
+        ``params``: the model's parameters, arrays or shapes (``jax.eval_shape``); needed when
+        the plan is sparse (which leaves, their budgets). The result is what
+        :meth:`lowmem_jax.TrainState.create` and :func:`lowmem_jax.make_train_step` take.
+
+        Raises:
+          ValueError: a sparse plan without ``params``.
+        """
+        if self.sparsity is None:
+            return as_optimizer(tx)
+        if params is None:
+            raise ValueError("a plan with sparsity needs params in wrap_optimizer(tx, params)")
+        return sparsity_lib.sparse_training(tx, self.sparsity, params)
+
+    @classmethod
+    def flag_fields(cls) -> list[dataclasses.Field]:
+        """The fields ``lowmem`` exposes as flags (those declared with a help text)."""
+        return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+    def compiler_options(self) -> dict[str, str]:
+        """XLA options the jitted step needs for this plan (see :func:`remat.compiler_options`)."""
+        return remat_lib.compiler_options(self.remat)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able description: every field, ``loss_scale`` resolved; ``sparsity`` as
+        :meth:`SparseConfig.describe`, left out when dense."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["loss_scale"] = self.loss_scale_kind
+        del out["sparsity"]  # last, when sparse
+        if self.sparsity is not None:
+            out["sparsity"] = self.sparsity.describe()
+        return out

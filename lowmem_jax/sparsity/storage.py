@@ -1,0 +1,177 @@
+"""How a sparse layer is kept in the train state: masked (dense + mask) or compressed.
+
+Each sparse leaf has a *pattern*, the part of the optimizer state that says where its non-zeros
+are, and a *stored* form in the train state's ``params``:
+
+==============  =====================================  =========================================
+storage         pattern                                stored parameter
+==============  =====================================  =========================================
+masked          bool ``[*shape]`` (1 byte per weight)  the dense leaf, zero off the mask
+compressed      int32 ``[capacity]`` flat positions,   the values ``[capacity]``, zero in
+                ``size`` in unused slots               unused slots
+==============  =====================================  =========================================
+
+A *slot* is one element of the stored leaf flattened: a dense position (masked) or a capacity
+slot (compressed). Both classes answer the same questions, so the sparse optimizer
+(:mod:`.transform`) never asks which storage it has:
+
+* :meth:`~Storage.capacity`: non-zeros a layer may hold (``size`` or ``capacity``);
+* :meth:`~Storage.pattern`, :meth:`~Storage.store`: a dense mask and leaf -> pattern, stored leaf;
+* :meth:`~Storage.materialize`: stored leaf -> dense leaf (compressed: a scatter, transient);
+* :meth:`~Storage.live`: bool per slot, which slots hold a non-zero weight;
+* :meth:`~Storage.gather`: a dense gradient -> the stored layout;
+* :meth:`~Storage.rewire`: one prune-and-regrow update in this storage
+  (:func:`~.algorithms.rewire` on dense masks, :func:`~.algorithms.rewire_compressed` on slots,
+  which select the same weights).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from lowmem_jax.sparsity import algorithms
+
+if TYPE_CHECKING:
+    from lowmem_jax.sparsity.layout import LeafSpec
+
+__all__ = ["Storage", "MaskedStorage", "CompressedStorage", "MASKED", "COMPRESSED"]
+
+
+class Storage:
+    """The interface of :class:`MaskedStorage` and :class:`CompressedStorage` (module doc).
+
+    Flat arrays are per layer: ``[size]`` dense, ``[capacity(spec)]`` stored.
+    """
+
+    name: str
+
+    def capacity(self, spec: LeafSpec) -> int:
+        raise NotImplementedError
+
+    def pattern(self, mask: jax.Array, spec: LeafSpec) -> jax.Array:
+        """The pattern of a dense bool ``mask [*shape]``."""
+        raise NotImplementedError
+
+    def store(self, leaf: jax.Array, pattern: jax.Array, spec: LeafSpec) -> jax.Array:
+        """The stored form of a dense ``leaf`` under ``pattern``."""
+        raise NotImplementedError
+
+    def materialize(self, stored: jax.Array, pattern: jax.Array, spec: LeafSpec) -> jax.Array:
+        """The dense leaf ``[*shape]`` of a stored one."""
+        raise NotImplementedError
+
+    def live(self, pattern: jax.Array, spec: LeafSpec) -> jax.Array:
+        """bool ``[capacity]``: the slots that hold a non-zero weight."""
+        raise NotImplementedError
+
+    def gather(self, dense: jax.Array, pattern: jax.Array, spec: LeafSpec) -> jax.Array:
+        """A flat dense ``[size]`` array (a gradient) in the stored layout, 0 off the pattern."""
+        raise NotImplementedError
+
+    def rewire(
+        self,
+        algorithm: str,
+        *,
+        specs: tuple[LeafSpec, ...],
+        values: list[jax.Array],
+        patterns: list[jax.Array],
+        live: list[jax.Array],
+        **common,
+    ) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
+        """One update from the flat stored ``values`` after this step's update.
+
+        ``common``: :func:`~.algorithms.rewire`'s ``rng``, ``fraction``, ``threshold``,
+        ``target_pruned``, and ``grads`` (dense and flat, RigL) and ``momentum`` (flat and
+        stored, SNFS).
+        Returns ``(keep, new patterns, threshold)``: per layer, bool ``[capacity]`` the slots
+        whose weights survive with their values and optimizer slots (every other slot is zeroed:
+        pruned, or regrown at 0), then the new patterns and DSR's threshold.
+        """
+        raise NotImplementedError
+
+    def nnz(self, pattern: jax.Array, spec: LeafSpec) -> jax.Array:
+        """int32: the non-zeros the pattern allows."""
+        return self.live(pattern, spec).sum(dtype=jnp.int32)
+
+
+class MaskedStorage(Storage):
+    """Dense weights and a bool mask: more memory than dense training; the reference."""
+
+    name = "masked"
+
+    def capacity(self, spec):
+        return spec.size
+
+    def pattern(self, mask, spec):
+        return jnp.asarray(mask, bool).reshape(spec.shape)
+
+    def store(self, leaf, pattern, spec):
+        return jnp.where(pattern, leaf, 0)
+
+    def materialize(self, stored, pattern, spec):
+        return stored
+
+    def live(self, pattern, spec):
+        return pattern.reshape(-1)
+
+    def gather(self, dense, pattern, spec):
+        return jnp.where(self.live(pattern, spec), dense, 0)
+
+    def rewire(self, algorithm, *, specs, values, patterns, live, **common):
+        caps = tuple(s.size for s in specs)
+        out = algorithms.rewire(algorithm, weights=values, masks=live, caps=caps, **common)
+        masks = [m.reshape(s.shape) for m, s in zip(out.masks, specs, strict=True)]
+        return out.survivors, masks, out.threshold
+
+
+class CompressedStorage(Storage):
+    """Values ``[capacity]`` and int32 indices ``[capacity]``: memory in proportion to the
+    non-zeros (the capacity is fixed per layer, see ``SparseConfig.capacity_factor``).
+
+    Slots are stable: a surviving weight keeps its slot, a regrown weight takes a freed one, so
+    masked and compressed storage follow the same trajectory."""
+
+    name = "compressed"
+
+    def capacity(self, spec):
+        return spec.capacity
+
+    def pattern(self, mask, spec):
+        (idx,) = jnp.nonzero(mask.reshape(-1), size=spec.capacity, fill_value=spec.size)
+        return idx.astype(jnp.int32)
+
+    def store(self, leaf, pattern, spec):
+        return self.gather(leaf.reshape(-1), pattern, spec)
+
+    def materialize(self, stored, pattern, spec):
+        dense = jnp.zeros((spec.size,), stored.dtype).at[pattern].set(stored, mode="drop")
+        return dense.reshape(spec.shape)
+
+    def live(self, pattern, spec):
+        return pattern < spec.size
+
+    def gather(self, dense, pattern, spec):
+        # Unused slots hold index `size`: out of range, so they read 0.
+        return dense.at[pattern].get(mode="fill", fill_value=0)
+
+    def rewire(self, algorithm, *, specs, values, patterns, live, **common):
+        # Per layer, in the [capacity] slots; dense [n] temporaries one layer at a time.
+        sizes = tuple(s.size for s in specs)
+        out = algorithms.rewire_compressed(
+            algorithm, values=values, indices=patterns, sizes=sizes, **common
+        )
+        indices = []
+        for s, idx, kept, grown in zip(specs, patterns, out.survivors, out.grown, strict=True):
+            # Survivors keep their slots; regrown weights fill the freed ones in order.
+            (free_slot,) = jnp.nonzero(~kept, size=s.capacity, fill_value=s.capacity)
+            indices.append(
+                jnp.where(kept, idx, s.size).at[free_slot].set(grown, mode="drop").astype(jnp.int32)
+            )
+        return out.survivors, indices, out.threshold
+
+
+MASKED = MaskedStorage()
+COMPRESSED = CompressedStorage()

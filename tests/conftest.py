@@ -1,0 +1,153 @@
+"""Shared test helpers: tiny Flax nets, batches, tree comparisons and cheap-compile options.
+
+pytest puts ``tests/`` on ``sys.path`` (no package), so test modules import these with
+``from conftest import ...``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lowmem_jax.metrics_writer import read_jsonl, read_scalars
+from lowmem_jax.ops import Conv
+
+# XLA:CPU's LLVM optimisation dominates the time of tests that compile many tiny programs; these
+# options make code generation cheaper and change no HLO-level semantics or buffer assignment.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def fast_jit(fn, plan=None, **kwargs):
+    """``jax.jit(fn)`` with the plan's compiler options (remat) plus :data:`FAST_COMPILE`."""
+    options = {**(plan.compiler_options() if plan is not None else {}), **FAST_COMPILE}
+    return jax.jit(fn, compiler_options=options, **kwargs)
+
+
+# --- tiny models -------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """Two Dense layers with tanh: 5 -> 16 -> 3."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.tanh(nn.Dense(16)(x))
+        return nn.Dense(3)(x)
+
+
+class BNNet(nn.Module):
+    """Dense -> BatchNorm -> ReLU -> Dense (3 classes), with a compute ``dtype``."""
+
+    dtype: Any = None
+    momentum: float = 0.99
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Dense(8, dtype=self.dtype)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=self.momentum, dtype=self.dtype)(x)
+        return nn.Dense(3, dtype=self.dtype)(nn.relu(x))
+
+
+class TinyMLP(nn.Module):
+    """Named layers for sparse training: ``hidden`` and ``hidden2`` are sparse by default,
+    ``classifier`` stays dense."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.relu(nn.Dense(16, name="hidden")(x))
+        x = nn.relu(nn.Dense(12, name="hidden2")(x))
+        return nn.Dense(3, name="classifier")(x)
+
+
+class TinyConvNet(nn.Module):
+    """Conv (ours, loop-friendly) + BatchNorm + ReLU + pooling + Dense."""
+
+    num_classes: int = 10
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = Conv(8, (3, 3), dtype=self.dtype)(x)
+        x = nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x)
+        x = nn.relu(x).mean((1, 2))
+        return nn.Dense(self.num_classes, dtype=self.dtype)(x)
+
+
+#: A 1 + 1 layer, 32-channel DynamicConv Transformer (``model_overrides`` of the small preset).
+TINY_TRANSLATION = {
+    "embed_dim": 32,
+    "ffn_dim": 64,
+    "encoder_kernel_sizes": (3,),
+    "decoder_kernel_sizes": (3,),
+}
+
+
+# --- data --------------------------------------------------------------------------------
+
+
+def classification_batch(n=8, features=5, classes=3, seed=0):
+    """``{"image": [n, features] float32 ~ N(0, 1), "label": [n] int32 in [0, classes)}``."""
+    rng = np.random.default_rng(seed)
+    return {
+        "image": jnp.asarray(rng.normal(size=(n, features)), jnp.float32),
+        "label": jnp.asarray(rng.integers(0, classes, size=n), jnp.int32),
+    }
+
+
+def tiny_params(seed=0):
+    """A parameter tree with conv, stacked, dense and classifier kernels and biases."""
+    rng = np.random.default_rng(seed)
+
+    def f(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    return {
+        "conv": {"kernel": f(3, 3, 2, 4), "bias": f(4)},
+        "stack": {"dense": {"kernel": f(2, 6, 5)}},
+        "dense": {"kernel": f(10, 7)},
+        "classifier": {"kernel": f(7, 3), "bias": f(3)},
+    }
+
+
+#: Inner optimizers of sparse training, each with slots that mirror the parameters.
+OPTIMIZERS = {
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "inject_sgd": lambda: optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
+}
+
+
+# --- assertions --------------------------------------------------------------------------
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def to_numpy(tree):
+    """A host copy of ``tree`` (survives donation of the device buffers)."""
+    return jax.tree.map(lambda x: np.array(x), tree)
+
+
+def expected_scalars(records):
+    """What TensorBoard should hold for JSON records: every number but ``step``, as float32."""
+    out = {}
+    for r in records:
+        for k, v in r.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                out.setdefault(k, []).append((r["step"], float(np.float32(v))))
+    return out
+
+
+def assert_tensorboard_matches_jsonl(directory):
+    """The event files in ``directory`` hold exactly the numbers of its ``metrics.jsonl``."""
+    records = read_jsonl(os.path.join(directory, "metrics.jsonl"))
+    assert records, "no records"
+    assert read_scalars(str(directory)) == expected_scalars(records)
