@@ -49,9 +49,19 @@ class Optimizer:
         ``state`` and the stored ``params`` -> ``(updates, state)`` in the stored layout."""
         raise NotImplementedError
 
-    def store(self, params: PyTree) -> tuple[PyTree, PyTree]:
-        """The model's parameters -> ``(stored parameters, initial optimizer state)``."""
+    def store(self, params: PyTree, grads: PyTree | None = None) -> tuple[PyTree, PyTree]:
+        """The model's parameters -> ``(stored parameters, initial optimizer state)``.
+
+        ``grads``: the loss's gradient at ``params``, for an optimizer whose initial state
+        depends on it (:attr:`needs_init_grads`); ignored here.
+        """
+        del grads
         return params, self.init(params)
+
+    @property
+    def needs_init_grads(self) -> bool:
+        """Whether :meth:`store` needs the loss's gradient (e.g. SNIP's initial masks)."""
+        return False
 
     def materialize(self, params: PyTree, state: PyTree) -> PyTree:
         """The stored parameters (and the state that locates them) -> the model's parameters.

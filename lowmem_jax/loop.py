@@ -191,7 +191,8 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     recipe = config.recipe(work.recipe)
     setup = build(work, config.plan, recipe=recipe, total_steps=total_steps)
     rng = jax.random.PRNGKey(config.seed)
-    state = setup.init_state(task.example_batch(), rng, jit=task.jit_init)
+    first_batch = next(task.train_batches(0, 1))[1]  # SNIP's gradient is taken on it
+    state = setup.init_state(first_batch, rng, jit=task.jit_init)
     checkpointer, state, metrics_writer = resume_or_start(
         state,
         config.checkpoint_dir,

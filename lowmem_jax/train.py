@@ -69,12 +69,18 @@ class TrainState(struct.PyTreeNode):
         plan: Plan,
         model_state: Mapping[str, Any] | None = None,
         rng: jax.Array | None = None,
+        grads: PyTree | None = None,
     ) -> TrainState:
         """Casts the model's ``params`` to the plan's ``param_dtype``, stores them as ``tx``
         does (:meth:`~lowmem_jax.base.Optimizer.store`: as they are for a plain optax
-        transformation) and initialises its state."""
+        transformation) and initialises its state.
+
+        ``grads``: the loss's gradient at ``params``, for an optimizer that needs it
+        (``tx.needs_init_grads``: SNIP masks); :meth:`lowmem_jax.workloads.Setup.init_state`
+        computes it on a batch.
+        """
         params = plan.policy.cast_to_param(params)
-        stored, opt_state = as_optimizer(tx).store(params)
+        stored, opt_state = as_optimizer(tx).store(params, grads)
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=stored,

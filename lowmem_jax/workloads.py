@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax import losses, memory, models, sparsity
+from lowmem_jax import losses, memory, models, precision, sparsity
 from lowmem_jax.base import LossFn, Optimizer, PyTree
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
@@ -196,7 +196,8 @@ class Setup:
         self, batch: PyTree, rng: jax.Array | None = None, *, jit: bool = True
     ) -> TrainState:
         """A fresh state: parameters initialised from the first rows of ``batch``'s
-        ``init_inputs`` with ``rng`` (default ``PRNGKey(0)``, also the state's step key).
+        ``init_inputs`` with ``rng`` (default ``PRNGKey(0)``, also the state's step key); an
+        optimizer that needs the loss's gradient (SNIP masks) gets it on the whole ``batch``.
 
         ``jit=False`` initialises op by op; the initial values can differ from the jitted ones in
         the last bit (fused arithmetic), so a run keeps one choice to stay reproducible.
@@ -207,9 +208,15 @@ class Setup:
     def _init_state(self, batch: PyTree, rng: jax.Array) -> TrainState:
         inputs = [batch[k][:2] for k in self.workload.init_inputs]
         variables = self.model.init(rng, *inputs, train=False)
+        params = variables["params"]
         model_state = {k: v for k, v in variables.items() if k != "params"}
+        grads = None
+        if self.tx.needs_init_grads:  # SNIP: the gradient of the loss on this batch
+            loss_fn = precision.cast_loss_fn(self.loss_fn, self.plan.policy)
+            params = self.plan.policy.cast_to_param(params)
+            grads = jax.grad(lambda p: loss_fn(p, model_state, batch, None)[0])(params)
         return TrainState.create(
-            params=variables["params"], tx=self.tx, plan=self.plan, model_state=model_state, rng=rng
+            params=params, tx=self.tx, plan=self.plan, model_state=model_state, rng=rng, grads=grads
         )
 
     def abstract_state(self) -> TrainState:

@@ -65,9 +65,11 @@ def test_help_explains_every_technique(capsys):
 
 @pytest.mark.slow
 def test_train_sparse_keeps_the_budget(capsys):
+    """RigL from SNIP masks (the gradient on the first batch): the budget holds."""
     code = cli.main([
         "train", "--model", "wrn-10-1", "--epochs", "1", "--batch-size", "64",
         "--microbatches", "1", "--precision", "fp32", "--sparsity", "0.8", "--image-size", "8",
+        "--sparse-init", "snip",
         "--sparse-algorithm", "rigl", "--sparse-period", "5", "--no-progress", "--json",
     ])  # fmt: skip
     assert code == 0

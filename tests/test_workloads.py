@@ -5,11 +5,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import FAST_COMPILE, TINY_TRANSLATION
 
 import lowmem_jax as lm
-from lowmem_jax import recipes, sparsity
+from lowmem_jax import precision, recipes, sparsity
 from lowmem_jax.workloads import build, translation_is_sparse, workload
 
 # --- the registry ------------------------------------------------------------------------
@@ -196,6 +197,43 @@ def test_sparse_translation_plan_gets_the_workload_leaves_and_end_step():
     )
     kept = build(work, dataclasses.replace(plan, sparsity=own), total_steps=100).plan.sparsity
     assert kept.end_step == 10 and kept.is_sparse is own.is_sparse
+
+
+def test_snip_masks_come_from_the_gradient_on_the_init_batch():
+    snip = sparsity.SparseConfig(
+        algorithm="static", init="snip", density=0.2, distribution="uniform", compressed=True
+    )
+    setup = build(workload("wrn-10-1", 8, image_size=8), lm.Plan(sparsity=snip))
+    assert setup.tx.needs_init_grads and not lm.as_optimizer(optax.sgd(0.1)).needs_init_grads
+    batch = setup.example_batch()
+    state = setup.init_state(batch)
+    # By hand: the loss's gradient on the whole batch at the initial parameters (jitted: op by
+    # op, a WRN's gradient takes minutes on CPU).
+    loss_fn = precision.cast_loss_fn(setup.loss_fn, setup.plan.policy)
+    magnitude = dataclasses.replace(snip, init="magnitude", capacity_factor=1.25)
+    dense = jax.eval_shape(lambda s: lm.model_params(s, setup.tx), setup.abstract_state())
+    by_magnitude = sparsity.sparse_training(setup.tx.inner, magnitude, dense)
+
+    @jax.jit
+    def by_hand(batch):
+        variables = setup.model.init(jax.random.PRNGKey(0), batch["image"][:2], train=False)
+        model_state = {"batch_stats": variables["batch_stats"]}
+        grads = jax.grad(lambda p: loss_fn(p, model_state, batch, None)[0])(variables["params"])
+        return (
+            setup.tx.store(variables["params"], grads)[1].pattern,
+            by_magnitude.store(variables["params"])[1].pattern,
+        )
+
+    expected, magnitude_pattern = by_hand(batch)
+    jax.tree.map(np.testing.assert_array_equal, state.opt_state.pattern, expected)
+    # The gradient mattered: magnitude masks keep other weights.
+    sizes = {s.key: s.size for s in setup.tx.layout.leaves}
+
+    def kept(pattern, key):
+        idx = np.asarray(pattern[key])
+        return set(idx[idx < sizes[key]].tolist())
+
+    assert any(kept(expected, k) != kept(magnitude_pattern, k) for k in sizes)
 
 
 def test_build_rejects_a_batch_the_microbatches_do_not_divide():

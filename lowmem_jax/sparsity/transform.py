@@ -101,6 +101,11 @@ class SparseTraining(Optimizer):
             self.storage.capacity(s) < s.size for s in self.layout.leaves
         )
 
+    @property
+    def needs_init_grads(self) -> bool:
+        """SNIP's initial masks keep the largest ``|w * grad|``."""
+        return self.config.init == "snip"
+
     # --- initialisation -----------------------------------------------------------------
 
     def _caps(self) -> tuple[int, ...]:
