@@ -280,8 +280,6 @@ def build(
             sparse = dataclasses.replace(sparse, end_step=int(0.75 * total_steps))
         plan = dataclasses.replace(plan, sparsity=sparse)
     recipe = recipe or work.recipe
-    if total_steps is None:  # analysis: a constant rate, as before the registry owned recipes
-        recipe = dataclasses.replace(recipe, schedule="constant")
     model = plan.configure_model(work.model)
     inputs = [work.batch[k] for k in work.init_inputs]
     params = jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *inputs)
