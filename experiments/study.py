@@ -49,7 +49,7 @@ class Variant:
     """
 
     name: str
-    technique: str  # baseline | precision | microbatching | remat | sparsity | combined
+    technique: str  # baseline, precision, microbatching, remat, sparsity, optimizer state, combined
     setting: str
     plan: Plan = Plan()
 
@@ -109,6 +109,13 @@ def single_variants(task: str) -> list[Variant]:
         )
     if digits:
         out.append(Variant("rigl90", "sparsity", "RigL 90% (ERK)", Plan(sparsity=rigl(0.9))))
+    for fmt in ("bf16", "int8", "int4"):
+        plan = Plan(optimizer_state=fmt)
+        out.append(Variant(f"state_{fmt}", "optimizer state", f"{fmt} optimizer state", plan))
+    sparse = dsr(0.9, target_pruned=20_000 if digits else None)
+    for fmt in ("int8",) if digits else ("int8", "int4"):
+        plan = Plan(sparsity=sparse, optimizer_state=fmt)
+        out.append(Variant(f"dsr90_{fmt}", "optimizer state", f"DSR 90% + {fmt} state", plan))
     return out
 
 

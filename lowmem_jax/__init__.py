@@ -14,7 +14,9 @@ from lowmem_jax import (
     microbatch,
     models,
     ops,
+    optimizer_state,
     precision,
+    quantization,
     recipes,
     remat,
     sparsity,
@@ -32,6 +34,7 @@ from lowmem_jax.loss_scale import (
 from lowmem_jax.losses import classifier_loss_fn, translation_loss_fn
 from lowmem_jax.memory import MemoryReport, analyze
 from lowmem_jax.microbatch import accumulate_gradients
+from lowmem_jax.optimizer_state import QuantizedState, quantized_state
 from lowmem_jax.plan import Plan
 from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
 from lowmem_jax.remat import ScannedBlocks, compiler_options, parse_policy
@@ -63,6 +66,8 @@ __all__ = [
     "all_finite",
     "select_tree",
     "accumulate_gradients",
+    "quantized_state",
+    "QuantizedState",
     "parse_policy",
     "compiler_options",
     "ScannedBlocks",
@@ -75,7 +80,9 @@ __all__ = [
     "microbatch",
     "models",
     "ops",
+    "optimizer_state",
     "precision",
+    "quantization",
     "recipes",
     "remat",
     "sparsity",

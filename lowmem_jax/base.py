@@ -21,13 +21,22 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 PyTree = Any
 #: ``loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))``.
 LossFn = Callable[[PyTree, PyTree, PyTree, Any], tuple[jax.Array, tuple[PyTree, PyTree]]]
 
-__all__ = ["Optimizer", "OptaxOptimizer", "as_optimizer", "differentiated_loss", "PyTree", "LossFn"]
+__all__ = [
+    "Optimizer",
+    "OptaxOptimizer",
+    "as_optimizer",
+    "differentiated_loss",
+    "cast_floating",
+    "PyTree",
+    "LossFn",
+]
 
 
 class Optimizer:
@@ -122,3 +131,19 @@ def differentiated_loss(
 
         return loss, params
     return loss_fn, opt.materialize(params, opt_state)
+
+
+def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
+    """Casts every floating-point leaf of ``tree`` to ``dtype``; other leaves unchanged.
+
+    Leaves may be arrays or ``jax.ShapeDtypeStruct`` (which get the new dtype).
+    """
+
+    def cast(x):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            if isinstance(x, jax.ShapeDtypeStruct):  # abstract trees (memory analysis)
+                return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)

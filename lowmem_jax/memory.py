@@ -139,6 +139,8 @@ def _slot_name(path) -> str:
     names = [getattr(k, "name", None) or getattr(k, "key", None) for k in path]
     names = [str(n) for n in names if n is not None and not isinstance(n, int)]
     names = [n for n in names if n not in _WRAPPERS]
+    if len(names) > 1 and names[-1] == "scales":  # a quantized slot's scales (optimizer_state)
+        return f"{names[0]} scales"
     return names[0] if names else "state"
 
 

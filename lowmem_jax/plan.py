@@ -11,6 +11,8 @@ settings)
 ``remat``           :mod:`lowmem_jax.remat`           the model, per block (:meth:`configure_model`)
 ``sparsity``        :mod:`lowmem_jax.sparsity`        the optimizer and the parameters' storage
                                                       (:meth:`wrap_optimizer`)
+``optimizer_state`` :mod:`lowmem_jax.optimizer_state` the state's stored format, around the
+                                                      (sparse) optimizer (:meth:`wrap_optimizer`)
 ==================  ================================  =============================================
 
 A technique module never imports this one or another technique; the plan names them and
@@ -24,10 +26,12 @@ import dataclasses
 from typing import Any
 
 import flax.linen as nn
+import jax.numpy as jnp
 import optax
 
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import microbatch as microbatch_lib
+from lowmem_jax import optimizer_state as optimizer_state_lib
 from lowmem_jax import precision as precision_lib
 from lowmem_jax import remat as remat_lib
 from lowmem_jax import sparsity as sparsity_lib
@@ -52,6 +56,10 @@ class Plan:
         ``"static"`` or ``"dynamic"``.
       microbatches: ``k >= 1`` slices per batch, accumulated with ``lax.scan``.
       remat: a :mod:`lowmem_jax.remat` policy name, applied per block by the model.
+      optimizer_state: the stored format of the optimizer's state (a
+        :mod:`lowmem_jax.optimizer_state` format): ``auto`` (float32, or bfloat16 when the
+        parameters are 16-bit), ``fp32``, ``bf16``, ``int8``, ``int4``. The update's
+        arithmetic is float32 whenever the state or the parameters are stored in fewer bits.
       sparsity: a :class:`lowmem_jax.sparsity.SparseConfig` (sparse training, masked or
         compressed storage), or ``None`` for dense training.
       initial_loss_scale, loss_scale_period, loss_scale_factor, min_loss_scale: loss-scale
@@ -81,6 +89,13 @@ class Plan:
         "conv/matmul outputs), save:NAME[,NAME] (save tagged activations, e.g. save:conv_out), "
         "every:K (checkpoint segments of K blocks), sqrt",
     )
+    optimizer_state: str = _flag(
+        "auto",
+        "stored format of the optimizer state: auto (fp32; bf16 when the parameters are 16-bit), "
+        "fp32, bf16, int8 (block-wise dynamic quantization, Dettmers et al. 2022), int4 (Li et "
+        "al. 2023); leaves under 4096 elements stay fp32. Updates are computed in fp32",
+        choices=optimizer_state_lib.FORMATS,
+    )
     sparsity: sparsity_lib.SparseConfig | None = None
     initial_loss_scale: float = 2.0**15
     loss_scale_period: int = 2000
@@ -96,6 +111,7 @@ class Plan:
             )
         microbatch_lib.check_num_microbatches(self.microbatches)
         remat_lib.parse_policy(self.remat)
+        optimizer_state_lib.check_format(self.optimizer_state)
         if self.sparsity is not None and not isinstance(self.sparsity, sparsity_lib.SparseConfig):
             raise ValueError(
                 f"sparsity must be a lowmem_jax.sparsity.SparseConfig or None, got "
@@ -143,20 +159,36 @@ class Plan:
     def wrap_optimizer(
         self, tx: optax.GradientTransformation, params: PyTree | None = None
     ) -> Optimizer:
-        """``tx`` (any optax transformation) with this plan's optimizer-side techniques.
+        """``tx`` (any optax transformation) with this plan's optimizer-side techniques:
+        sparse training and the state's stored format (float32 arithmetic).
+
+        A 16- or 32-bit format wraps ``tx`` inside sparse training: its slots keep the
+        parameters' shapes, so sparse training resets them itself, and the rewiring reads the
+        stored parameters and gradients without float32 copies. ``int8`` / ``int4`` wrap the
+        sparse optimizer: its reset of regrown weights' slots runs on the decoded float32 state.
 
         ``params``: the model's parameters, arrays or shapes (``jax.eval_shape``); needed when
         the plan is sparse (which leaves, their budgets). The result is what
         :meth:`lowmem_jax.TrainState.create` and :func:`lowmem_jax.make_train_step` take.
+        With ``optimizer_state="auto"`` and float32 parameters the state is left as ``tx``
+        makes it (no wrapper).
 
         Raises:
           ValueError: a sparse plan without ``params``.
         """
-        if self.sparsity is None:
-            return as_optimizer(tx)
-        if params is None:
+        if self.sparsity is not None and params is None:
             raise ValueError("a plan with sparsity needs params in wrap_optimizer(tx, params)")
-        return sparsity_lib.sparse_training(tx, self.sparsity, params)
+        fmt = self.optimizer_state
+        stored = fmt != "auto" or self.policy.param_dtype != jnp.float32
+        quantized = fmt in optimizer_state_lib.QUANTIZED_FORMATS
+        if stored and not quantized:
+            tx = optimizer_state_lib.quantized_state(tx, fmt)
+        opt = as_optimizer(tx)
+        if self.sparsity is not None:
+            opt = sparsity_lib.sparse_training(tx, self.sparsity, params)
+        if stored and quantized:
+            opt = optimizer_state_lib.quantized_state(opt, fmt)
+        return opt
 
     @classmethod
     def flag_fields(cls) -> list[dataclasses.Field]:

@@ -29,10 +29,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-PyTree = Any
+from lowmem_jax.base import PyTree, cast_floating
 
 __all__ = ["Policy", "POLICIES", "get_policy", "cast_floating", "cast_loss_fn"]
 
@@ -88,22 +87,6 @@ def get_policy(name: str | Policy) -> Policy:
         raise ValueError(
             f"Unknown precision={name!r}; allowed values: {sorted(POLICIES)}"
         ) from None
-
-
-def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
-    """Casts every floating-point leaf of ``tree`` to ``dtype``; other leaves unchanged.
-
-    Leaves may be arrays or ``jax.ShapeDtypeStruct`` (which get the new dtype).
-    """
-
-    def cast(x):
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-            if isinstance(x, jax.ShapeDtypeStruct):  # abstract trees (memory analysis)
-                return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
-            return x.astype(dtype)
-        return x
-
-    return jax.tree.map(cast, tree)
 
 
 def cast_loss_fn(loss_fn: Callable[..., Any], policy: Policy | str) -> Callable[..., Any]:

@@ -9,6 +9,7 @@ per configuration (the report's breakdown figure) and memory reduction against F
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -66,6 +67,11 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
         grid.append((f"remat {remat}", "remat", Plan(remat=remat)))
     for sparsity in (0.5, 0.7, 0.9):
         grid.append((f"sparse {sparsity:.0%} dsr", "sparsity", Plan(sparsity=_dsr(sparsity))))
+    for fmt in ("bf16", "int8", "int4"):
+        grid.append((f"state {fmt}", "optimizer state", Plan(optimizer_state=fmt)))
+    for fmt in ("bf16", "int8", "int4"):
+        plan = Plan(optimizer_state=fmt, sparsity=_dsr(0.9))
+        grid.append((f"sparse 90% dsr + state {fmt}", "optimizer state", plan))
     combos = [
         ("mixed_fp16", 32, "full"),
         ("fp16", 32, "full"),
@@ -87,6 +93,8 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
             precision="fp16", microbatches=batch_size // size, remat="full", sparsity=_dsr(0.9)
         )
         grid.append((f"fp16 + mb {size} + remat full + sparse 90%", "combined", plan))
+        plan = dataclasses.replace(plan, optimizer_state="int4")
+        grid.append((f"fp16 + mb {size} + remat full + sparse 90% + state int4", "combined", plan))
     return grid
 
 

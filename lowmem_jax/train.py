@@ -10,9 +10,10 @@ The step is a chain of function transforms over the user's loss (module :mod:`lo
       -> accumulate_gradients       lax.scan over k microbatches, BatchNorm state threaded in order
       = grad_fn(params, model_state, batch, rng) -> (grads, model_state, metrics)
     optimizer (any optax transformation, or a plan's wrap_optimizer): grads -> updates -> params
-    if any gradient is non-finite: keep the old params, optimizer state and model state (the
-    whole update is skipped, the optimizer's own step counter included), count the skip, and
-    let the loss-scale state back off; no host sync.
+    if any gradient, update or new parameter is non-finite: keep the old params, optimizer
+    state and model state (the whole update is skipped, the optimizer's own step counter
+    included) and count the skip; the loss-scale state backs off on non-finite gradients;
+    no host sync.
 
 Remat lives in the model (per block, see :mod:`lowmem_jax.remat`); :meth:`Plan.configure_model`
 sets it, and the compute dtype, on models that have ``remat`` / ``dtype`` attributes.
@@ -136,8 +137,9 @@ def make_train_step(
     ``tx.materialize(state.params, state.opt_state)``, built inside the step, so transiently).
 
     ``metrics`` holds the loss function's metrics (averaged over microbatches, float32) plus
-    ``loss_scale`` (the scale used in this step), ``grads_finite`` (bool: was the update
-    applied) and ``skipped_steps`` (running count).
+    ``loss_scale`` (the scale used in this step), ``grads_finite`` and ``update_finite``
+    (bools: were the gradients, and the updates and new parameters, finite; the step is
+    applied iff both) and ``skipped_steps`` (running count).
     """
     opt = as_optimizer(tx)
     policy_loss_fn = precision_lib.cast_loss_fn(loss_fn, plan.policy)
@@ -149,27 +151,32 @@ def make_train_step(
         grad_fn = microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches)
         grads, model_state, metrics = grad_fn(wrt, state.model_state, batch, rng)
 
-        finite = loss_scale_lib.all_finite(grads)
+        grads_finite = loss_scale_lib.all_finite(grads)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        # Finite gradients can still give a non-finite update (e.g. 0/0 in a low-precision
+        # optimizer): what is applied is checked too, so nothing non-finite reaches the state.
+        update_finite = loss_scale_lib.all_finite((updates, params))
+        applied = grads_finite & update_finite
         params, opt_state, model_state = loss_scale_lib.select_tree(
-            finite,
+            applied,
             (params, opt_state, model_state),
             (state.params, state.opt_state, state.model_state),
         )
-        skipped = state.skipped_steps + (~finite).astype(jnp.int32)
+        skipped = state.skipped_steps + (~applied).astype(jnp.int32)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
             model_state=model_state,
-            loss_scale=state.loss_scale.adjust(finite),
+            loss_scale=state.loss_scale.adjust(grads_finite),  # the scale answers to overflow
             skipped_steps=skipped,
         )
         metrics = {
             **metrics,
             "loss_scale": state.loss_scale.loss_scale,
-            "grads_finite": finite,
+            "grads_finite": grads_finite,
+            "update_finite": update_finite,
             "skipped_steps": skipped,
         }
         return new_state, metrics

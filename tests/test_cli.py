@@ -46,6 +46,7 @@ def test_train_runs_end_to_end_and_learns(capsys, tmp_path):
         (["--microbatches", "3"], "microbatches"),
         (["--model", "resnet-50"], "model"),
         (["--precision", "fp8"], "precision"),
+        (["--optimizer-state", "int2"], "optimizer-state"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(argv, match, capsys):
