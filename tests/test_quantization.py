@@ -95,7 +95,7 @@ def test_unsigned_map_for_non_negative_values_is_finer_than_signed():
     assert err["dynamic_unsigned"] < 0.75 * err["dynamic"]
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
     block_size=st.sampled_from([2, 6, 64, 128]),
@@ -107,7 +107,7 @@ def test_blockwise_any_shape_not_divisible_by_the_block(shape, block_size, bits,
     _check_blockwise(x, "dynamic", bits, block_size)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 30), min_size=2, max_size=4).map(tuple),
     seed=st.integers(0, 2**16),
