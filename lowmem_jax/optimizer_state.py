@@ -177,17 +177,13 @@ class QuantizedStateOptimizer(Optimizer):
             cast_floating(grads, jnp.float32), inner_state, params32
         )
         updates = jax.tree.map(lambda u, r: u.astype(r.dtype), updates, reference)
-        rng, keys = state.rng, None
-        if rng is not None:
-            rng, sub = jax.random.split(rng)
-            n = len(jax.tree.leaves(state.inner_state, is_leaf=_is_quantized))
-            keys = list(jax.random.split(sub, max(n, 1)))
         old, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
         new = treedef.flatten_up_to(inner_state)
-        leaves = [
-            self._encode_like(o, x, None if keys is None else keys[i])
-            for i, (o, x) in enumerate(zip(old, new, strict=True))
-        ]
+        rng, keys = state.rng, [None] * len(old)
+        if rng is not None:
+            rng, sub = jax.random.split(rng)
+            keys = list(jax.random.split(sub, max(len(old), 1)))
+        leaves = [self._encode_like(o, x, k) for o, x, k in zip(old, new, keys, strict=False)]
         return updates, QuantizedState(jax.tree.unflatten(treedef, leaves), rng)
 
     def materialize(self, params: PyTree, state: QuantizedState) -> PyTree:

@@ -362,3 +362,16 @@ def test_quantized_train_state_checkpoints_round_trip_exactly(tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
+
+
+def test_stochastic_rounding_keeps_its_key_in_the_state_and_advances_it():
+    opt = lm.quantized_state(optax.adam(1e-2), "int8", stochastic_rounding=True, seed=3)
+    state = opt.init(PARAMS)
+    np.testing.assert_array_equal(state.rng, jax.random.PRNGKey(3))
+    _, s1 = opt.update(_grads(PARAMS, 0), state, PARAMS)
+    _, s2 = opt.update(_grads(PARAMS, 0), s1, PARAMS)
+    assert not np.array_equal(s1.rng, state.rng) and not np.array_equal(s2.rng, s1.rng)
+    # Same state and gradients, different keys: the codes of the first moment differ somewhere.
+    _, other = opt.update(_grads(PARAMS, 0), state._replace(rng=jax.random.PRNGKey(4)), PARAMS)
+    mu1, mu2 = s1.inner_state[0].mu["w"], other.inner_state[0].mu["w"]
+    assert not np.array_equal(mu1.codes, mu2.codes)
