@@ -19,6 +19,7 @@ from lowmem_jax import (
     quantization,
     recipes,
     remat,
+    skip_guard,
     sparsity,
     workloads,
 )
@@ -38,6 +39,7 @@ from lowmem_jax.optimizer_state import QuantizedState, quantized_state
 from lowmem_jax.plan import Plan
 from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
 from lowmem_jax.remat import ScannedBlocks, compiler_options, parse_policy
+from lowmem_jax.skip_guard import NoProgressError, SkipGuard
 from lowmem_jax.train import TrainState, make_train_step, model_params, scaled_grad_fn
 from lowmem_jax.workloads import analyze_model, build, workload
 
@@ -71,6 +73,8 @@ __all__ = [
     "parse_policy",
     "compiler_options",
     "ScannedBlocks",
+    "SkipGuard",
+    "NoProgressError",
     "analyze",
     "analyze_model",
     "MemoryReport",
@@ -85,6 +89,7 @@ __all__ = [
     "quantization",
     "recipes",
     "remat",
+    "skip_guard",
     "sparsity",
     "workloads",
 ]

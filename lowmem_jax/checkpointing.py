@@ -7,6 +7,11 @@ mid-write leaves the previous checkpoint intact. Restoring needs the state's str
 abstract ``jax.eval_shape`` state is enough); static configuration such as the loss scale's
 floor travels in that structure, not in the files.
 
+A checkpoint that does not restore (a truncated or garbled array file, unreadable metadata) is
+moved aside to ``<step>.corrupt`` with a warning naming the step and the cause, and the next
+older one is tried (:meth:`Checkpointer.restore_newest`); if none restores, a
+:class:`CheckpointError` names the directory and each step's cause.
+
 Resuming is exact when the data order is a function of the step (the tasks of
 :mod:`lowmem_jax.loop` seed each epoch's permutation and skip the batches already consumed): the
 resumed run then applies the same updates in the same order as an uninterrupted one.
@@ -14,8 +19,12 @@ resumed run then applies the same updates in the same order as an uninterrupted 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,9 +34,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lowmem_jax.metrics_writer import MetricsWriter
+from lowmem_jax.paths import ensure_directory
 
 __all__ = [
     "Checkpointer",
+    "CheckpointError",
+    "check_directory",
     "resume_or_start",
     "checkpoint_steps",
     "average_checkpoints",
@@ -36,6 +48,56 @@ __all__ = [
 ]
 
 PyTree = Any
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint in a directory restores; the message names each step and its cause."""
+
+
+def _cause(err: BaseException) -> str:
+    """The root cause of ``err`` on one line: ``Type: first line`` of the innermost exception
+    (Orbax wraps TensorStore's errors in messages that print the whole array spec)."""
+    while (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+@contextlib.contextmanager
+def _unraisable_silenced():
+    """Orbax abandons the other arrays' read coroutines when one read fails; their errors
+    would print as "Exception ignored" tracebacks when collected. The failure is reported once,
+    by the caller."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = hook
+
+
+def check_directory(directory: str | os.PathLike, *, resume: bool = False) -> None:
+    """Checks, before anything is built, that ``directory`` can hold checkpoints.
+
+    Creates it when missing (unless ``resume``).
+
+    Raises:
+      NotADirectoryError: ``directory`` is a file.
+      PermissionError: it cannot be created or written.
+      FileNotFoundError: ``resume`` and it holds no checkpoint (a mistyped path, or a run that
+        never saved): resuming would silently start from step 0.
+    """
+    path = os.path.abspath(directory)
+    if resume and not checkpoint_steps(path):
+        where = "does not exist" if not os.path.exists(path) else "holds no checkpoint"
+        if os.path.exists(path) and not os.path.isdir(path):
+            where = "is a file, not a directory"
+        raise FileNotFoundError(
+            f"resume=True but checkpoint_dir={directory} {where}; leave out --resume to start "
+            "a new run there"
+        )
+    ensure_directory(path, "checkpoint_dir")
 
 
 class Checkpointer:
@@ -82,6 +144,45 @@ class Checkpointer:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         return self._manager.restore(step, args=ocp.args.StandardRestore(target))
 
+    def restore_newest(self, target: Any) -> Any:
+        """Restores the newest checkpoint that restores into the structure of ``target``.
+
+        A checkpoint that fails (truncated or garbled array files, bad metadata) is moved aside
+        to ``<step>.corrupt`` (kept for inspection; a later save of that step writes afresh)
+        with a ``RuntimeWarning`` naming the step and the cause, and the next older is tried.
+
+        Raises:
+          FileNotFoundError: the directory holds no checkpoint.
+          CheckpointError: none of its checkpoints restores.
+        """
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        failures = []
+        for step in steps:
+            try:
+                with _unraisable_silenced():
+                    return self.restore(target, step)
+            except Exception as err:  # noqa: BLE001 - any failure to read is a bad checkpoint
+                failures.append(f"step {step} ({_cause(err)})")
+                aside = self._move_aside(step)
+                warnings.warn(
+                    f"checkpoint step {step} in {self.directory} does not restore "
+                    f"({_cause(err)}); moved to {aside}, trying the next older",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        raise CheckpointError(f"no checkpoint in {self.directory} restores: " + "; ".join(failures))
+
+    def _move_aside(self, step: int) -> str:
+        source = os.path.join(self.directory, str(step))
+        target, n = source + ".corrupt", 1
+        while os.path.exists(target):
+            target, n = f"{source}.corrupt-{n}", n + 1
+        os.rename(source, target)
+        self._manager.reload()
+        return target
+
     def close(self) -> None:
         self._manager.close()
 
@@ -98,18 +199,24 @@ def resume_or_start(
     """The training loops' checkpoint set-up: ``(checkpointer, state, metrics)``.
 
     Without ``checkpoint_dir``: ``(None, state, None)``. With it: a :class:`Checkpointer`, the
-    newest checkpoint restored into ``state``'s structure when ``resume`` (``state`` itself when
-    there is none yet), and a :class:`~lowmem_jax.metrics_writer.MetricsWriter` for per-epoch or
-    per-eval records in ``checkpoint_dir`` (``metrics.jsonl``, and TensorBoard event files
-    unless ``tensorboard=False``), opened at the restored step: records after it are dropped
-    (JSON) or purged (TensorBoard). A loop keeps nothing lost or duplicated by writing a step's
-    record before saving that step's checkpoint.
+    newest checkpoint that restores into ``state``'s structure when ``resume``
+    (:meth:`Checkpointer.restore_newest`; a directory without a checkpoint is an error, see
+    :func:`check_directory`), and a :class:`~lowmem_jax.metrics_writer.MetricsWriter` for
+    per-epoch or per-eval records in ``checkpoint_dir`` (``metrics.jsonl``, and TensorBoard
+    event files unless ``tensorboard=False``), opened at the restored step: records after it
+    are dropped (JSON) or purged (TensorBoard). A loop keeps nothing lost or duplicated by
+    writing a step's record before saving that step's checkpoint.
     """
     if not checkpoint_dir:
         return None, state, None
+    check_directory(checkpoint_dir, resume=resume)
     checkpointer = Checkpointer(checkpoint_dir, every=every, keep=keep)
-    if resume and checkpointer.latest_step() is not None:
-        state = checkpointer.restore(state)
+    if resume:
+        try:
+            state = checkpointer.restore_newest(state)
+        except Exception:
+            checkpointer.close()
+            raise
     metrics = MetricsWriter(checkpoint_dir, start_step=int(state.step), tensorboard=tensorboard)
     return checkpointer, state, metrics
 

@@ -6,8 +6,13 @@
 combination of the techniques.
 
 Defaults live in the library (:class:`lowmem_jax.Plan`, :class:`lowmem_jax.loop.TrainConfig`,
-the model's recipe); a flag left out keeps them. Bad input is one line naming the parameter and
-its allowed values, exit code 2.
+the model's recipe); a flag left out keeps them.
+
+Errors a user can fix (a bad flag or value, missing data, a bad directory, no checkpoint to
+resume) print one line, ``lowmem <command>: error: ...``, and exit with status 2; a run stopped
+for making no progress (:class:`~lowmem_jax.skip_guard.NoProgressError`) prints one line and
+exits with status 1. ``--debug`` shows the traceback instead (and the absl warnings of TFDS and
+Orbax, hidden otherwise). Warnings from lowmem_jax print as ``lowmem <command>: warning: ...``.
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import os
 import sys
+import warnings
 
+from lowmem_jax import paths
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import SCHEDULES
 from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS, SparseConfig
@@ -25,8 +34,40 @@ from lowmem_jax.workloads import MODEL_NAMES
 MIB = 2.0**20
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line: ``prog: error: message`` (the usage of ``train`` alone is ~30
+    lines; ``--help`` prints it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def _default_cache_dir() -> str:
+    if "LOWMEM_CACHE_DIR" in os.environ:
+        return os.environ["LOWMEM_CACHE_DIR"]
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(cache_home, "lowmem_jax", "xla")
+
+
+def _use_compilation_cache(cache_dir: str) -> None:
+    """JAX's persistent compilation cache in ``cache_dir`` (``""``: none): a step compiled
+    once is read back by later runs (compile-only analysis gives the same figures from it)."""
+    if not cache_dir:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    # Every compile, however short: op-by-op parameter initialisation compiles ~200 tiny programs.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="wrn-28-2", help=f"{MODEL_NAMES}. Default: %(default)s")
+
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -113,6 +154,7 @@ _TRAIN_FIELDS = (
     "dataset", "model", "epochs", "steps", "batch_size", "max_tokens", "warmup", "weight_decay",
     "label_smoothing", "seed", "data_dir", "image_size", "eval_every", "beam_size",
     "average_last", "checkpoint_dir", "checkpoint_every", "keep_checkpoints",
+    "max_consecutive_skips",
 )  # fmt: skip
 
 
@@ -131,13 +173,12 @@ def _train_config(args: argparse.Namespace):
     )
 
 
-def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _cmd_train(args: argparse.Namespace) -> int:
     from lowmem_jax.loop import train_and_evaluate
 
-    try:
-        config = _train_config(args)
-    except ValueError as err:
-        parser.error(str(err))  # exits with status 2 and the usage line
+    config = _train_config(args)
+    if args.output:
+        paths.check_writable_file(args.output, "--output")
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print
     if not args.json:
         print(f"training {config.model_name} on {config.dataset}: {config.plan.to_dict()}")
@@ -166,14 +207,11 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0
 
 
-def _cmd_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _cmd_analyze(args: argparse.Namespace) -> int:
     from lowmem_jax.workloads import analyze_model
 
-    try:
-        plan = _plan(args, Plan())
-        report = analyze_model(args.model, args.batch_size, plan, seq_len=args.seq_len)
-    except ValueError as err:
-        parser.error(str(err))
+    plan = _plan(args, Plan())
+    report = analyze_model(args.model, args.batch_size, plan, seq_len=args.seq_len)
     result = {"model": args.model, "batch_size": report.config["batch_size"], **report.to_dict()}
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -200,23 +238,21 @@ def _cmd_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
-def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _cmd_report(args: argparse.Namespace) -> int:
     from lowmem_jax.report import run_report, to_markdown, write_report
     from lowmem_jax.workloads import workload
 
-    try:
-        batch_size = workload(args.model, args.batch_size, seq_len=args.seq_len).batch_size
-    except ValueError as err:
-        parser.error(str(err))
+    batch_size = workload(args.model, args.batch_size, seq_len=args.seq_len).batch_size
+    paths.ensure_directory(args.out_dir, "--out-dir")
     print(f"lowmem report: {args.model}, batch {batch_size} (compile-only, no step runs)")
     result = run_report(args.model, batch_size, seq_len=args.seq_len)
     command = "lowmem report " + " ".join(
         [f"--model {args.model}", f"--batch-size {batch_size}", f"--out-dir {args.out_dir}"]
         + ([f"--seq-len {args.seq_len}"] if args.model.startswith("dynamicconv") else [])
     )
-    paths = write_report(result, args.out_dir, command=command)
+    written = write_report(result, args.out_dir, command=command)
     print(to_markdown(result))
-    print("wrote " + ", ".join(paths))
+    print("wrote " + ", ".join(written))
     return 0
 
 
@@ -239,7 +275,10 @@ def _add_train_flags(train: argparse.ArgumentParser) -> None:
     run = train.add_argument_group("the run (defaults: the dataset's and the model's recipe)")
     run.add_argument("--epochs", type=int, help="Default: 10 for image datasets")
     run.add_argument("--steps", type=int, help="optimizer updates. Default: 200 for translation")
-    run.add_argument("--batch-size", type=int, help="images per batch. Default: 128")
+    run.add_argument(
+        "--batch-size", type=int, help="images per batch (image datasets; translation batches "
+        "by --max-tokens). Default: 128",
+    )  # fmt: skip
     run.add_argument("--image-size", type=int, help="digits: 8, 16 or 32 pixels. Default: 32")
     run.add_argument(
         "--lr", type=float, help="peak learning rate. Default: the recipe's (0.1 SGD Nesterov for "
@@ -291,6 +330,12 @@ def _add_train_flags(train: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write metrics.jsonl only, no TensorBoard event files",
     )
+    ckpt.add_argument(
+        "--max-consecutive-skips",
+        type=int,
+        help="stop (exit status 1) after this many skipped steps in a row (non-finite "
+        "gradients or updates), naming the likely cause; 0: never. Default: 100",
+    )
     ckpt.add_argument("--output", metavar="PATH", help="write the summary JSON here")
     ckpt.add_argument(
         "--json",
@@ -325,13 +370,25 @@ _COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lowmem", description="How much memory does training take, and how to make it fit."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {}
     for name, (summary, description) in _COMMANDS.items():
         commands[name] = sub.add_parser(name, help=summary, description=description)
+        commands[name].set_defaults(parser=commands[name])
+        commands[name].add_argument(
+            "--debug", action="store_true", help="show the traceback of an error"
+        )
+        commands[name].add_argument(
+            "--cache-dir",
+            default=_default_cache_dir(),
+            metavar="DIR",
+            help="JAX's persistent compilation cache: a later run reads what an earlier one "
+            "compiled instead of compiling again; '' for none. Default: $LOWMEM_CACHE_DIR, else "
+            "%(default)s",
+        )
 
     analyze = commands["analyze"]
     _add_workload_flags(analyze)
@@ -350,9 +407,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; user errors exit 2 and a stalled run 1, each with one line."""
+    from lowmem_jax.checkpointing import CheckpointError
+    from lowmem_jax.skip_guard import NoProgressError
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args, parser)
+    prog = args.parser.prog
+    default_showwarning = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if "lowmem_jax" not in str(filename):  # other libraries' warnings keep their format
+            return default_showwarning(message, category, filename, lineno, file, line)
+        print(f"{prog}: warning: {_one_line(message)}", file=file or sys.stderr)
+
+    warnings.showwarning = showwarning
+    if not args.debug:  # TFDS' and Orbax's absl warnings restate what our one line says
+        logging.getLogger("absl").setLevel(logging.ERROR)
+    try:
+        _use_compilation_cache(args.cache_dir)
+        return args.func(args)
+    except NoProgressError as err:
+        if args.debug:
+            raise
+        args.parser.exit(1, f"{prog}: error: {_one_line(err)}\n")
+    except (ValueError, OSError, CheckpointError) as err:
+        if args.debug:
+            raise
+        args.parser.error(_one_line(err))
+    finally:
+        warnings.showwarning = default_showwarning
 
 
 if __name__ == "__main__":

@@ -10,26 +10,35 @@ summary; the loop does the rest the same way for every task:
   train_accuracy, <the task's test metrics>, skipped_steps, loss_scale, learning_rate,
   seconds}`` appended to ``history``, to ``<checkpoint_dir>/metrics.jsonl`` and TensorBoard;
 * checkpoints: every ``checkpoint_every`` steps and at the end; a step's record is written
-  before that step's checkpoint, so a resumed run (``resume``) loses and repeats nothing;
-* data order is a function of ``(seed, step)``, so a resumed run continues exactly.
+  before that step's checkpoint, so a resumed run (``resume``) loses and repeats nothing; a
+  save that falls on a skipped step waits for the next applied one, so every checkpoint is
+  one a streak of skipped steps has not reached;
+* data order is a function of ``(seed, step)``, so a resumed run continues exactly;
+* skipped steps: a warning when a streak reaches a quarter of ``max_consecutive_skips`` or
+  when most steps between two records were skipped, and :class:`NoProgressError` when the
+  streak reaches ``max_consecutive_skips`` (:mod:`lowmem_jax.skip_guard`);
+* bad paths fail before anything is loaded or compiled
+  (:func:`~lowmem_jax.checkpointing.check_directory`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any
 
 import jax
 
 from lowmem_jax import tasks as tasks_lib
-from lowmem_jax.checkpointing import param_checksum, resume_or_start
+from lowmem_jax.checkpointing import check_directory, param_checksum, resume_or_start
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
+from lowmem_jax.skip_guard import NoProgressError, SkipGuard
 from lowmem_jax.train import model_params
 from lowmem_jax.workloads import build, workload
 
-__all__ = ["TrainConfig", "train_and_evaluate", "DEFAULT_PLAN"]
+__all__ = ["TrainConfig", "train_and_evaluate", "DEFAULT_PLAN", "NoProgressError"]
 
 #: The embedded default job's plan (``lowmem train``): the report's four step techniques.
 DEFAULT_PLAN = Plan(precision="mixed_fp16", microbatches=4, remat="full")
@@ -64,6 +73,8 @@ class TrainConfig:
         for translation).
       checkpoint_dir, checkpoint_every, keep_checkpoints, resume: Orbax checkpoints (module
         docstring); ``keep_checkpoints=None`` keeps ``max(3, average_last)``.
+      max_consecutive_skips: stop with :class:`NoProgressError` after this many skipped steps
+        in a row (``0``: never).
       tensorboard: also write the records as TensorBoard scalars.
       progress: a progress bar on stderr.
     """
@@ -99,6 +110,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int | None = None
     resume: bool = False
+    max_consecutive_skips: int = 100
     tensorboard: bool = True
     progress: bool = True
 
@@ -115,6 +127,13 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.max_consecutive_skips < 0:
+            raise ValueError(
+                f"max_consecutive_skips must be >= 0 (0: never stop), got "
+                f"{self.max_consecutive_skips}"
+            )
         if self.eval_sentences is not None and self.eval_sentences < 0:
             raise ValueError(f"eval_sentences must be >= 0 or None, got {self.eval_sentences}")
         if self.length_penalty < 0:
@@ -184,6 +203,9 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     """
     from tqdm.auto import tqdm
 
+    if config.checkpoint_dir:  # a bad path fails now, not after the data and the compile
+        check_directory(config.checkpoint_dir, resume=config.resume)
+
     # Data, the step and the state.
     task = tasks_lib.make_task(config)
     total_steps = task.total_steps
@@ -207,38 +229,63 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     materialize = jax.jit(lambda s: model_params(s, setup.tx))
     evaluator = task.evaluator(setup)
     learning_rate = recipe.learning_rate_fn(total_steps)
+    guard = SkipGuard(
+        config.max_consecutive_skips,
+        min_loss_scale=getattr(state.loss_scale, "min_loss_scale", None),
+    )
 
     # The step loop.
     history, meter = [], _Meter()
     start = last = time.perf_counter()
+    skipped_at_last_record, save_due = int(state.skipped_steps), False
     bar = tqdm(total=total_steps, initial=start_step, disable=not config.progress, leave=False)
-    for epoch, batch in task.train_batches(start_step, total_steps):
-        state, metrics = setup.step(state, batch)
-        step = int(state.step)
-        meter.add(metrics)
-        bar.update(1)
-        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
-        if step % task.eval_every == 0 or step == total_steps:
-            record = {
-                "step": step,
-                "epoch": epoch,
-                **meter.flush(),
-                **evaluator.evaluate(materialize(state), state.model_state),
-                "skipped_steps": int(state.skipped_steps),
-                "loss_scale": float(state.loss_scale.loss_scale),
-                "learning_rate": float(learning_rate(step - 1)),  # of this step's update
-                "seconds": time.perf_counter() - start,
-            }
-            history.append(record)
-            if metrics_writer:  # the record first, then the checkpoint of its step
-                metrics_writer.write(record)
-            if log:
-                now = time.perf_counter()
-                log(_record_line(record, now - last))
-                last = now
+    try:
+        for epoch, batch in task.train_batches(start_step, total_steps):
+            state, metrics = setup.step(state, batch)
+            step = int(state.step)
+            warning = guard.observe(step, metrics)  # raises NoProgressError
+            if warning:
+                warnings.warn(warning, RuntimeWarning, stacklevel=2)
+            meter.add(metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+            if step % task.eval_every == 0 or step == total_steps:
+                record = {
+                    "step": step,
+                    "epoch": epoch,
+                    **meter.flush(),
+                    **evaluator.evaluate(materialize(state), state.model_state),
+                    "skipped_steps": int(state.skipped_steps),
+                    "loss_scale": float(state.loss_scale.loss_scale),
+                    "learning_rate": float(learning_rate(step - 1)),  # of this step's update
+                    "seconds": time.perf_counter() - start,
+                }
+                history.append(record)
+                if metrics_writer:  # the record first, then the checkpoint of its step
+                    metrics_writer.write(record)
+                if log:
+                    now = time.perf_counter()
+                    log(_record_line(record, now - last))
+                    last = now
+                _warn_if_mostly_skipped(record, history, skipped_at_last_record, start_step)
+                skipped_at_last_record = record["skipped_steps"]
+            if checkpointer:
+                save_due |= step % config.checkpoint_every == 0
+                if save_due and guard.streak == 0:
+                    checkpointer.save(step, state, force=True)
+                    save_due = False
+    except NoProgressError as err:
         if checkpointer:
-            checkpointer.save(step, state)
-    bar.close()
+            err.args = (
+                f"{err.args[0]}; the last checkpoint before it is step "
+                f"{checkpointer.latest_step()} in {checkpointer.directory}",
+            )
+        for closable in (checkpointer, metrics_writer):
+            if closable:
+                closable.close()
+        raise
+    finally:
+        bar.close()
     train_seconds = time.perf_counter() - start
     if checkpointer:
         checkpointer.save(int(state.step), state, force=True)
@@ -267,6 +314,21 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
         metrics_writer.close()
     summary["seconds"] = time.perf_counter() - start
     return summary
+
+
+def _warn_if_mostly_skipped(
+    record: dict[str, Any], history: list[dict[str, Any]], skipped_before: int, start_step: int
+) -> None:
+    """Warns when more than half of the steps since the previous record were skipped."""
+    since = record["step"] - (history[-2]["step"] if len(history) > 1 else start_step)
+    skipped = record["skipped_steps"] - skipped_before
+    if since and skipped > since / 2:
+        warnings.warn(
+            f"step {record['step']}: {skipped} of the last {since} steps were skipped "
+            "(non-finite gradients or updates)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _record_line(record: dict[str, Any], seconds: float) -> str:

@@ -103,7 +103,7 @@ class Recipe:
         eps 1e-8, decoupled weight decay on every parameter, as fairseq's Adam).
       learning_rate: the peak rate, ``> 0``.
       schedule: one of :data:`SCHEDULES`.
-      warmup: warmup updates of ``inverse_sqrt`` (``>= 1`` there).
+      warmup: warmup updates of ``inverse_sqrt`` (``>= 1`` there, ``>= 0`` always).
       weight_decay: ``>= 0``.
       momentum: SGD's momentum, in ``[0, 1)``.
       label_smoothing: of the cross-entropy, in ``[0, 1)``.
@@ -128,8 +128,9 @@ class Recipe:
             )
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
-        if self.schedule == "inverse_sqrt" and self.warmup < 1:
-            raise ValueError(f"warmup must be >= 1, got {self.warmup}")
+        if self.warmup < 0 or (self.schedule == "inverse_sqrt" and self.warmup < 1):
+            low = 1 if self.schedule == "inverse_sqrt" else 0
+            raise ValueError(f"warmup must be >= {low}, got {self.warmup}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not 0.0 <= self.momentum < 1.0:

@@ -42,12 +42,15 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 
 __all__ = [
     "RematSpec",
     "parse_policy",
     "POLICY_NAMES",
     "compiler_options",
+    "tagged_names",
+    "check_saved_names",
     "ScannedBlocks",
 ]
 
@@ -75,6 +78,13 @@ class RematSpec:
     @property
     def enabled(self) -> bool:
         return self.policy is not None
+
+    @property
+    def saved_names(self) -> tuple[str, ...]:
+        """The ``checkpoint_name`` tags a ``save:A,B`` policy saves (``()`` for the others)."""
+        if not self.name.startswith("save:"):
+            return ()
+        return tuple(n for n in self.name[len("save:") :].split(",") if n)
 
     def segment_length(self, num_blocks: int) -> int:
         """Blocks per segment for a stack of ``num_blocks`` (1 unless segmenting)."""
@@ -110,6 +120,38 @@ def parse_policy(name: str | RematSpec) -> RematSpec:
         if k.isdigit() and int(k) >= 1:
             return RematSpec(name, cp.nothing_saveable, segment=int(k))
     raise ValueError(f"Unknown remat={name!r}; allowed values: {list(POLICY_NAMES)}")
+
+
+def tagged_names(fn: Callable[..., Any], *args: Any) -> set[str]:
+    """The names ``fn(*args)`` tags with ``checkpoint_name``, nested calls, scans and remat
+    included (traced to a jaxpr; nothing runs; ``args`` may be ``jax.ShapeDtypeStruct``)."""
+    names: set[str] = set()
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                names.add(eqn.params["name"])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, jax_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax_core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+def check_saved_names(remat: str | RematSpec, tagged: set[str]) -> None:
+    """Raises ValueError when a ``save:`` policy names a tag that ``tagged`` (the model's, see
+    :func:`tagged_names`) lacks: such a policy would silently save nothing, i.e. act as
+    ``full``."""
+    missing = [n for n in parse_policy(remat).saved_names if n not in tagged]
+    if missing:
+        raise ValueError(
+            f"remat={parse_policy(remat).name!r} saves {missing}, which the model never tags "
+            f"with checkpoint_name; the model tags: {sorted(tagged) or 'nothing'}"
+        )
 
 
 def compiler_options(remat: str | RematSpec = "full", backend: str | None = None) -> dict[str, str]:

@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax import losses, memory, models, precision, sparsity
+from lowmem_jax import losses, memory, models, precision, remat, sparsity
 from lowmem_jax.base import LossFn, Optimizer, PyTree
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
@@ -265,7 +265,8 @@ def build(
     the default gets the workload's (e.g. :func:`translation_is_sparse`).
 
     Raises:
-      ValueError: a batch size the plan's microbatches do not divide.
+      ValueError: a batch size the plan's microbatches do not divide, or a ``save:`` remat
+        policy naming a tag the model does not have.
     """
     if work.batch_size % plan.microbatches:
         raise ValueError(
@@ -285,6 +286,12 @@ def build(
     params = jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *inputs)
     tx = plan.wrap_optimizer(recipe.optimizer_for(total_steps or 1), params["params"])
     loss_fn = work.loss_fn(model, recipe.label_smoothing)
+    if remat.parse_policy(plan.remat).saved_names:
+        model_state = {k: v for k, v in params.items() if k != "params"}
+        tagged = remat.tagged_names(
+            loss_fn, params["params"], model_state, work.batch, jax.random.PRNGKey(0)
+        )
+        remat.check_saved_names(plan.remat, tagged)
     step = make_train_step(loss_fn, tx, plan)
     return Setup(step, tx, loss_fn, model, plan, work, recipe, config)
 

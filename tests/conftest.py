@@ -7,6 +7,7 @@ pytest puts ``tests/`` on ``sys.path`` (no package), so test modules import thes
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 import flax.linen as nn
@@ -17,6 +18,16 @@ import optax
 
 from lowmem_jax.metrics_writer import read_jsonl, read_scalars
 from lowmem_jax.ops import Conv
+
+# One persistent compilation cache for the whole suite, in-process and for the CLI subprocesses
+# (LOWMEM_CACHE_DIR): the same small models are compiled by many tests, and the classification
+# task's op-by-op parameter initialisation alone compiles ~190 tiny programs (~20 s) per run.
+# Executables read back are the ones compiled, so results are unchanged; nothing goes to ~/.cache.
+os.environ.setdefault(
+    "LOWMEM_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"lowmem-test-xla-cache-{os.getuid()}")
+)
+jax.config.update("jax_compilation_cache_dir", os.environ["LOWMEM_CACHE_DIR"] or None)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 # XLA:CPU's LLVM optimisation dominates the time of tests that compile many tiny programs; these
 # options make code generation cheaper and change no HLO-level semantics or buffer assignment.

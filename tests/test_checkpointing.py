@@ -14,7 +14,12 @@ import pytest
 from conftest import assert_tensorboard_matches_jsonl
 
 import lowmem_jax as lm
-from lowmem_jax.checkpointing import Checkpointer
+from lowmem_jax.checkpointing import (
+    Checkpointer,
+    CheckpointError,
+    check_directory,
+    resume_or_start,
+)
 from lowmem_jax.loop import TrainConfig, train_and_evaluate
 
 # The digits at their original 8x8 pixels: the same 44 steps as at 32x32, ~10x cheaper.
@@ -30,7 +35,7 @@ def _run(checkpoint_dir, *extra):
         [*TRAIN, "--checkpoint-dir", str(checkpoint_dir), *extra],
         capture_output=True, text=True, check=True, timeout=600,
     )  # fmt: skip
-    return json.loads(out.stdout)
+    return json.loads(out.stdout), out.stderr
 
 
 def test_checkpoint_roundtrip_keeps_structure_and_static_config(tmp_path):
@@ -49,7 +54,9 @@ def test_checkpoint_roundtrip_keeps_structure_and_static_config(tmp_path):
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_parameters(tmp_path):
-    straight = _run(tmp_path / "straight")
+    """kill -9 mid-run, the newest checkpoint then found corrupt: the resumed run falls back to
+    the one before and still ends bitwise equal to an uninterrupted run."""
+    straight, _ = _run(tmp_path / "straight")
 
     interrupted_dir = tmp_path / "interrupted"
     proc = subprocess.Popen(
@@ -71,8 +78,10 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
     proc.wait()
     killed_at = max(int(p) for p in os.listdir(interrupted_dir) if p.isdigit())
     assert 15 <= killed_at < straight["steps"]
+    _corrupt(interrupted_dir / str(killed_at), "truncated array file")
 
-    resumed = _run(interrupted_dir, "--resume")
+    resumed, stderr = _run(interrupted_dir, "--resume")
+    assert f"warning: checkpoint step {killed_at} in {interrupted_dir} does not restore" in stderr
     assert resumed["steps"] == straight["steps"] == 2 * (1437 // 64)
     assert resumed["param_checksum"] == straight["param_checksum"]
     lines = (interrupted_dir / "metrics.jsonl").read_text().splitlines()
@@ -104,3 +113,73 @@ def test_classifier_metrics_reach_tensorboard_and_survive_a_resume(tmp_path):
     assert [(r["epoch"], r["step"]) for r in records] == [(1, 22), (2, 44)]
     assert records[1]["test_accuracy"] == first["test_accuracy"]
     assert_tensorboard_matches_jsonl(tmp_path)
+
+
+def _corrupt(step_dir, how):
+    """Damages one saved step as a full disk, a bad copy or a killed writer would."""
+    arrays = sorted(step_dir.rglob("d/*"), key=lambda p: p.stat().st_size)
+    if how == "truncated array file":
+        with open(arrays[-1], "r+b") as f:
+            f.truncate(arrays[-1].stat().st_size // 2)
+    elif how == "garbage array file":
+        arrays[-1].write_bytes(np.random.default_rng(0).bytes(arrays[-1].stat().st_size))
+    else:
+        for path in step_dir.rglob("_METADATA"):
+            path.write_text("{not json")
+
+
+def _saved(tmp_path, steps=(1, 2, 3)):
+    states = {s: {"w": jnp.arange(1000.0) * s, "step": jnp.int32(s)} for s in steps}
+    ckpt = Checkpointer(str(tmp_path), every=1, keep=5)
+    for s, state in states.items():
+        ckpt.save(s, state)
+    ckpt.close()
+    return states
+
+
+@pytest.mark.parametrize(
+    "how", ["truncated array file", "garbage array file", "corrupt metadata"]
+)  # fmt: skip
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, how):
+    states = _saved(tmp_path)
+    _corrupt(tmp_path / "3", how)
+    ckpt = Checkpointer(str(tmp_path), every=1, keep=5)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint step 3 .* does not restore \(\w+"):
+        restored = ckpt.restore_newest(jax.eval_shape(lambda: states[3]))
+    np.testing.assert_array_equal(restored["w"], states[2]["w"])
+    # Moved aside, not deleted; step 3 can be written afresh by the resumed run.
+    assert (tmp_path / "3.corrupt").is_dir() and ckpt.latest_step() == 2
+    assert ckpt.save(3, states[3]) and ckpt.latest_step() == 3
+    np.testing.assert_array_equal(ckpt.restore(states[3])["w"], states[3]["w"])
+    ckpt.close()
+
+
+def test_no_checkpoint_restoring_is_one_error_naming_the_directory(tmp_path):
+    states = _saved(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        _corrupt(tmp_path / str(step), "truncated array file")
+    ckpt = Checkpointer(str(tmp_path), every=1, keep=5)
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError) as err:
+        ckpt.restore_newest(jax.eval_shape(lambda: states[2]))
+    assert str(tmp_path) in str(err.value) and "step 2 (" in str(err.value)
+    assert "step 1 (" in str(err.value) and "\n" not in str(err.value)
+    ckpt.close()
+
+
+def test_resume_refuses_a_directory_without_checkpoints(tmp_path):
+    state = {"w": jnp.zeros(3)}
+    for directory, why in ((tmp_path / "missing", "does not exist"), (tmp_path, "holds no")):
+        with pytest.raises(FileNotFoundError, match=why):
+            resume_or_start(state, str(directory), every=1, keep=1, resume=True)
+    assert not (tmp_path / "missing").exists()  # not created by a refused resume
+
+
+def test_checkpoint_directory_is_checked_before_anything_runs(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        check_directory(str(a_file))
+    with pytest.raises(PermissionError, match="cannot be created"):
+        check_directory("/proc/lowmem-checkpoints")  # not creatable, even by root
+    check_directory(str(tmp_path / "new"))
+    assert (tmp_path / "new").is_dir()

@@ -181,3 +181,18 @@ def test_bad_train_settings_exit_with_a_clear_message(argv, match, capsys):
         cli.main(["train", *argv])
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_analyze_reads_its_compiled_step_back_from_the_cache(tmp_path):
+    """A second run finds the step in the persistent compilation cache; same figures."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "lowmem_jax.cli", "analyze", "--model", "wrn-10-1",
+            "--batch-size", "8", "--json", "--cache-dir", str(tmp_path)]  # fmt: skip
+    first = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300)
+    cached = sorted(p.name for p in tmp_path.iterdir() if "train_step" in p.name)
+    assert cached, list(tmp_path.iterdir())
+    second = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300)
+    assert sorted(p.name for p in tmp_path.iterdir() if "train_step" in p.name) == cached
+    assert json.loads(first.stdout)["xla"] == json.loads(second.stdout)["xla"]
