@@ -55,7 +55,12 @@ class Plan:
       loss_scale: ``"auto"`` (dynamic when computing in float16, else none), ``"none"``,
         ``"static"`` or ``"dynamic"``.
       microbatches: ``k >= 1`` slices per batch, accumulated with ``lax.scan``.
-      remat: a :mod:`lowmem_jax.remat` policy name, applied per block by the model.
+      remat: a :mod:`lowmem_jax.remat` policy name, applied per block by the model (its
+        ``remat`` attribute), or, for a model without one, by
+        :func:`lowmem_jax.remat.remat_module`.
+      remat_blocks: for a model without a ``remat`` attribute: the class names of the
+        submodules checkpointed one by one (e.g. ``("Block",)``); ``()``: the whole forward
+        under one checkpoint (no peak-memory saving by itself, see ``remat_module``).
       optimizer_state: the stored format of the optimizer's state (a
         :mod:`lowmem_jax.optimizer_state` format): ``auto`` (float32, or bfloat16 when the
         parameters are 16-bit), ``fp32``, ``bf16``, ``int8``, ``int4``. The update's
@@ -96,6 +101,7 @@ class Plan:
         "al. 2023); leaves under 4096 elements stay fp32. Updates are computed in fp32",
         choices=optimizer_state_lib.FORMATS,
     )
+    remat_blocks: tuple[str, ...] = ()
     sparsity: sparsity_lib.SparseConfig | None = None
     initial_loss_scale: float = 2.0**15
     loss_scale_period: int = 2000
@@ -111,6 +117,12 @@ class Plan:
             )
         microbatch_lib.check_num_microbatches(self.microbatches)
         remat_lib.parse_policy(self.remat)
+        if not isinstance(self.remat_blocks, tuple) or not all(
+            isinstance(n, str) and n for n in self.remat_blocks
+        ):
+            raise ValueError(
+                f"remat_blocks must be a tuple of class names, got {self.remat_blocks!r}"
+            )
         optimizer_state_lib.check_format(self.optimizer_state)
         if self.sparsity is not None and not isinstance(self.sparsity, sparsity_lib.SparseConfig):
             raise ValueError(
@@ -141,20 +153,25 @@ class Plan:
     def configure_model(self, model: nn.Module) -> nn.Module:
         """A copy of ``model`` with this plan's ``remat`` policy and compute ``dtype``.
 
+        A model with a ``remat`` attribute (the bundled ones) applies the policy per block
+        itself; any other Linen model gets :func:`lowmem_jax.remat.remat_module` (per block of
+        the classes in ``remat_blocks``, or the whole forward).
+
         Raises:
-          ValueError: if the plan asks for remat and the model has no ``remat`` attribute.
+          ValueError: ``remat_blocks`` for a model that has its own ``remat`` attribute, or a
+            segmenting policy for a model without one.
         """
         updates: dict[str, Any] = {}
         if hasattr(model, "dtype"):
             updates["dtype"] = self.policy.compute_dtype
         if hasattr(model, "remat"):
-            updates["remat"] = self.remat
-        elif self.remat != "none":
-            raise ValueError(
-                f"remat={self.remat!r} needs a model with a `remat` attribute; "
-                f"{type(model).__name__} has none"
-            )
-        return model.clone(**updates)
+            if self.remat_blocks:
+                raise ValueError(
+                    f"remat_blocks={self.remat_blocks} is for models without a `remat` "
+                    f"attribute; {type(model).__name__} applies remat={self.remat!r} itself"
+                )
+            return model.clone(**updates, remat=self.remat)
+        return remat_lib.remat_module(model.clone(**updates), self.remat, self.remat_blocks)
 
     def wrap_optimizer(
         self, tx: optax.GradientTransformation, params: PyTree | None = None
@@ -204,6 +221,8 @@ class Plan:
         :meth:`SparseConfig.describe`, left out when dense."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["loss_scale"] = self.loss_scale_kind
+        if not self.remat_blocks:
+            del out["remat_blocks"]
         del out["sparsity"]  # last, when sparse
         if self.sparsity is not None:
             out["sparsity"] = self.sparsity.describe()

@@ -34,9 +34,10 @@ what XLA may merge, and ``make_train_step`` applies it whenever the plan uses re
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -49,6 +50,8 @@ __all__ = [
     "parse_policy",
     "POLICY_NAMES",
     "compiler_options",
+    "remat_module",
+    "traced_equations",
     "tagged_names",
     "check_saved_names",
     "ScannedBlocks",
@@ -122,24 +125,106 @@ def parse_policy(name: str | RematSpec) -> RematSpec:
     raise ValueError(f"Unknown remat={name!r}; allowed values: {list(POLICY_NAMES)}")
 
 
-def tagged_names(fn: Callable[..., Any], *args: Any) -> set[str]:
-    """The names ``fn(*args)`` tags with ``checkpoint_name``, nested calls, scans and remat
-    included (traced to a jaxpr; nothing runs; ``args`` may be ``jax.ShapeDtypeStruct``)."""
-    names: set[str] = set()
+# Set while a block's call runs under its checkpoint, so that a block inside a block is not
+# wrapped again.
+_INSIDE_BLOCK = contextvars.ContextVar("lowmem_remat_inside_block", default=False)
 
-    def walk(jaxpr) -> None:
+
+def _checkpointed_call(module: nn.Module, cls: type, args: tuple, kwargs: dict, policy) -> Any:
+    """``cls.__call__(module, *args, **kwargs)`` under Flax's lifted ``nn.remat`` (parameters
+    and collections keep their structure); keyword arguments are closed over (static flags
+    such as ``train``), positional ones traced."""
+
+    def body(mdl, *positional):
+        token = _INSIDE_BLOCK.set(True)
+        try:
+            return cls.__call__(mdl, *positional, **kwargs)
+        finally:
+            _INSIDE_BLOCK.reset(token)
+
+    return nn.remat(body, policy=policy)(module, *args)
+
+
+def remat_module(
+    module: nn.Module, remat: str | RematSpec, blocks: Sequence[str] = ()
+) -> nn.Module:
+    """Any Linen module (one without a ``remat`` attribute) with the policy ``remat`` applied.
+
+    ``blocks=()``: the module's whole ``__call__`` under one ``jax.checkpoint``. With a single
+    checkpointed region the backward pass recomputes the forward and then holds every residual
+    it needs at once, so this alone costs compute without lowering peak memory; it is the
+    building block, not the saving. ``blocks=("Block", ...)``: every call of a submodule whose
+    class is named in ``blocks`` runs under its own checkpoint (Flax's lifted ``nn.remat``, via
+    ``nn.intercept_methods``): only the blocks' inputs (and what the policy saves) stay between
+    forward and backward, as with the bundled models' per-block remat.
+
+    Parameters, BatchNorm statistics and dropout keys keep their structure and values; the
+    returned module is a subclass of ``type(module)`` with the same fields.
+
+    Raises:
+      ValueError: for a segmenting policy (``every:K``, ``sqrt``), which needs a stack of
+        identical blocks (:class:`ScannedBlocks`).
+    """
+    spec = parse_policy(remat)
+    if not spec.enabled:
+        return module
+    if spec.segment:
+        raise ValueError(
+            f"remat={spec.name!r} checkpoints segments of a scanned block stack; "
+            f"{type(module).__name__} has none (use full, dots or save:NAME)"
+        )
+    cls, names = type(module), tuple(blocks)
+
+    if names:
+
+        def interceptor(next_fun, args, kwargs, context):
+            target = context.module
+            if (
+                context.method_name != "__call__"
+                or type(target).__name__ not in names
+                or _INSIDE_BLOCK.get()
+            ):
+                return next_fun(*args, **kwargs)
+            return _checkpointed_call(target, type(target), args, kwargs, spec.policy)
+
+        def call(self, *args, **kwargs):
+            with nn.intercept_methods(interceptor):
+                return cls.__call__(self, *args, **kwargs)
+
+    else:
+
+        def call(self, *args, **kwargs):
+            return _checkpointed_call(self, cls, args, kwargs, spec.policy)
+
+    rematted = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
+    fields = {
+        f.name: getattr(module, f.name)
+        for f in dataclasses.fields(module)
+        if f.name not in ("parent", "name")
+    }
+    return rematted(**fields)
+
+
+def traced_equations(fn: Callable[..., Any], *args: Any) -> Iterator[Any]:
+    """Every equation of ``fn(*args)``'s jaxpr, those nested in calls, scans, conditionals and
+    remat included (traced; nothing runs; ``args`` may be ``jax.ShapeDtypeStruct``)."""
+
+    def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "name":
-                names.add(eqn.params["name"])
+            yield eqn
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
                     if isinstance(sub, jax_core.ClosedJaxpr):
-                        walk(sub.jaxpr)
+                        yield from walk(sub.jaxpr)
                     elif isinstance(sub, jax_core.Jaxpr):
-                        walk(sub)
+                        yield from walk(sub)
 
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return names
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def tagged_names(fn: Callable[..., Any], *args: Any) -> set[str]:
+    """The names ``fn(*args)`` tags with ``checkpoint_name`` (:func:`traced_equations`)."""
+    return {e.params["name"] for e in traced_equations(fn, *args) if e.primitive.name == "name"}
 
 
 def check_saved_names(remat: str | RematSpec, tagged: set[str]) -> None:

@@ -142,9 +142,9 @@ def test_plan_rejects_bad_input(kwargs, match):
         lm.Plan(**kwargs)
 
 
-def test_plan_remat_needs_a_model_with_remat():
-    with pytest.raises(ValueError, match="remat"):
-        lm.Plan(remat="full").configure_model(BNNet())
+def test_segmenting_remat_needs_a_model_with_block_stacks():
+    with pytest.raises(ValueError, match="every:2"):
+        lm.Plan(remat="every:2").configure_model(BNNet())
 
 
 def test_auto_loss_scale_is_dynamic_only_for_fp16_compute():
