@@ -163,7 +163,8 @@ def remat_module(
 
     Raises:
       ValueError: for a segmenting policy (``every:K``, ``sqrt``), which needs a stack of
-        identical blocks (:class:`ScannedBlocks`).
+        identical blocks (:class:`ScannedBlocks`); when the module is called, for a name in
+        ``blocks`` that is not the class of a submodule it calls.
     """
     spec = parse_policy(remat)
     if not spec.enabled:
@@ -177,19 +178,29 @@ def remat_module(
 
     if names:
 
-        def interceptor(next_fun, args, kwargs, context):
-            target = context.module
-            if (
-                context.method_name != "__call__"
-                or type(target).__name__ not in names
-                or _INSIDE_BLOCK.get()
-            ):
-                return next_fun(*args, **kwargs)
-            return _checkpointed_call(target, type(target), args, kwargs, spec.policy)
-
         def call(self, *args, **kwargs):
+            called: set[str] = set()
+
+            def interceptor(next_fun, args, kwargs, context):
+                target = context.module
+                called.add(type(target).__name__)
+                if (
+                    context.method_name != "__call__"
+                    or type(target).__name__ not in names
+                    or _INSIDE_BLOCK.get()
+                ):
+                    return next_fun(*args, **kwargs)
+                return _checkpointed_call(target, type(target), args, kwargs, spec.policy)
+
             with nn.intercept_methods(interceptor):
-                return cls.__call__(self, *args, **kwargs)
+                out = cls.__call__(self, *args, **kwargs)
+            missing = [n for n in names if n not in called]
+            if missing:  # else the policy would silently checkpoint nothing
+                raise ValueError(
+                    f"remat_blocks names {missing}, which {cls.__name__} never calls; its "
+                    f"submodule classes: {sorted(called - {cls.__name__})}"
+                )
+            return out
 
     else:
 

@@ -114,3 +114,9 @@ def test_bad_remat_blocks_are_refused():
         lm.Plan(remat_blocks="Block")
     with pytest.raises(ValueError, match="applies remat='full' itself"):
         lm.Plan(remat="full", remat_blocks=("Block",)).configure_model(lm.models.WideResNet())
+
+
+def test_a_block_name_the_model_never_calls_is_an_error_listing_its_classes():
+    model = lm.Plan(remat="full", remat_blocks=("Blok",)).configure_model(UserCNN())
+    with pytest.raises(ValueError, match=r"\['Blok'\].*\['BatchNorm', 'Block', 'Conv', 'Dense'"):
+        model.init(jax.random.key(0), BATCH["image"], train=False)
