@@ -13,6 +13,7 @@ from lowmem_jax import (
     memory,
     microbatch,
     models,
+    nnx_split,
     ops,
     optimizer_state,
     precision,
@@ -23,7 +24,7 @@ from lowmem_jax import (
     sparsity,
     workloads,
 )
-from lowmem_jax.base import Optimizer, as_optimizer
+from lowmem_jax.base import Optimizer, as_optimizer, differentiated_loss
 from lowmem_jax.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -35,6 +36,7 @@ from lowmem_jax.loss_scale import (
 from lowmem_jax.losses import classifier_loss_fn, translation_loss_fn
 from lowmem_jax.memory import MemoryReport, analyze
 from lowmem_jax.microbatch import accumulate_gradients
+from lowmem_jax.nnx_split import SplitNNX, split_nnx
 from lowmem_jax.optimizer_state import QuantizedState, quantized_state
 from lowmem_jax.plan import Plan
 from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
@@ -53,6 +55,9 @@ __all__ = [
     "scaled_grad_fn",
     "Optimizer",
     "as_optimizer",
+    "differentiated_loss",
+    "split_nnx",
+    "SplitNNX",
     "classifier_loss_fn",
     "translation_loss_fn",
     "workload",
@@ -83,6 +88,7 @@ __all__ = [
     "memory",
     "microbatch",
     "models",
+    "nnx_split",
     "ops",
     "optimizer_state",
     "precision",

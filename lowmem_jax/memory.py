@@ -221,7 +221,11 @@ def saved_activation_bytes(
 
 def _model_params(state, opt: Optimizer) -> PyTree:
     """Shapes of the parameters the model sees (``opt``'s materialized ``state.params``)."""
-    return jax.eval_shape(opt.materialize, state.params, state.opt_state)
+    return jax.eval_shape(opt.materialize, state.params, _opt_state(state))
+
+
+def _opt_state(state) -> PyTree:
+    return getattr(state, "opt_state", ())
 
 
 def analytic_breakdown(
@@ -234,20 +238,24 @@ def analytic_breakdown(
 ) -> dict[str, Any]:
     """The report's model / optimizer / activations / inputs breakdown, in bytes.
 
-    ``state`` is a :class:`~lowmem_jax.TrainState` (or its ``jax.eval_shape``); ``loss_fn``
-    is the loss the step differentiates, in the compute dtype (``precision.cast_loss_fn``);
-    without it the activation figure is ``None``. ``tx``: the step's optimizer; when it stores
-    the parameters in another form than the model sees (compressed sparse storage), the
-    activations are those of the materialized parameters and the gradients (and accumulator)
-    take the stored or the model's layout as the step does
+    ``state``: a :class:`~lowmem_jax.TrainState` (or its ``jax.eval_shape``), or any pytree
+    state with a ``params`` attribute (``flax.training.train_state.TrainState`` too): its
+    ``opt_state``, ``model_state`` and ``rng`` are used where it has them; **state** counts
+    every leaf that is neither parameter nor optimizer state. ``loss_fn`` is the loss the step
+    differentiates, ``loss_fn(params, model_state, batch, rng)``, in the compute dtype
+    (``precision.cast_loss_fn``); without it the activation figure is ``None``. ``tx``: the
+    step's optimizer; when it stores the parameters in another form than the model sees
+    (compressed sparse storage), the activations are those of the materialized parameters and
+    the gradients (and accumulator) take the stored or the model's layout as the step does
     (:attr:`~lowmem_jax.base.Optimizer.grads_wrt_stored`). The model figure always counts the
     stored ``state.params``.
     """
     opt = as_optimizer(optax.identity() if tx is None else tx)
     model_params = _model_params(state, opt)
+    opt_state = _opt_state(state)
     optimizer = optimizer_breakdown(
         state.params,
-        state.opt_state,
+        opt_state,
         microbatches,
         state.params if opt.grads_wrt_stored else model_params,
     )
@@ -258,7 +266,11 @@ def analytic_breakdown(
             batch,
         )
         activations = saved_activation_bytes(
-            loss_fn, model_params, state.model_state, micro, state.rng
+            loss_fn,
+            model_params,
+            getattr(state, "model_state", {}),
+            micro,
+            getattr(state, "rng", None),
         )
     out = {
         "source": "analytic",
@@ -269,9 +281,7 @@ def analytic_breakdown(
         "activation_bytes": None if activations is None else activations["bytes"],
         "activation_residuals": activations,
         "input_bytes": tree_bytes(batch),
-        "state_bytes": tree_bytes(
-            (state.model_state, state.loss_scale, state.step, state.skipped_steps, state.rng)
-        ),
+        "state_bytes": tree_bytes(state) - tree_bytes((state.params, opt_state)),
     }
     parts = ("model_bytes", "optimizer_bytes", "activation_bytes", "input_bytes", "state_bytes")
     out["total_bytes"] = sum(out[k] or 0 for k in parts)
@@ -296,7 +306,9 @@ def analyze(
     Args:
       train_step: a jitted step or any function of ``(state, batch)``; a plain function is
         jitted here.
-      state: the train state, concrete or abstract (``jax.eval_shape``).
+      state: the train state, concrete or abstract (``jax.eval_shape``): a
+        :class:`~lowmem_jax.TrainState` or any pytree with ``params`` (see
+        :func:`analytic_breakdown`).
       batch: the batch, concrete or ``jax.ShapeDtypeStruct`` leaves.
       loss_fn: the loss, for the analytic activation figure (``None`` leaves it out); cast to
         the plan's compute dtype as the step casts it.

@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.linen as nn
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import microbatch as microbatch_lib
@@ -36,6 +36,7 @@ from lowmem_jax import precision as precision_lib
 from lowmem_jax import remat as remat_lib
 from lowmem_jax import sparsity as sparsity_lib
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer
+from lowmem_jax.remat import ModuleT
 
 __all__ = ["Plan"]
 
@@ -150,17 +151,28 @@ class Plan:
             min_loss_scale=self.min_loss_scale,
         )
 
-    def configure_model(self, model: nn.Module) -> nn.Module:
+    def configure_model(self, model: ModuleT) -> ModuleT:
         """A copy of ``model`` with this plan's ``remat`` policy and compute ``dtype``.
 
-        A model with a ``remat`` attribute (the bundled ones) applies the policy per block
-        itself; any other Linen model gets :func:`lowmem_jax.remat.remat_module` (per block of
-        the classes in ``remat_blocks``, or the whole forward).
+        A Linen model with a ``remat`` attribute (the bundled ones) applies the policy per
+        block itself; any other Linen model, and any NNX model, gets
+        :func:`lowmem_jax.remat.remat_module` (per block of the classes in ``remat_blocks``,
+        or the whole forward). The compute ``dtype`` is set on a Linen model that has the
+        field, and on every layer of an NNX model (a copy) whose ``dtype`` is ``None`` (else
+        e.g. ``nnx.BatchNorm`` computes in the dtype of its float32 statistics); layers with
+        an explicit ``dtype`` keep it.
 
         Raises:
           ValueError: ``remat_blocks`` for a model that has its own ``remat`` attribute, or a
             segmenting policy for a model without one.
         """
+        if isinstance(model, nnx.Module):
+            model = nnx.clone(model)
+            for _, layer in nnx.iter_graph(model):
+                # Only layers left to infer their dtype: explicit choices (an fp32 head) stay.
+                if isinstance(layer, nnx.Module) and getattr(layer, "dtype", False) is None:
+                    layer.dtype = self.policy.compute_dtype
+            return remat_lib.remat_module(model, self.remat, self.remat_blocks)
         updates: dict[str, Any] = {}
         if hasattr(model, "dtype"):
             updates["dtype"] = self.policy.compute_dtype

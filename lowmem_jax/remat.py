@@ -38,11 +38,12 @@ import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.extend import core as jax_core
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
     "check_saved_names",
     "ScannedBlocks",
 ]
+
+ModuleT = TypeVar("ModuleT", nn.Module, nnx.Module)
 
 POLICY_NAMES = ("none", "full", "dots", "save:NAME[,NAME...]", "every:K", "sqrt")
 
@@ -130,10 +133,10 @@ def parse_policy(name: str | RematSpec) -> RematSpec:
 _INSIDE_BLOCK = contextvars.ContextVar("lowmem_remat_inside_block", default=False)
 
 
-def _checkpointed_call(module: nn.Module, cls: type, args: tuple, kwargs: dict, policy) -> Any:
-    """``cls.__call__(module, *args, **kwargs)`` under Flax's lifted ``nn.remat`` (parameters
-    and collections keep their structure); keyword arguments are closed over (static flags
-    such as ``train``), positional ones traced."""
+def _checkpointed_call(lifted_remat, module, cls: type, args: tuple, kwargs: dict, policy) -> Any:
+    """``cls.__call__(module, *args, **kwargs)`` under Flax's lifted remat (``nn.remat`` or
+    ``nnx.remat``: parameters and collections keep their structure); keyword arguments are
+    closed over (static flags such as ``train``), positional ones traced."""
 
     def body(mdl, *positional):
         token = _INSIDE_BLOCK.set(True)
@@ -142,29 +145,32 @@ def _checkpointed_call(module: nn.Module, cls: type, args: tuple, kwargs: dict, 
         finally:
             _INSIDE_BLOCK.reset(token)
 
-    return nn.remat(body, policy=policy)(module, *args)
+    return lifted_remat(body, policy=policy)(module, *args)
 
 
-def remat_module(
-    module: nn.Module, remat: str | RematSpec, blocks: Sequence[str] = ()
-) -> nn.Module:
-    """Any Linen module (one without a ``remat`` attribute) with the policy ``remat`` applied.
+def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] = ()) -> ModuleT:
+    """Any Linen or NNX module (one without a ``remat`` attribute) with the policy ``remat``.
 
     ``blocks=()``: the module's whole ``__call__`` under one ``jax.checkpoint``. With a single
     checkpointed region the backward pass recomputes the forward and then holds every residual
     it needs at once, so this alone costs compute without lowering peak memory; it is the
     building block, not the saving. ``blocks=("Block", ...)``: every call of a submodule whose
-    class is named in ``blocks`` runs under its own checkpoint (Flax's lifted ``nn.remat``, via
-    ``nn.intercept_methods``): only the blocks' inputs (and what the policy saves) stay between
-    forward and backward, as with the bundled models' per-block remat.
+    class is named in ``blocks`` runs under its own checkpoint (Flax's lifted ``nn.remat`` via
+    ``nn.intercept_methods`` for Linen, ``nnx.remat`` for NNX): only the blocks' inputs (and
+    what the policy saves) stay between forward and backward, as with the bundled models'
+    per-block remat. A block called inside another named block is not checkpointed again.
+    Keyword arguments of a checkpointed call are closed over (static flags such as ``train``),
+    positional ones traced.
 
-    Parameters, BatchNorm statistics and dropout keys keep their structure and values; the
-    returned module is a subclass of ``type(module)`` with the same fields.
+    Parameters, BatchNorm statistics and dropout keys keep their structure and values. Linen:
+    the result is an instance of a subclass of ``type(module)`` with the same fields. NNX: a
+    copy (``nnx.clone``) whose named submodules (or the module itself) are instances of such
+    subclasses; ``module`` is left as it was.
 
     Raises:
       ValueError: for a segmenting policy (``every:K``, ``sqrt``), which needs a stack of
-        identical blocks (:class:`ScannedBlocks`); when the module is called, for a name in
-        ``blocks`` that is not the class of a submodule it calls.
+        identical blocks (:class:`ScannedBlocks`); for a name in ``blocks`` that is not the
+        class of a submodule the model has (NNX: here) or calls (Linen: when it is called).
     """
     spec = parse_policy(remat)
     if not spec.enabled:
@@ -174,6 +180,8 @@ def remat_module(
             f"remat={spec.name!r} checkpoints segments of a scanned block stack; "
             f"{type(module).__name__} has none (use full, dots or save:NAME)"
         )
+    if isinstance(module, nnx.Module):
+        return _remat_nnx_module(module, spec.policy, tuple(blocks))
     cls, names = type(module), tuple(blocks)
 
     if names:
@@ -190,22 +198,17 @@ def remat_module(
                     or _INSIDE_BLOCK.get()
                 ):
                     return next_fun(*args, **kwargs)
-                return _checkpointed_call(target, type(target), args, kwargs, spec.policy)
+                return _checkpointed_call(nn.remat, target, type(target), args, kwargs, spec.policy)
 
             with nn.intercept_methods(interceptor):
                 out = cls.__call__(self, *args, **kwargs)
-            missing = [n for n in names if n not in called]
-            if missing:  # else the policy would silently checkpoint nothing
-                raise ValueError(
-                    f"remat_blocks names {missing}, which {cls.__name__} never calls; its "
-                    f"submodule classes: {sorted(called - {cls.__name__})}"
-                )
+            _check_block_names(names, cls.__name__, called - {cls.__name__}, "calls")
             return out
 
     else:
 
         def call(self, *args, **kwargs):
-            return _checkpointed_call(self, cls, args, kwargs, spec.policy)
+            return _checkpointed_call(nn.remat, self, cls, args, kwargs, spec.policy)
 
     rematted = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
     fields = {
@@ -214,6 +217,56 @@ def remat_module(
         if f.name not in ("parent", "name")
     }
     return rematted(**fields)
+
+
+def _check_block_names(names: tuple[str, ...], model: str, classes: set[str], verb: str) -> None:
+    missing = [n for n in names if n not in classes]
+    if missing:  # else the policy would silently checkpoint nothing
+        raise ValueError(
+            f"remat_blocks names {missing}, which {model} never {verb}; its submodule "
+            f"classes: {sorted(classes)}"
+        )
+
+
+def _remat_nnx_module(module: nnx.Module, policy, names: tuple[str, ...]) -> nnx.Module:
+    """An ``nnx.clone`` of ``module`` whose submodules of the classes in ``names`` (or, for
+    ``names=()``, the module itself) run ``__call__`` under ``nnx.remat``.
+
+    The instances' classes are swapped for subclasses, so ``nnx.split`` / ``nnx.merge`` keep
+    the checkpointing and ``isinstance`` still holds."""
+    module = nnx.clone(module)
+    targets = (
+        [module]
+        if not names
+        else [
+            sub
+            for path, sub in nnx.iter_graph(module)
+            if path and isinstance(sub, nnx.Module) and type(sub).__name__ in names
+        ]
+    )
+    classes = {
+        type(sub).__name__
+        for path, sub in nnx.iter_graph(module)
+        if path and isinstance(sub, nnx.Module)
+    }
+    _check_block_names(names, type(module).__name__, classes, "has")
+    swapped: dict[type, type] = {}
+    for sub in targets:
+        cls = type(sub)
+        if cls not in swapped:
+
+            def call(self, *args, _cls=cls, **kwargs):
+                if _INSIDE_BLOCK.get():
+                    return _cls.__call__(self, *args, **kwargs)
+                return _checkpointed_call(nnx.remat, self, _cls, args, kwargs, policy)
+
+            swapped[cls] = type(
+                cls.__name__,
+                (cls,),
+                {"__call__": call, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+            )
+        sub.__class__ = swapped[cls]
+    return module
 
 
 def traced_equations(fn: Callable[..., Any], *args: Any) -> Iterator[Any]:

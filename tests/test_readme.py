@@ -20,6 +20,27 @@ def test_readme_example_runs():
     assert namespace["metrics"]["loss"].dtype.name == "float32"
 
 
+@pytest.mark.slow
+def test_readme_bring_your_own_model_runs():
+    """Linen, NNX and the hand-written step, in order, in one namespace (as a reader would)."""
+    section = README.read_text().split("### Bring your own model\n")[1].split("\n### ")[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 3, "the README's Bring your own model section lost a block"
+    namespace: dict = {}
+    exec(compile(blocks[0], str(README), "exec"), namespace)  # Linen, one epoch
+    assert float(namespace["metrics"]["loss"]) < 1.6 and int(namespace["state"].skipped_steps) < 3
+    exec(compile(blocks[1], str(README), "exec"), namespace)  # NNX, sparse, three epochs
+    assert type(namespace["trained"]).__name__ == "NNXNet" and namespace["accuracy"] > 0.6
+    assert (
+        abs(namespace["tx"].describe(namespace["state"].opt_state)["sparsity"]["density"] - 0.3)
+        < 0.01
+    )
+    assert namespace["report"].xla["total_bytes"] > 0
+    # By hand: the block itself asserts its parameters equal make_train_step's, bit for bit.
+    exec(compile(blocks[2], str(README), "exec"), namespace)
+    assert int(namespace["mine"].step) == 5
+
+
 def test_ci_runs_the_readme_test_command():
     ci = (README.parent / ".ci" / "run").read_text()
     command = re.search(

@@ -1,0 +1,292 @@
+"""Every technique on models defined here, as a user would write them (Linen and NNX, BatchNorm
+or LayerNorm, dropout): the composed step trains on digits, remat lowers XLA's temp bytes and
+keeps the gradients, microbatching equals the full batch, sparse training keeps its budget."""
+
+import dataclasses
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import fast_jit
+from flax import nnx
+
+import lowmem_jax as lm
+from lowmem_jax.data import iterate_batches, load_digits
+
+# --- the user's models -----------------------------------------------------------------------
+
+
+class LinenBlock(nn.Module):
+    width: int
+    norm: str
+    dropout: float
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        y = nn.Conv(self.width, (3, 3))(x)
+        if self.norm == "batch":
+            y = nn.BatchNorm(use_running_average=not train)(y)
+        else:
+            y = nn.LayerNorm()(y)
+        y = nn.Dropout(self.dropout, deterministic=not train)(nn.relu(y))
+        return x + y
+
+
+class LinenNet(nn.Module):
+    norm: str = "batch"
+    width: int = 16
+    depth: int = 3
+    dropout: float = 0.1
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(self.width, (3, 3))(x)
+        for _ in range(self.depth):
+            x = LinenBlock(self.width, self.norm, self.dropout)(x, train=train)
+        return nn.Dense(10)(x.mean((1, 2)))
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, width: int, norm: str, dropout: float, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(width, width, (3, 3), rngs=rngs)
+        if norm == "batch":
+            self.norm = nnx.BatchNorm(width, rngs=rngs)
+        else:
+            self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.dropout(nnx.relu(self.norm(self.conv(x))))
+
+
+class NNXNet(nnx.Module):
+    def __init__(self, norm="batch", width=16, depth=3, dropout=0.1, *, rngs: nnx.Rngs):
+        self.stem = nnx.Conv(1, width, (3, 3), rngs=rngs)
+        self.blocks = nnx.List([NNXBlock(width, norm, dropout, rngs) for _ in range(depth)])
+        self.head = nnx.Linear(width, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((1, 2)))
+
+
+def nnx_loss(model: NNXNet, batch):
+    logits = model(batch["image"]).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == batch["label"]).mean()}
+
+
+# --- one way in for both APIs ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Subject:
+    """A configured model as ``make_train_step`` takes it."""
+
+    params: dict
+    model_state: dict
+    loss_fn: Callable
+
+
+def setup(api: str, norm: str, plan: lm.Plan, **sizes) -> Subject:
+    """The user's model of ``api`` (linen / nnx) with ``plan.configure_model`` applied."""
+    if api == "linen":
+        model = plan.configure_model(LinenNet(norm=norm, **sizes))
+        variables = model.init(jax.random.key(0), jnp.zeros((2, 8, 8, 1)), train=False)
+        params = variables.pop("params")
+        return Subject(params, dict(variables), lm.classifier_loss_fn(model))
+    split = lm.split_nnx(plan.configure_model(NNXNet(norm, **sizes, rngs=nnx.Rngs(0))), nnx_loss)
+    return Subject(split.params, split.model_state, split.loss_fn)
+
+
+MODELS = [(api, norm) for api in ("linen", "nnx") for norm in ("batch", "layer")]
+BLOCK = {"linen": ("LinenBlock",), "nnx": ("NNXBlock",)}
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits(image_size=8)["train"]
+
+
+def _batch(digits, size=32):
+    return jax.tree.map(jnp.asarray, next(iterate_batches(digits, size, seed=0)))
+
+
+# --- the composed step trains ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api, norm", MODELS)
+def test_the_composed_step_trains_on_digits(api, norm, digits):
+    plan = lm.Plan(
+        precision="mixed_fp16", microbatches=2, remat="full", remat_blocks=BLOCK[api]
+    )  # loss scale: dynamic
+    subject = setup(api, norm, plan)
+    tx = plan.wrap_optimizer(optax.adam(1e-2))
+    state = lm.TrainState.create(
+        params=subject.params, tx=tx, plan=plan, model_state=subject.model_state,
+        rng=jax.random.PRNGKey(1),
+    )  # fmt: skip
+    step = lm.make_train_step(subject.loss_fn, tx, plan)
+    losses = []
+    for epoch in range(2):
+        for batch in iterate_batches(digits, 32, seed=epoch):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    assert int(state.skipped_steps) <= 2  # the dynamic scale may back off from 2**15 once
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:5]), losses[::10]
+
+
+# --- remat -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api, norm", MODELS)
+def test_remat_keeps_gradients_and_lowers_compiled_temp_bytes(api, norm):
+    batch = {"image": jnp.ones((32, 8, 8, 1)), "label": jnp.arange(32) % 10}
+    batch["image"] = jax.random.normal(jax.random.key(3), batch["image"].shape)
+    rng = jax.random.key_data(jax.random.key(2))
+    grads, temps = {}, {}
+    for remat in ("none", "full"):
+        plan = lm.Plan(remat=remat, remat_blocks=BLOCK[api] if remat != "none" else ())
+        subject = setup(api, norm, plan, width=32, depth=4)
+        grad_fn = lm.scaled_grad_fn(subject.loss_fn, plan.make_loss_scale())
+        compiled = fast_jit(grad_fn, plan).lower(subject.params, subject.model_state, batch, rng)
+        compiled = compiled.compile()
+        temps[remat] = compiled.memory_analysis().temp_size_in_bytes
+        grads[remat] = compiled(subject.params, subject.model_state, batch, rng)
+    close = jax.tree.map(lambda a, b: np.allclose(a, b, atol=2e-6), grads["full"], grads["none"])
+    assert all(jax.tree.leaves(close))
+    assert temps["full"] < 0.75 * temps["none"], temps
+
+
+# --- microbatching ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_microbatching_equals_the_full_batch_gradient_without_batchnorm(api, digits):
+    """Dropout off: its masks are drawn per microbatch (``fold_in(rng, i)``)."""
+    subject = setup(api, "layer", lm.Plan(), dropout=0.0)
+    grad_fn = lm.scaled_grad_fn(subject.loss_fn, lm.make_loss_scale("none"))
+    args = (subject.params, subject.model_state, _batch(digits), jax.random.PRNGKey(0))
+    full, _, full_metrics = jax.jit(grad_fn)(*args)
+    micro, _, micro_metrics = jax.jit(lm.accumulate_gradients(grad_fn, 4))(*args)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-7), micro, full)
+    np.testing.assert_allclose(micro_metrics["loss"], full_metrics["loss"], rtol=1e-6)
+
+
+# --- sparsity --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api, norm", MODELS)
+def test_sparse_training_keeps_the_nonzero_budget(api, norm, digits):
+    sparsity = lm.sparsity.SparseConfig(
+        algorithm="rigl", density=0.3, update_period=3, compressed=True
+    )
+    plan = lm.Plan(precision="mixed_bf16", sparsity=sparsity, optimizer_state="int8")
+    subject = setup(api, norm, plan)
+    tx = plan.wrap_optimizer(optax.sgd(0.05, momentum=0.9), subject.params)
+    state = lm.TrainState.create(
+        params=subject.params, tx=tx, plan=plan, model_state=subject.model_state
+    )
+    step = fast_jit(lm.make_train_step(subject.loss_fn, tx, plan, jit=False), plan)
+    for batch in iterate_batches(digits, 32, seed=0):
+        state, metrics = step(state, batch)
+        if int(state.step) == 10:  # three rewirings
+            break
+    counts = tx.describe(state.opt_state)["sparsity"]
+    assert counts["nnz"] == counts["budget"] and counts["sparse_leaves"] == 5
+    dense = lm.model_params(state, tx)
+    kernels = [x for p, x in jax.tree_util.tree_leaves_with_path(dense) if x.ndim == 4]
+    nonzero = sum(int(jnp.count_nonzero(k)) for k in kernels)
+    assert nonzero <= counts["budget"] < 0.31 * sum(k.size for k in kernels)
+    assert np.isfinite(float(metrics["loss"]))
+
+
+# --- NNX specifics ---------------------------------------------------------------------------
+
+
+def test_nnx_split_merge_round_trip_and_dropout_from_the_step_rng():
+    module = NNXNet(rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1))
+    module.eval()
+    expected = module(x)
+    module.train()
+    split = lm.split_nnx(module, nnx_loss)
+    assert "kernel" in split.params["stem"] and "mean" in split.model_state["blocks"][0]["norm"]
+    merged = split.merge(split.params)
+    merged.eval()
+    np.testing.assert_array_equal(merged(x), expected)
+
+    batch = {"image": x, "label": jnp.arange(4)}
+    grad = jax.jit(jax.grad(split.loss_fn, has_aux=True))
+
+    def grads(seed):
+        return grad(split.params, split.model_state, batch, jax.random.PRNGKey(seed))[0]
+
+    same = jax.tree.map(np.array_equal, grads(5), grads(5))
+    other = jax.tree.map(np.array_equal, grads(5), grads(6))
+    assert all(jax.tree.leaves(same)) and not all(jax.tree.leaves(other))
+
+
+def test_nnx_remat_blocks_must_name_a_submodule_class():
+    module = NNXNet(rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"\['Blok'\].*\['BatchNorm', 'Conv', 'Dropout'"):
+        lm.Plan(remat="full", remat_blocks=("Blok",)).configure_model(module)
+    configured = lm.Plan(remat="full", remat_blocks=("NNXBlock",)).configure_model(module)
+    assert isinstance(configured.blocks[0], NNXBlock) and type(module.blocks[0]) is NNXBlock
+    with pytest.raises(TypeError, match="split_nnx takes an nnx.Module"):
+        lm.split_nnx(LinenNet(), nnx_loss)
+
+
+def test_analyze_reads_an_nnx_step_and_a_flax_train_state_step(digits):
+    from flax.training import train_state
+
+    plan = lm.Plan(precision="mixed_bf16", microbatches=2, remat="full", remat_blocks=BLOCK["nnx"])
+    subject = setup("nnx", "batch", plan)
+    tx = plan.wrap_optimizer(optax.adam(1e-3))
+    state = lm.TrainState.create(
+        params=subject.params, tx=tx, plan=plan, model_state=subject.model_state
+    )
+    step = lm.make_train_step(subject.loss_fn, tx, plan, jit=False)
+    batch = _batch(digits)
+    report = lm.analyze(fast_jit(step, plan), state, batch, loss_fn=subject.loss_fn, plan=plan)
+    assert report.analytic["activation_bytes"] > 0 and report.xla["total_bytes"] > 0
+    assert report.param_count == sum(x.size for x in jax.tree.leaves(subject.params))
+
+    # A plain Flax step, flax's own TrainState (no model_state, no rng): no lowmem internals.
+    model = LinenNet(norm="layer", dropout=0.0)
+    params = model.init(jax.random.key(0), batch["image"][:2])["params"]
+    plain = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+    def loss_fn(params, model_state, batch, rng):
+        logits = model.apply({"params": params}, batch["image"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, (model_state, {"loss": loss})
+
+    def plain_step(state, batch):
+        grads, _ = jax.grad(loss_fn, has_aux=True)(state.params, {}, batch, None)
+        return state.apply_gradients(grads=grads)
+
+    report = lm.analyze(fast_jit(plain_step), plain, batch, loss_fn=loss_fn)
+    analytic = report.analytic
+    assert analytic["optimizer_breakdown"]["slot:mu"] == analytic["model_bytes"]
+    assert analytic["state_bytes"] == 0  # flax's step is a Python int; Adam's count is a slot
+    slots = analytic["optimizer_bytes"] - analytic["optimizer_breakdown"]["gradients"]
+    assert analytic["model_bytes"] + slots == lm.memory.tree_bytes(plain)
+    assert analytic["activation_bytes"] > 0
+
+
+def test_configure_model_sets_the_compute_dtype_of_nnx_layers_left_to_infer_it():
+    module = NNXNet(rngs=nnx.Rngs(0))
+    module.head.dtype = jnp.float32  # the user's explicit choice stays
+    configured = lm.Plan(precision="mixed_bf16").configure_model(module)
+    assert configured.stem.dtype == jnp.bfloat16 and configured.blocks[0].norm.dtype == jnp.bfloat16
+    assert configured.head.dtype == jnp.float32 and module.stem.dtype is None
+    split = lm.split_nnx(configured, nnx_loss)  # the dtypes survive split and merge
+    block = split.merge(split.params).blocks[0]
+    assert block(jnp.ones((2, 8, 8, 16), jnp.bfloat16)).dtype == jnp.bfloat16
