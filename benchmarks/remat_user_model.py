@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(rows)
     backend = jax.default_backend()
     result = {
-        "command": "python benchmarks/remat_user_model.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/remat_user_model.py", *sys.argv[1:]]),
         "model": (
             f"user CNN, width {args.width}, {args.depth} conv+BatchNorm+dropout residual blocks, "
             f"batch {args.batch_size} of 32x32x3, mixed_bf16, 2 microbatches, SGD momentum"
