@@ -237,7 +237,7 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     # The step loop.
     history, meter = [], _Meter()
     start = last = time.perf_counter()
-    skipped_at_last_record, save_due = int(state.skipped_steps), False
+    start_skipped, save_due = int(state.skipped_steps), False
     bar = tqdm(total=total_steps, initial=start_step, disable=not config.progress, leave=False)
     try:
         for epoch, batch in task.train_batches(start_step, total_steps):
@@ -267,8 +267,9 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
                     now = time.perf_counter()
                     log(_record_line(record, now - last))
                     last = now
-                _warn_if_mostly_skipped(record, history, skipped_at_last_record, start_step)
-                skipped_at_last_record = record["skipped_steps"]
+                _warn_if_mostly_skipped(
+                    history, {"step": start_step, "skipped_steps": start_skipped}
+                )
             if checkpointer:
                 save_due |= step % config.checkpoint_every == 0
                 if save_due and guard.streak == 0:
@@ -316,12 +317,12 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     return summary
 
 
-def _warn_if_mostly_skipped(
-    record: dict[str, Any], history: list[dict[str, Any]], skipped_before: int, start_step: int
-) -> None:
-    """Warns when more than half of the steps since the previous record were skipped."""
-    since = record["step"] - (history[-2]["step"] if len(history) > 1 else start_step)
-    skipped = record["skipped_steps"] - skipped_before
+def _warn_if_mostly_skipped(history: list[dict[str, Any]], start: dict[str, int]) -> None:
+    """Warns when more than half of the steps since the previous record (or ``start``: the
+    run's first ``step`` and ``skipped_steps``) were skipped."""
+    record, previous = history[-1], history[-2] if len(history) > 1 else start
+    since = record["step"] - previous["step"]
+    skipped = record["skipped_steps"] - previous["skipped_steps"]
     if since and skipped > since / 2:
         warnings.warn(
             f"step {record['step']}: {skipped} of the last {since} steps were skipped "

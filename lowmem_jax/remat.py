@@ -295,10 +295,11 @@ def check_saved_names(remat: str | RematSpec, tagged: set[str]) -> None:
     """Raises ValueError when a ``save:`` policy names a tag that ``tagged`` (the model's, see
     :func:`tagged_names`) lacks: such a policy would silently save nothing, i.e. act as
     ``full``."""
-    missing = [n for n in parse_policy(remat).saved_names if n not in tagged]
+    spec = parse_policy(remat)
+    missing = [n for n in spec.saved_names if n not in tagged]
     if missing:
         raise ValueError(
-            f"remat={parse_policy(remat).name!r} saves {missing}, which the model never tags "
+            f"remat={spec.name!r} saves {missing}, which the model never tags "
             f"with checkpoint_name; the model tags: {sorted(tagged) or 'nothing'}"
         )
 

@@ -84,3 +84,19 @@ def test_an_optimizer_that_returns_nan_stops_the_run_naming_the_updates(monkeypa
     with pytest.warns(RuntimeWarning, match="step 1: 1 consecutive skipped steps"):
         with pytest.raises(NoProgressError, match="updates non-finite from finite gradients"):
             train_and_evaluate(config, log=None)
+
+
+def test_a_run_that_skips_most_steps_between_two_records_warns(monkeypatch):
+    """Two steps in three skipped: no streak long enough to stop, but the records say so."""
+    clean_batches = Task.train_batches
+
+    def inf_two_in_three(self, start, stop):
+        for index, (epoch, batch) in enumerate(clean_batches(self, start, stop), start):
+            if index % 3:
+                batch = {**batch, "image": np.full_like(batch["image"], np.inf)}
+            yield epoch, batch
+
+    monkeypatch.setattr(Task, "train_batches", inf_two_in_three)
+    with pytest.warns(RuntimeWarning, match=r"step \d+: \d+ of the last \d+ steps were skipped"):
+        result = train_and_evaluate(TrainConfig(**CONFIG), log=None)
+    assert result["history"][-1]["skipped_steps"] == 20  # of 30
