@@ -42,7 +42,13 @@ from lowmem_jax.plan import Plan
 from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
 from lowmem_jax.remat import ScannedBlocks, compiler_options, parse_policy
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
-from lowmem_jax.train import TrainState, make_train_step, model_params, scaled_grad_fn
+from lowmem_jax.train import (
+    TrainState,
+    make_plain_train_step,
+    make_train_step,
+    model_params,
+    scaled_grad_fn,
+)
 from lowmem_jax.workloads import analyze_model, build, workload
 
 __version__ = "0.1.0"
@@ -51,6 +57,7 @@ __all__ = [
     "Plan",
     "TrainState",
     "make_train_step",
+    "make_plain_train_step",
     "model_params",
     "scaled_grad_fn",
     "Optimizer",

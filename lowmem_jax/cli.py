@@ -211,6 +211,15 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from lowmem_jax.workloads import analyze_model
 
     plan = _plan(args, Plan())
+    if args.plain:
+        techniques = [f"--{f.name.replace('_', '-')}" for f in Plan.flag_fields()]
+        given = [flag for flag in techniques if getattr(args, flag[2:].replace("-", "_"))]
+        if given or args.sparsity:
+            raise ValueError(
+                f"--plain is the step without any technique; it takes no "
+                f"{', '.join(given or ['--sparsity'])}"
+            )
+        plan = None
     report = analyze_model(args.model, args.batch_size, plan, seq_len=args.seq_len)
     result = {"model": args.model, "batch_size": report.config["batch_size"], **report.to_dict()}
     if args.json:
@@ -393,6 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = commands["analyze"]
     _add_workload_flags(analyze)
     _add_plan_flags(analyze, Plan())
+    analyze.add_argument(
+        "--plain",
+        action="store_true",
+        help="the baseline a Flax/Optax user writes: jax.grad + the optax update, float32, the "
+        "model unrolled with XLA's convolution, no technique (no technique flags)",
+    )
     analyze.add_argument("--json", action="store_true", help="print exactly one JSON object")
     analyze.set_defaults(func=_cmd_analyze)
 

@@ -35,7 +35,7 @@ from lowmem_jax import precision as precision_lib
 from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer, differentiated_loss
 from lowmem_jax.plan import Plan
 
-__all__ = ["TrainState", "scaled_grad_fn", "make_train_step"]
+__all__ = ["TrainState", "scaled_grad_fn", "make_train_step", "make_plain_train_step"]
 
 
 class TrainState(struct.PyTreeNode):
@@ -188,3 +188,32 @@ def make_train_step(
         donate_argnums=(0,) if donate else (),
         compiler_options=plan.compiler_options() or None,
     )
+
+
+def make_plain_train_step(
+    loss_fn: LossFn, tx: optax.GradientTransformation
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]:
+    """The baseline every reduction is quoted against: the step a Flax/Optax user writes.
+
+    ``jax.grad`` of ``loss_fn`` w.r.t. ``state.params`` (as stored: no cast, no loss scale,
+    one batch), ``tx.update``, ``optax.apply_updates``; jitted, state donated. ``rng`` and
+    ``step`` as :func:`make_train_step` uses them; ``loss_scale`` and ``skipped_steps`` are
+    carried untouched. Pair it with a model as its author would run it (the bundled models:
+    ``unroll=True``, ``conv_impl="xla"``; see :func:`lowmem_jax.workloads.build_plain`).
+    """
+
+    def plain_step(state: TrainState, batch: PyTree):
+        rng = jax.random.fold_in(state.rng, state.step)
+        grads, (model_state, metrics) = jax.grad(loss_fn, has_aux=True)(
+            state.params, state.model_state, batch, rng
+        )
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            model_state=model_state,
+        )
+        return new_state, metrics
+
+    return jax.jit(plain_step, donate_argnums=(0,))

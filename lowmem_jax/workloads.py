@@ -32,16 +32,17 @@ import jax
 import jax.numpy as jnp
 
 from lowmem_jax import losses, memory, models, precision, remat, sparsity
-from lowmem_jax.base import LossFn, Optimizer, PyTree
+from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
-from lowmem_jax.train import TrainState, make_train_step
+from lowmem_jax.train import TrainState, make_plain_train_step, make_train_step
 
 __all__ = [
     "Workload",
     "Setup",
     "workload",
     "build",
+    "build_plain",
     "analyze_model",
     "translation_is_sparse",
     "MODEL_NAMES",
@@ -296,18 +297,42 @@ def build(
     return Setup(step, tx, loss_fn, model, plan, work, recipe, config)
 
 
+# What a model's author runs: straight-line blocks, XLA's own convolution.
+PLAIN_MODEL_FIELDS = {"unroll": True, "conv_impl": "xla"}
+
+
+def build_plain(work: Workload, *, recipe: Recipe | None = None) -> Setup:
+    """The plain baseline of ``work``: :func:`lowmem_jax.make_plain_train_step` (``jax.grad`` +
+    the recipe's optax ``update``, float32, one batch, no lowmem transform) on the model with
+    :data:`PLAIN_MODEL_FIELDS` where it has them. ``config["plain"]`` is True; ``plan`` is
+    ``Plan()`` (what the analysis reads: float32, one microbatch)."""
+    recipe = recipe or work.recipe
+    fields = {k: v for k, v in PLAIN_MODEL_FIELDS.items() if hasattr(work.model, k)}
+    model = work.model.clone(**fields)
+    work = dataclasses.replace(work, model=model)
+    tx = recipe.optimizer_for(1)
+    loss_fn = work.loss_fn(model, recipe.label_smoothing)
+    config = {"model": work.name, "batch_size": work.batch_size, "plain": True}
+    return Setup(
+        make_plain_train_step(loss_fn, tx), as_optimizer(tx), loss_fn, model, Plan(), work,
+        recipe, config,
+    )  # fmt: skip
+
+
 def analyze_model(
     model: str,
     batch_size: int | None,
-    plan: Plan,
+    plan: Plan | None,
     *,
     seq_len: int = 40,
     image_size: int = 32,
 ) -> memory.MemoryReport:
     """Memory analysis of one train step of a named model: compile-only, no data, no step run.
 
+    ``plan=None``: the plain baseline (:func:`build_plain`).
+
     Raises:
       ValueError: for an unknown model, a bad plan, or a batch size the microbatches don't divide.
     """
     work = workload(model, batch_size, seq_len=seq_len, image_size=image_size)
-    return build(work, plan).analyze()
+    return (build_plain(work) if plan is None else build(work, plan)).analyze()

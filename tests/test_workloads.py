@@ -241,3 +241,27 @@ def test_snip_masks_come_from_the_gradient_on_the_init_batch():
 def test_build_rejects_a_batch_the_microbatches_do_not_divide():
     with pytest.raises(ValueError, match="microbatches=3"):
         build(workload("wrn-10-1", 8, image_size=8), lm.Plan(microbatches=3))
+
+
+# --- the plain baseline ----------------------------------------------------------------------
+
+
+def test_the_plain_step_is_plain_and_agrees_with_the_lowmem_fp32_step():
+    work = workload("wrn-10-1", 8, image_size=8)
+    plain, ours = lm.workloads.build_plain(work), build(work, lm.Plan())
+    assert plain.config["plain"] and (plain.model.unroll, plain.model.conv_impl) == (True, "xla")
+    assert (ours.model.unroll, ours.model.conv_impl) == (False, "auto")
+    batch = plain.example_batch()
+    after = {}
+    for name, setup in (("plain", plain), ("ours", ours)):
+        state = setup.init_state(batch)
+        eqns = {e.primitive.name for e in lm.remat.traced_equations(setup.step, state, batch)}
+        # lowmem's step checks finiteness (to skip a step); the plain one does not.
+        assert ("is_finite" in eqns) == (name == "ours"), (name, eqns)
+        after[name], _ = setup.step(state, batch)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+        after["plain"].params, after["ours"].params,
+    )  # fmt: skip
+    report = lm.analyze_model("wrn-10-1", 8, None, image_size=8)
+    assert report.config["plain"] and report.xla["total_bytes"] > 0
