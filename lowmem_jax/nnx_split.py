@@ -74,7 +74,10 @@ def split_nnx(module: nnx.Module, loss: ModuleLoss) -> SplitNNX:
     step's (possibly cast, possibly materialized-from-sparse) parameters and model state; the
     variables it changes (BatchNorm statistics, ...) come back as the new model state.
 
-    Apply :meth:`lowmem_jax.Plan.configure_model` (remat) to ``module`` before splitting.
+    Apply :meth:`lowmem_jax.Plan.configure_model` (remat, compute dtype) to ``module`` before
+    splitting. ``params`` and ``model_state`` hold the module's own arrays (no copy): a step
+    that donates its state (the default) deletes them, so use :meth:`SplitNNX.merge` after
+    training, not ``module``.
 
     Raises:
       TypeError: ``module`` is not an ``nnx.Module``.
