@@ -212,8 +212,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
     plan = _plan(args, Plan())
     if args.plain:
-        techniques = [f"--{f.name.replace('_', '-')}" for f in Plan.flag_fields()]
-        given = [flag for flag in techniques if getattr(args, flag[2:].replace("-", "_"))]
+        given = [
+            f"--{f.name.replace('_', '-')}"
+            for f in Plan.flag_fields()
+            if getattr(args, f.name) is not None
+        ]
         if given or args.sparsity:
             raise ValueError(
                 f"--plain is the step without any technique; it takes no "

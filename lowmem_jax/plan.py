@@ -167,12 +167,14 @@ class Plan:
             segmenting policy for a model without one.
         """
         if isinstance(model, nnx.Module):
-            model = nnx.clone(model)
-            for _, layer in nnx.iter_graph(model):
+            configured = remat_lib.remat_module(model, self.remat, self.remat_blocks)
+            if configured is model:  # no remat, no copy yet: the user's module stays as it was
+                configured = nnx.clone(model)
+            for _, layer in nnx.iter_graph(configured):
                 # Only layers left to infer their dtype: explicit choices (an fp32 head) stay.
                 if isinstance(layer, nnx.Module) and getattr(layer, "dtype", False) is None:
                     layer.dtype = self.policy.compute_dtype
-            return remat_lib.remat_module(model, self.remat, self.remat_blocks)
+            return configured
         updates: dict[str, Any] = {}
         if hasattr(model, "dtype"):
             updates["dtype"] = self.policy.compute_dtype

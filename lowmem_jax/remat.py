@@ -235,21 +235,9 @@ def _remat_nnx_module(module: nnx.Module, policy, names: tuple[str, ...]) -> nnx
     The instances' classes are swapped for subclasses, so ``nnx.split`` / ``nnx.merge`` keep
     the checkpointing and ``isinstance`` still holds."""
     module = nnx.clone(module)
-    targets = (
-        [module]
-        if not names
-        else [
-            sub
-            for path, sub in nnx.iter_graph(module)
-            if path and isinstance(sub, nnx.Module) and type(sub).__name__ in names
-        ]
-    )
-    classes = {
-        type(sub).__name__
-        for path, sub in nnx.iter_graph(module)
-        if path and isinstance(sub, nnx.Module)
-    }
-    _check_block_names(names, type(module).__name__, classes, "has")
+    submodules = [s for path, s in nnx.iter_graph(module) if path and isinstance(s, nnx.Module)]
+    _check_block_names(names, type(module).__name__, {type(s).__name__ for s in submodules}, "has")
+    targets = [s for s in submodules if type(s).__name__ in names] if names else [module]
     swapped: dict[type, type] = {}
     for sub in targets:
         cls = type(sub)
