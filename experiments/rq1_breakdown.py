@@ -35,8 +35,7 @@ COMPONENTS = (
 
 def breakdown(report: dict) -> dict:
     """The baseline row of ``report`` as components, bytes and shares of the analytic total."""
-    base = report["configs"][0]
-    assert base["name"] == "baseline", base["name"]
+    base = next(r for r in report["configs"] if r["name"] == "baseline")
     analytic = base["analytic"]
     total = analytic["total_bytes"]
     return {

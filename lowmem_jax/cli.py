@@ -149,6 +149,41 @@ def _plan(args: argparse.Namespace, base: Plan) -> Plan:
     return dataclasses.replace(base, **given, sparsity=sparse)
 
 
+def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 40) -> list[str]:
+    """The ``lowmem analyze`` arguments that analyse ``plan`` (``None``: ``--plain``).
+
+    Technique flags are given where they differ from the flag's default. The result is checked
+    by parsing it back: the plan it gives must equal ``plan``.
+
+    Raises:
+      ValueError: a plan with a setting no flag expresses (e.g. a sparsity ``seed``).
+    """
+    argv = ["--model", model, "--batch-size", str(batch_size)]
+    if model.startswith("dynamicconv"):
+        argv += ["--seq-len", str(seq_len)]
+    if plan is None:
+        return [*argv, "--plain"]
+    default = Plan()
+    for field in Plan.flag_fields():
+        if getattr(plan, field.name) != getattr(default, field.name):
+            argv += ["--" + field.name.replace("_", "-"), str(getattr(plan, field.name))]
+    sparse = plan.sparsity
+    if sparse is not None:
+        argv += ["--sparsity", repr(round(1.0 - sparse.density, 12))]
+        flags = {
+            "--sparse-algorithm": (sparse.algorithm, "dsr"),
+            "--sparse-distribution": (sparse.distribution, "uniform"),
+            "--sparse-init": (sparse.init, "random"),
+            "--sparse-storage": ("compressed" if sparse.compressed else "masked", "compressed"),
+            "--sparse-period": (sparse.update_period, 100),
+        }
+        argv += [a for flag, (v, d) in flags.items() if v != d for a in (flag, str(v))]
+    args = build_parser().parse_args(["analyze", *argv])
+    if _plan(args, Plan()) != plan:
+        raise ValueError(f"lowmem analyze has no flags for every setting of {plan}")
+    return argv
+
+
 # The train flags that set TrainConfig fields of the same name (None: the config's default).
 _TRAIN_FIELDS = (
     "dataset", "model", "epochs", "steps", "batch_size", "max_tokens", "warmup", "weight_decay",

@@ -196,3 +196,26 @@ def test_analyze_reads_its_compiled_step_back_from_the_cache(tmp_path):
     second = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300)
     assert sorted(p.name for p in tmp_path.iterdir() if "train_step" in p.name) == cached
     assert json.loads(first.stdout)["xla"] == json.loads(second.stdout)["xla"]
+
+
+@pytest.mark.parametrize("model, batch", [("wrn-28-2", 128), ("dynamicconv-iwslt", 100)])
+def test_analyze_argv_gives_back_every_plan_of_the_report_grid(model, batch):
+    import dataclasses
+
+    from lowmem_jax.plan import Plan
+    from lowmem_jax.report import standard_grid
+
+    for name, _, plan in standard_grid(batch):
+        argv = cli.analyze_argv(model, batch, plan)
+        args = cli.build_parser().parse_args(["analyze", *argv])
+        assert (args.model, args.batch_size) == (model, batch), name
+        assert args.plain == (plan is None), name
+        if plan is not None:
+            assert cli._plan(args, Plan()) == plan, name
+    workload_flags = ["--model", model, "--batch-size", str(batch)]
+    if model.startswith("dynamicconv"):
+        workload_flags += ["--seq-len", "40"]
+    assert cli.analyze_argv(model, batch, Plan()) == workload_flags  # no technique: no flag
+    sparse = standard_grid(batch)[-1][2].sparsity
+    with pytest.raises(ValueError, match="no flags for every setting"):
+        cli.analyze_argv(model, batch, Plan(sparsity=dataclasses.replace(sparse, seed=3)))

@@ -177,10 +177,11 @@ def test_analyze_cli_rejects_bad_options(argv, capsys):
 
 @pytest.mark.slow
 def test_report_writes_tables_and_plots(tmp_path):
-    wanted = ("baseline", "microbatch 4", "remat full", "fp16 + mb 2 + remat full + sparse 90%")
+    wanted = ("plain", "baseline", "microbatch 4", "fp16 + mb 2 + remat full + sparse 90%")
     grid = [g for g in standard_grid(8) if g[0] in wanted]
-    assert len(grid) == len(wanted)
-    assert all(len(row) == 3 and isinstance(row[2], lm.Plan) for row in grid)  # (name, group, plan)
+    assert [g[0] for g in grid] == list(wanted)
+    assert grid[0][2] is None  # plain: no plan
+    assert all(len(row) == 3 and isinstance(row[2], lm.Plan) for row in grid[1:])
     plans = {name: plan for name, _, plan in grid}
     assert plans[wanted[-1]].sparsity.compressed and plans["baseline"].sparsity is None
     result = run_report("wrn-10-1", 8, grid=grid, progress=None)
@@ -192,13 +193,25 @@ def test_report_writes_tables_and_plots(tmp_path):
         "tradeoff.png",
     }
     rows = {r["name"]: r for r in result["configs"]}
-    assert rows["baseline"]["reduction_xla"] == 1.0
+    assert rows["baseline"]["reduction_xla"] == 1.0 and rows["plain"]["reduction_xla_vs_plain"] == 1
     assert rows["microbatch 4"]["reduction_xla"] > 1.0
+    for r in rows.values():  # the same total, two denominators
+        plain, base = rows["plain"]["xla"]["total_bytes"], rows["baseline"]["xla"]["total_bytes"]
+        assert r["reduction_xla_vs_plain"] == pytest.approx(r["reduction_xla"] * plain / base)
     sparse = rows["fp16 + mb 2 + remat full + sparse 90%"]
     assert sparse["config"]["sparsity"]["storage"] == "compressed"
     assert sparse["analytic"]["model_bytes"] < 0.2 * rows["baseline"]["analytic"]["model_bytes"]
-    assert result["best"]["name"] in rows
-    assert "| remat full |" in (tmp_path / "report.md").read_text()
+    best = result["best"]
+    assert best["reduction_xla"] == max(r["reduction_xla"] for r in rows.values())
+    assert best["reduction_xla_vs_plain"] == rows[best["name"]]["reduction_xla_vs_plain"]
+    # The recorded flags reproduce the best row's figures.
+    assert best["argv"] == rows[best["name"]]["argv"]
+    assert best["argv"][:4] == ["--model", "wrn-10-1", "--batch-size", "8"]
+    args = cli.build_parser().parse_args(["analyze", *best["argv"], "--json"])
+    again = analyze_model("wrn-10-1", 8, cli._plan(args, lm.Plan()))
+    assert again.xla == rows[best["name"]]["xla"]
+    text = (tmp_path / "report.md").read_text()
+    assert "| microbatch 4 |" in text and f"`lowmem analyze {' '.join(best['argv'])}`" in text
 
 
 def test_count_flops_counts_matmuls_and_loop_trips():
