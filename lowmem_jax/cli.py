@@ -28,7 +28,7 @@ import warnings
 from lowmem_jax import paths
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import SCHEDULES
-from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS, SparseConfig
+from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS, REGROW_POOLS, SparseConfig
 from lowmem_jax.workloads import MODEL_NAMES
 
 MIB = 2.0**20
@@ -123,6 +123,14 @@ def _add_plan_flags(parser: argparse.ArgumentParser, base: Plan) -> None:
         "the step; masked: dense weights + a mask (more memory than dense). Default: %(default)s",
     )
     group.add_argument(
+        "--sparse-regrow-pool",
+        default="auto",
+        choices=REGROW_POOLS,
+        help="where regrowth may land: not_kept = every position the prune did not keep (RigL's "
+        "Algorithm 1), zeros_first = old zeros first (a departure); auto = not_kept, zeros_first "
+        "for dsr. Default: %(default)s",
+    )
+    group.add_argument(
         "--sparse-period",
         type=int,
         default=100,
@@ -145,6 +153,7 @@ def _plan(args: argparse.Namespace, base: Plan) -> Plan:
             init=args.sparse_init,
             update_period=args.sparse_period,
             compressed=args.sparse_storage == "compressed",
+            regrow_pool=args.sparse_regrow_pool,
         )
     return dataclasses.replace(base, **given, sparsity=sparse)
 
@@ -176,6 +185,7 @@ def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 
             "--sparse-init": (sparse.init, "random"),
             "--sparse-storage": ("compressed" if sparse.compressed else "masked", "compressed"),
             "--sparse-period": (sparse.update_period, 100),
+            "--sparse-regrow-pool": (sparse.regrow_pool, "auto"),
         }
         argv += [a for flag, (v, d) in flags.items() if v != d for a in (flag, str(v))]
     args = build_parser().parse_args(["analyze", *argv])

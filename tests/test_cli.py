@@ -217,5 +217,7 @@ def test_analyze_argv_gives_back_every_plan_of_the_report_grid(model, batch):
         workload_flags += ["--seq-len", "40"]
     assert cli.analyze_argv(model, batch, Plan()) == workload_flags  # no technique: no flag
     sparse = standard_grid(batch)[-1][2].sparsity
+    pooled = Plan(sparsity=dataclasses.replace(sparse, regrow_pool="zeros_first"))
+    assert cli.analyze_argv(model, batch, pooled)[-2:] == ["--sparse-regrow-pool", "zeros_first"]
     with pytest.raises(ValueError, match="no flags for every setting"):
         cli.analyze_argv(model, batch, Plan(sparsity=dataclasses.replace(sparse, seed=3)))

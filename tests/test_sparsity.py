@@ -117,6 +117,38 @@ def test_rigl_grows_where_the_gradient_is_largest_and_drops_the_smallest():
     np.testing.assert_array_equal(out.masks[0], [1, 1, 0, 0, 0, 1, 0, 0])
 
 
+@pytest.mark.parametrize(
+    "regrow_pool, expected",
+    [("not_kept", [0, 1, 1, 0, 0, 1, 0, 0]), ("zeros_first", [1, 1, 0, 0, 0, 1, 0, 0])],
+)
+def test_rigl_as_published_may_regrow_a_connection_it_just_dropped(regrow_pool, expected):
+    """Evci et al.'s Algorithm 1 grows by |g| among every position the drop did not keep; the
+    zeros_first option (a departure) takes old zeros first. Both storages agree."""
+    w = _layers([0.0, 5.0, 0.1, 0.0, 3.0, 0.0, 0.0, 0.0])
+    g = _layers([1.0, 0.0, 9.0, 0.0, 0.0, 7.0, 0.0, 0.0])  # largest at position 2, dropped now
+    common = dict(rng=jax.random.key(0), fraction=0.67, grads=g, regrow_pool=regrow_pool)
+    out = algorithms.rewire("rigl", weights=w, masks=[w[0] != 0], caps=(8,), **common)
+    np.testing.assert_array_equal(out.survivors[0], [0, 1, 0, 0, 0, 0, 0, 0])  # 0.1, 3.0 dropped
+    np.testing.assert_array_equal(out.masks[0], expected)
+    idx = jnp.asarray([4, 1, 2], jnp.int32)  # compressed: slots in scrambled order
+    comp = algorithms.rewire_compressed(
+        "rigl", values=[w[0][idx]], indices=[idx], sizes=(8,), **common
+    )
+    regrown = np.flatnonzero(np.asarray(out.masks[0]) & ~np.asarray(out.survivors[0]))
+    np.testing.assert_array_equal(np.asarray(comp.grown[0])[:2], regrown)
+
+
+def test_regrow_pool_defaults_to_the_published_rule_and_is_validated():
+    assert sparsity.SparseConfig(algorithm="rigl").resolved_regrow_pool == "not_kept"
+    assert sparsity.SparseConfig(algorithm="set").resolved_regrow_pool == "not_kept"
+    assert sparsity.SparseConfig(algorithm="snfs").resolved_regrow_pool == "not_kept"
+    assert sparsity.SparseConfig(algorithm="dsr").resolved_regrow_pool == "zeros_first"
+    cfg = sparsity.SparseConfig(algorithm="rigl", regrow_pool="zeros_first")
+    assert cfg.resolved_regrow_pool == "zeros_first"
+    with pytest.raises(ValueError, match=r"regrow_pool='zeros'; allowed values: \['auto', "):
+        sparsity.SparseConfig(regrow_pool="zeros")
+
+
 def test_dsr_prunes_below_threshold_regrows_by_survivors_and_adapts_threshold():
     rng = np.random.default_rng(0)
     big = _layers(rng.uniform(1, 2, 40), rng.uniform(1, 2, 40))
@@ -170,8 +202,9 @@ def test_snfs_shares_regrowth_by_mean_momentum():
     assert bool(out.masks[0][30])  # grown where |momentum| is largest
 
 
+@pytest.mark.parametrize("regrow_pool", ["not_kept", "zeros_first"])
 @pytest.mark.parametrize("algorithm", ["set", "rigl", "snfs", "dsr"])
-def test_compressed_rewire_selects_what_the_dense_rewire_selects(algorithm):
+def test_compressed_rewire_selects_what_the_dense_rewire_selects(algorithm, regrow_pool):
     """Slots in scrambled order with unused ones, many ties (broken by position in both), and a
     layer too dense to regrow only at old zeros."""
     rng = np.random.default_rng(3)
@@ -199,6 +232,7 @@ def test_compressed_rewire_selects_what_the_dense_rewire_selects(algorithm):
         grads=grads,
         threshold=jnp.float32(0.25),
         target_pruned=5,
+        regrow_pool=regrow_pool,
     )
     dense = jax.jit(
         lambda: algorithms.rewire(
@@ -221,7 +255,8 @@ def test_compressed_rewire_selects_what_the_dense_rewire_selects(algorithm):
         assert (np.diff(grown) >= 0).all() and grown.dtype == np.int32
         regrown = dense.masks[i] & ~dense.survivors[i]
         np.testing.assert_array_equal(grown[grown < n], np.flatnonzero(regrown))
-    if algorithm in ("set", "rigl"):  # 18 regrown, 4 old zeros: some just-pruned ones regrown
+    if algorithm in ("set", "rigl") or regrow_pool == "not_kept":
+        # 18 regrown, 4 old zeros (or any pool): some just-pruned ones regrown
         assert bool((masks[2] & regrown).any())
 
 
@@ -231,6 +266,10 @@ def test_rewire_rejects_bad_input():
         algorithms.rewire("magic", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
     with pytest.raises(ValueError, match="grads"):
         algorithms.rewire("rigl", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
+    with pytest.raises(ValueError, match="regrow_pool"):
+        algorithms.rewire(
+            "set", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1, regrow_pool="x"
+        )
 
 
 def test_initial_masks_random_magnitude_and_snip():

@@ -29,8 +29,11 @@ Semantics: mask updates run in ``lax.cond`` inside the step on the schedule ``st
 ``update_period``, ``end_step`` with a cosine-annealed ``drop_fraction``, by ranking with
 exact, traced counts (no host sync, no data-dependent shapes). SET and RigL keep each layer's
 count; SNFS (mean ``|momentum|``) and DSR (surviving non-zeros, one global threshold)
-reallocate regrowth across layers, keeping the total. Pruned weights become exactly 0; regrown
-weights start at 0 with zeroed optimizer slots. A skipped (non-finite) step changes no pattern.
+reallocate regrowth across layers, keeping the total. Regrowth ranks every position the prune
+did not keep, a just-pruned one included (RigL's Algorithm 1; ``regrow_pool="zeros_first"`` is
+the named departure that takes old zeros first, DSR's default). Pruned weights become exactly 0;
+regrown weights (a just-pruned one regrown too) start at 0 with zeroed optimizer slots. A
+skipped (non-finite) step changes no pattern.
 Sparse leaves default to kernels with ndim >= 2 outside ``classifier`` (:func:`default_is_sparse`).
 With compressed storage each layer has a fixed capacity ``min(size, ceil(capacity_factor *
 budget))`` (1x for fixed-count algorithms, 1.25x for the reallocating ones and SNIP): a layer can
@@ -43,6 +46,7 @@ from lowmem_jax.sparsity.config import (
     ALGORITHMS,
     DISTRIBUTIONS,
     INITS,
+    REGROW_POOLS,
     SparseConfig,
     default_is_sparse,
 )
@@ -66,6 +70,7 @@ __all__ = [
     "ALGORITHMS",
     "DISTRIBUTIONS",
     "INITS",
+    "REGROW_POOLS",
     "algorithms",
     "layout",
     "masks",

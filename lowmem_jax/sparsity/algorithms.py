@@ -16,9 +16,11 @@ storage, the capacity in compressed storage).
   positions; then ``H <- H / 2`` if ``K > 1.1 N_p``, ``H <- 2 H`` if ``K < 0.9 N_p``.
 
 Shares are capped by ``caps[l] - survivors_l`` and the excess goes to layers with room
-(:func:`~lowmem_jax.sparsity.masks.allocate`), so the total is exact. Regrowth prefers positions
-that were zero before this update; it falls back to just-pruned positions only in a layer with
-too few zeros (density above ~1/2). New weights are 0 (the caller zeroes them and their slots).
+(:func:`~lowmem_jax.sparsity.masks.allocate`), so the total is exact. Regrowth ranks every
+position not kept (``regrow_pool="not_kept"``, RigL's Algorithm 1: a just-pruned position may
+come back), or prefers positions that were zero before this update and falls back to
+just-pruned ones only in a layer with too few zeros (``"zeros_first"``). New weights are 0 (the
+caller zeroes them and their slots).
 
 :func:`rewire` takes dense flat layers (masked storage); :func:`rewire_compressed` takes the
 compressed ``[capacity]`` values and indices and selects the same weights with per-layer,
@@ -70,14 +72,16 @@ def rewire(
     momentum: list[jax.Array] | None = None,
     threshold: jax.Array | None = None,
     target_pruned: int = 20_000,
+    regrow_pool: str = "not_kept",
 ) -> Rewired:
     """One prune-and-regrow update (module docstring). Pure and jit-safe.
 
     Raises:
-      ValueError: unknown ``algorithm``, or a needed input (``grads`` for RigL, ``momentum``
-        for SNFS, ``threshold`` for DSR) missing.
+      ValueError: unknown ``algorithm`` or ``regrow_pool``, or a needed input (``grads`` for
+        RigL, ``momentum`` for SNFS, ``threshold`` for DSR) missing.
     """
-    _check(algorithm, grads, momentum, threshold)
+    _check(algorithm, grads, momentum, threshold, regrow_pool)
+    zeros_first = regrow_pool == "zeros_first"
     mags = [jnp.abs(w).astype(jnp.float32) for w in weights]
     active = jnp.stack([m.sum(dtype=jnp.int32) for m in masks])
     if algorithm == "dsr":
@@ -105,13 +109,18 @@ def rewire(
             score = jnp.abs(momentum[i]).astype(jnp.float32)
         else:
             score = jax.random.uniform(jax.random.fold_in(rng, i), s.shape)
-        grown = masks_lib.largest(~s, score, grow[i], prefer=~m)
+        grown = masks_lib.largest(~s, score, grow[i], prefer=~m if zeros_first else None)
         new_masks.append(s | grown)
     threshold = _next_threshold(algorithm, threshold, total, target_pruned)
     return Rewired(new_masks, survivors, threshold, total)
 
 
-def _check(algorithm, grads, momentum, threshold) -> None:
+def _check(algorithm, grads, momentum, threshold, regrow_pool) -> None:
+    if regrow_pool not in ("not_kept", "zeros_first"):
+        raise ValueError(
+            f"Unknown regrow_pool={regrow_pool!r} for rewire; allowed values: "
+            "['not_kept', 'zeros_first']"
+        )
     if algorithm not in ("set", "rigl", "snfs", "dsr"):
         raise ValueError(
             f"Unknown algorithm={algorithm!r} for rewire; allowed values: "
@@ -177,6 +186,7 @@ def rewire_compressed(
     momentum: list[jax.Array] | None = None,
     threshold: jax.Array | None = None,
     target_pruned: int = 20_000,
+    regrow_pool: str = "not_kept",
 ) -> RewiredSlots:
     """:func:`rewire` on compressed layers, selecting the same weights, in small memory.
 
@@ -194,7 +204,8 @@ def rewire_compressed(
     Raises:
       ValueError: as :func:`rewire`.
     """
-    _check(algorithm, grads, momentum, threshold)
+    _check(algorithm, grads, momentum, threshold, regrow_pool)
+    zeros_first = regrow_pool == "zeros_first"
     caps = tuple(int(v.shape[0]) for v in values)
     live = [i < n for i, n in zip(indices, sizes, strict=True)]
     mags = [jnp.abs(v).astype(jnp.float32) for v in values]
@@ -250,7 +261,7 @@ def rewire_compressed(
             .at[idx]
             .set(jnp.where(surv, 2, 1).astype(jnp.int8), mode="drop")
         )
-        eligible, prefer = code < 2, code == 0
+        eligible, prefer = code < 2, (code == 0) if zeros_first else None
         if algorithm == "rigl":
             score = jnp.abs(source).astype(jnp.float32)
         elif algorithm == "snfs":

@@ -16,6 +16,7 @@ __all__ = [
     "DISTRIBUTIONS",
     "INITS",
     "REALLOCATING",
+    "REGROW_POOLS",
     "default_is_sparse",
 ]
 
@@ -25,6 +26,8 @@ ALGORITHMS = ("static", "set", "rigl", "snfs", "dsr")
 DISTRIBUTIONS = ("uniform", "erk")
 #: How the initial mask is chosen (``snip`` needs a gradient, see ``SparseTraining.store``).
 INITS = ("random", "magnitude", "snip")
+#: Where regrowth may land (``SparseConfig.regrow_pool``).
+REGROW_POOLS = ("auto", "not_kept", "zeros_first")
 #: Algorithms whose per-layer non-zero counts change (need capacity headroom when compressed).
 REALLOCATING = ("snfs", "dsr")
 # DSR's N_p as a fraction of the sparse weights: 20,000 of WRN-28-2's 1,462,704 conv weights.
@@ -73,6 +76,15 @@ class SparseConfig:
       is_sparse: ``is_sparse(path_names, shape) -> bool`` picks the sparse leaves
         (default :func:`default_is_sparse`).
       erk_power: exponent of the ERK scale ``(sum(dims) / prod(dims)) ** erk_power``.
+      regrow_pool: where regrowth may land (:data:`REGROW_POOLS`). ``not_kept``: every position
+        the prune did not keep, the just-pruned ones included (a just-pruned weight regrown
+        restarts at 0): Evci et al. 2020's Algorithm 1 and the official RigL code, whose SET
+        does the same. ``zeros_first``: positions that were zero before the update first, the
+        just-pruned ones only in a layer without enough of them (this library's rule before;
+        a departure from RigL and SET as published). ``auto`` (default): ``not_kept`` for
+        RigL, SET and SNFS, ``zeros_first`` for DSR (the rule its committed study runs used;
+        DSR's paper regrows at zero-valued positions without saying whether just-pruned ones
+        count).
     """
 
     algorithm: str = "rigl"
@@ -91,12 +103,14 @@ class SparseConfig:
     seed: int = 0
     is_sparse: Callable[[tuple[str, ...], tuple[int, ...]], bool] = default_is_sparse
     erk_power: float = 1.0
+    regrow_pool: str = "auto"
 
     def __post_init__(self):
         _one_of("algorithm", self.algorithm, ALGORITHMS)
         _one_of("distribution", self.distribution, DISTRIBUTIONS)
         _one_of("init", self.init, INITS)
         _one_of("anneal", self.anneal, ("cosine", "constant"))
+        _one_of("regrow_pool", self.regrow_pool, REGROW_POOLS)
         if not (isinstance(self.density, (int, float)) and 0.0 < self.density <= 1.0):
             raise ValueError(f"density must be in (0, 1], got {self.density!r}")
         if not 0.0 <= self.drop_fraction <= 1.0:
@@ -137,6 +151,13 @@ class SparseConfig:
     def dynamic(self) -> bool:
         """Whether masks change during training."""
         return self.algorithm != "static"
+
+    @property
+    def resolved_regrow_pool(self) -> str:
+        """``regrow_pool`` with ``auto`` resolved for this algorithm (see the attribute)."""
+        if self.regrow_pool != "auto":
+            return self.regrow_pool
+        return "zeros_first" if self.algorithm == "dsr" else "not_kept"
 
     @property
     def storage(self) -> Storage:

@@ -84,8 +84,8 @@ class Storage:
         """One update from the flat stored ``values`` after this step's update.
 
         ``common``: :func:`~.algorithms.rewire`'s ``rng``, ``fraction``, ``threshold``,
-        ``target_pruned``, and ``grads`` (dense and flat, RigL) and ``momentum`` (flat and
-        stored, SNFS).
+        ``target_pruned``, ``regrow_pool``, and ``grads`` (dense and flat, RigL) and
+        ``momentum`` (flat and stored, SNFS).
         Returns ``(keep, new patterns, threshold)``: per layer, bool ``[capacity]`` the slots
         whose weights survive with their values and optimizer slots (every other slot is zeroed:
         pruned, or regrown at 0), then the new patterns and DSR's threshold.

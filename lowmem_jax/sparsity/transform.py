@@ -328,6 +328,7 @@ class SparseTraining(Optimizer):
             fraction=algorithms.drop_fraction(cfg.drop_fraction, count, cfg.end_step, cfg.anneal),
             threshold=state.threshold,
             target_pruned=self.dsr_target_pruned,
+            regrow_pool=cfg.resolved_regrow_pool,
         )
         keep = {s.key: k for s, k in zip(specs, keep, strict=True)}
         new_u = {s.key: jnp.where(keep[s.key], u[s.key], -p[s.key]) for s in specs}
