@@ -82,6 +82,14 @@ def full_size(task: str, variant: study.Variant) -> tuple[str | None, dict, obje
         if sparse.algorithm != "dsr":
             return None, {}, sparse  # the memory grid has DSR rows only
         return f"sparse {1 - sparse.density:.0%} dsr", {}, sparse
+    if technique == "optimizer state":
+        sparse = plan.sparsity
+        if sparse is None:
+            return f"state {plan.optimizer_state}", {"optimizer_state": plan.optimizer_state}, None
+        if sparse.algorithm != "dsr":
+            return None, {}, sparse
+        row = f"sparse {1 - sparse.density:.0%} dsr + state {plan.optimizer_state}"
+        return row, {"optimizer_state": plan.optimizer_state}, sparse
     if technique == "microbatching":
         batch = MODELS[MODEL_OF[task]][0]
         if task == "digits":  # the same batch (128) on both scales: the same microbatch size

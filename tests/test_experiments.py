@@ -12,6 +12,7 @@ import pytest
 from experiments import rq4_search, study
 from lowmem_jax.loop import TrainConfig
 from lowmem_jax.plan import Plan
+from lowmem_jax.report import standard_grid
 
 
 def _record(name, seed, value, technique="precision"):
@@ -70,6 +71,19 @@ def test_full_size_settings_match_the_memory_grid():
     assert by_name["dsr90"].plan.sparsity.algorithm == "dsr"  # the sparsity is in the plan
     row, plan, sparse = rq4_search.full_size("digits", by_name["dsr90"])
     assert row == "sparse 90% dsr" and plan == {} and sparse.density == pytest.approx(0.1)
+    assert rq4_search.full_size("digits", by_name["state_int8"]) == (
+        "state int8",
+        {"optimizer_state": "int8"},
+        None,
+    )
+    row, plan, sparse = rq4_search.full_size("digits", by_name["dsr90_int8"])
+    assert row == "sparse 90% dsr + state int8" and plan == {"optimizer_state": "int8"}
+    for task in study.TASKS:  # every single technique maps to a row of the grid, or to none
+        batch = rq4_search.MODELS[rq4_search.MODEL_OF[task]][0]
+        grid = {name for name, _, _ in standard_grid(batch)}
+        for v in study.single_variants(task):
+            if v.technique != "baseline":
+                assert rq4_search.full_size(task, v)[0] in grid | {None}, v.name
     by_name = {v.name: v for v in study.single_variants("translation")}
     # 8 microbatches of the CPU batch -> at most 12.5 of the 100 rows -> 10 rows, k = 10
     assert rq4_search.full_size("translation", by_name["k8"]) == (

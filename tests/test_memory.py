@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import jax
@@ -204,6 +205,9 @@ def test_report_writes_tables_and_plots(tmp_path):
     best = result["best"]
     assert best["reduction_xla"] == max(r["reduction_xla"] for r in rows.values())
     assert best["reduction_xla_vs_plain"] == rows[best["name"]]["reduction_xla_vs_plain"]
+    # At batch 8 only the unsplit fp32 steps lie inside the envelope.
+    inside = result["best_in_envelope"]
+    assert inside["name"] in ("plain", "baseline") and inside["envelope"]["max_sparsity"] == 0.7
     # The recorded flags reproduce the best row's figures.
     assert best["argv"] == rows[best["name"]]["argv"]
     assert best["argv"][:4] == ["--model", "wrn-10-1", "--batch-size", "8"]
@@ -212,6 +216,28 @@ def test_report_writes_tables_and_plots(tmp_path):
     assert again.xla == rows[best["name"]]["xla"]
     text = (tmp_path / "report.md").read_text()
     assert "| microbatch 4 |" in text and f"`lowmem analyze {' '.join(best['argv'])}`" in text
+
+
+def test_the_envelope_is_the_technical_reports_safe_region():
+    from lowmem_jax.report import in_envelope
+
+    def config(**kw):
+        plan = lm.Plan(**kw)
+        return {"batch_size": 128, **plan.to_dict()}
+
+    assert in_envelope({"plain": True, "batch_size": 128})
+    assert in_envelope(config()) and in_envelope(config(precision="mixed_fp16", remat="full"))
+    assert in_envelope(config(microbatches=16))  # microbatches of 8 examples
+    assert not in_envelope(config(microbatches=32))  # of 4
+    assert not in_envelope(config(precision="fp16"))  # fp16 master weights
+    dsr = lm.sparsity.SparseConfig(algorithm="dsr", density=0.3, compressed=True)
+    assert in_envelope(config(sparsity=dsr))  # 70%
+    assert not in_envelope(config(sparsity=dataclasses.replace(dsr, density=0.1)))  # 90%
+    names = {name for name, _, _ in standard_grid(128)}
+    assert {
+        "mixed_fp16 + mb 8 + remat full",
+        "mixed_fp16 + mb 8 + remat full + sparse 70%",
+    } <= names
 
 
 def test_count_flops_counts_matmuls_and_loop_trips():
