@@ -245,7 +245,11 @@ def test_step_with_a_non_finite_update_is_skipped_and_counted_as_such():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_sparse_slot_reset_of_regrown_weights_reaches_the_quantized_slots(fmt):
     params = tiny_params()
-    cfg = sparsity.SparseConfig(algorithm="set", density=0.3, update_period=2, drop_fraction=0.5)
+    # zeros_first: regrowth lands only where the mask was off, so the masks tell regrown weights
+    # from kept ones (under the published rule a just-dropped weight may be both, reset to 0).
+    cfg = sparsity.SparseConfig(
+        algorithm="set", density=0.3, update_period=2, drop_fraction=0.5, regrow_pool="zeros_first"
+    )
     sp = sparsity.sparse_training(optax.adam(1e-2), cfg, params)
     opt = lm.quantized_state(sp, fmt, min_size=0, block_size=8)  # quantize even tiny leaves
     stored, state = opt.store(params)
