@@ -49,6 +49,11 @@ settings.register_profile("lowmem", derandomize=True)
 settings.load_profile("lowmem")
 
 
+# For a test whose time goes into running many steps rather than compiling them: XLA's own
+# defaults again (unoptimised loops ran the digits trainings of test_user_models 1.8x slower).
+OPTIMIZED = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+
+
 def fast_jit(fn, plan=None, **kwargs):
     """``jax.jit(fn)`` with the plan's compiler options (remat) plus :data:`FAST_COMPILE`."""
     options = {**(plan.compiler_options() if plan is not None else {}), **FAST_COMPILE}

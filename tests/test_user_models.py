@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import fast_jit
+from conftest import OPTIMIZED, fast_jit
 from flax import nnx
 
 import lowmem_jax as lm
@@ -133,6 +133,8 @@ def test_the_composed_step_trains_on_digits(api, norm, digits):
         rng=jax.random.PRNGKey(1),
     )  # fmt: skip
     step = lm.make_train_step(subject.loss_fn, tx, plan)
+    first = next(iterate_batches(digits, 32, seed=0))
+    step = step.lower(state, first).compile({**plan.compiler_options(), **OPTIMIZED})
     losses = []
     for epoch in range(2):
         for batch in iterate_batches(digits, 32, seed=epoch):
