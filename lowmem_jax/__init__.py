@@ -8,6 +8,7 @@ Each technique is a pure transform; :func:`make_train_step` composes them into o
 """
 
 from lowmem_jax import (
+    factorization,
     loss_scale,
     losses,
     memory,
@@ -25,6 +26,7 @@ from lowmem_jax import (
     workloads,
 )
 from lowmem_jax.base import Optimizer, as_optimizer, differentiated_loss
+from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -80,6 +82,7 @@ __all__ = [
     "all_finite",
     "select_tree",
     "accumulate_gradients",
+    "FactorConfig",
     "quantized_state",
     "QuantizedState",
     "parse_policy",
@@ -90,6 +93,7 @@ __all__ = [
     "analyze",
     "analyze_model",
     "MemoryReport",
+    "factorization",
     "loss_scale",
     "losses",
     "memory",

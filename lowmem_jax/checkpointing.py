@@ -45,6 +45,7 @@ __all__ = [
     "average_checkpoints",
     "average_last_checkpoints",
     "param_checksum",
+    "restore_model",
 ]
 
 PyTree = Any
@@ -219,6 +220,32 @@ def resume_or_start(
             raise
     metrics = MetricsWriter(checkpoint_dir, start_step=int(state.step), tensorboard=tensorboard)
     return checkpointer, state, metrics
+
+
+def restore_model(directory: str | os.PathLike) -> tuple[PyTree, PyTree, int]:
+    """``(params, model_state, step)`` of the newest checkpoint in ``directory``, as saved (no
+    target structure needed: e.g. a dense model's parameters to decompose).
+
+    Raises:
+      FileNotFoundError: ``directory`` holds no checkpoint.
+      CheckpointError: the newest checkpoint does not restore, or holds no train state.
+    """
+    steps = checkpoint_steps(directory)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {os.path.abspath(directory)}")
+    manager = ocp.CheckpointManager(os.path.abspath(directory))
+    try:
+        with _unraisable_silenced():
+            tree = manager.restore(steps[-1], args=ocp.args.StandardRestore())
+    except Exception as err:  # noqa: BLE001 - any failure to read is a bad checkpoint
+        raise CheckpointError(
+            f"checkpoint step {steps[-1]} in {directory} does not restore ({_cause(err)})"
+        ) from err
+    finally:
+        manager.close()
+    if not isinstance(tree, dict) or "params" not in tree:
+        raise CheckpointError(f"checkpoint step {steps[-1]} in {directory} holds no train state")
+    return tree["params"], tree.get("model_state") or {}, steps[-1]
 
 
 def checkpoint_steps(directory: str | os.PathLike) -> list[int]:

@@ -26,6 +26,7 @@ import sys
 import warnings
 
 from lowmem_jax import paths
+from lowmem_jax.factorization import METHODS, FactorConfig
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import SCHEDULES
 from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS, REGROW_POOLS, SparseConfig
@@ -136,6 +137,22 @@ def _add_plan_flags(parser: argparse.ArgumentParser, base: Plan) -> None:
         default=100,
         help="optimizer steps between mask updates. Default: %(default)s",
     )
+    group = parser.add_argument_group("factorized layers (lowmem_jax.factorization)")
+    group.add_argument(
+        "--factorize",
+        default="none",
+        choices=("none", *METHODS),
+        help="factorize the convolutions (cp: Lebedev et al.; tucker: Tucker-2, Kim et al.; "
+        "lowrank: KxK to R channels, then 1x1) and dense layers (always low-rank); the first and "
+        "last layers stay dense. Default: %(default)s",
+    )
+    group.add_argument(
+        "--factor-compression",
+        type=float,
+        default=0.25,
+        help="fraction of each factorized layer's parameters its factors keep (sets the ranks). "
+        "Default: %(default)s",
+    )
 
 
 def _plan(args: argparse.Namespace, base: Plan) -> Plan:
@@ -155,7 +172,13 @@ def _plan(args: argparse.Namespace, base: Plan) -> Plan:
             compressed=args.sparse_storage == "compressed",
             regrow_pool=args.sparse_regrow_pool,
         )
-    return dataclasses.replace(base, **given, sparsity=sparse)
+    factorize = None
+    if args.factorize != "none":
+        factorize = FactorConfig(
+            method=args.factorize,
+            compression=args.factor_compression,
+        )
+    return dataclasses.replace(base, **given, sparsity=sparse, factorize=factorize)
 
 
 def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 40) -> list[str]:
@@ -188,6 +211,11 @@ def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 
             "--sparse-regrow-pool": (sparse.regrow_pool, "auto"),
         }
         argv += [a for flag, (v, d) in flags.items() if v != d for a in (flag, str(v))]
+    factor = plan.factorize
+    if factor is not None:
+        argv += ["--factorize", factor.method]
+        if factor.compression != 0.25:
+            argv += ["--factor-compression", repr(factor.compression)]
     args = build_parser().parse_args(["analyze", *argv])
     if _plan(args, Plan()) != plan:
         raise ValueError(f"lowmem analyze has no flags for every setting of {plan}")
@@ -199,7 +227,7 @@ _TRAIN_FIELDS = (
     "dataset", "model", "epochs", "steps", "batch_size", "max_tokens", "warmup", "weight_decay",
     "label_smoothing", "seed", "data_dir", "image_size", "eval_every", "beam_size",
     "average_last", "checkpoint_dir", "checkpoint_every", "keep_checkpoints",
-    "max_consecutive_skips",
+    "max_consecutive_skips", "decompose_from",
 )  # fmt: skip
 
 
@@ -262,10 +290,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
             for f in Plan.flag_fields()
             if getattr(args, f.name) is not None
         ]
-        if given or args.sparsity:
+        given += ["--sparsity"] if args.sparsity else []
+        given += ["--factorize"] if args.factorize != "none" else []
+        if given:
             raise ValueError(
-                f"--plain is the step without any technique; it takes no "
-                f"{', '.join(given or ['--sparsity'])}"
+                f"--plain is the step without any technique; it takes no {', '.join(given)}"
             )
         plan = None
     report = analyze_model(args.model, args.batch_size, plan, seq_len=args.seq_len)
@@ -392,6 +421,13 @@ def _add_train_flags(train: argparse.ArgumentParser) -> None:
         type=int,
         help="stop (exit status 1) after this many skipped steps in a row (non-finite "
         "gradients or updates), naming the likely cause; 0: never. Default: 100",
+    )
+    ckpt.add_argument(
+        "--decompose-from",
+        metavar="DIR",
+        help="start from the newest checkpoint in DIR of the same model trained dense: its "
+        "layers are decomposed into the --factorize ones (BatchNorm statistics kept), then "
+        "fine-tuned",
     )
     ckpt.add_argument("--output", metavar="PATH", help="write the summary JSON here")
     ckpt.add_argument(

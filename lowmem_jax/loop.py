@@ -24,6 +24,7 @@ summary; the loop does the rest the same way for every task:
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 from typing import Any
@@ -31,7 +32,14 @@ from typing import Any
 import jax
 
 from lowmem_jax import tasks as tasks_lib
-from lowmem_jax.checkpointing import check_directory, param_checksum, resume_or_start
+from lowmem_jax.checkpointing import (
+    check_directory,
+    checkpoint_steps,
+    param_checksum,
+    restore_model,
+    resume_or_start,
+)
+from lowmem_jax.factorization import decompose_params
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
@@ -73,6 +81,10 @@ class TrainConfig:
         for translation).
       checkpoint_dir, checkpoint_every, keep_checkpoints, resume: Orbax checkpoints (module
         docstring); ``keep_checkpoints=None`` keeps ``max(3, average_last)``.
+      decompose_from: a checkpoint directory of the same model trained dense: its newest
+        parameters are decomposed into the plan's factorized layers
+        (:func:`lowmem_jax.factorization.decompose_params`; BatchNorm statistics copied) and
+        fine-tuned, instead of starting from scratch. Needs ``plan.factorize``.
       max_consecutive_skips: stop with :class:`NoProgressError` after this many skipped steps
         in a row (``0``: never).
       tensorboard: also write the records as TensorBoard scalars.
@@ -110,6 +122,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int | None = None
     resume: bool = False
+    decompose_from: str | None = None
     max_consecutive_skips: int = 100
     tensorboard: bool = True
     progress: bool = True
@@ -138,6 +151,10 @@ class TrainConfig:
             raise ValueError(f"eval_sentences must be >= 0 or None, got {self.eval_sentences}")
         if self.length_penalty < 0:
             raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
+        if self.decompose_from and self.plan.factorize is None:
+            raise ValueError(
+                "decompose_from needs a plan with factorized layers (--factorize cp|tucker|lowrank)"
+            )
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs a checkpoint_dir")
         if self.average_last > 1 and not self.checkpoint_dir:
@@ -205,6 +222,10 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
 
     if config.checkpoint_dir:  # a bad path fails now, not after the data and the compile
         check_directory(config.checkpoint_dir, resume=config.resume)
+    if config.decompose_from and not checkpoint_steps(config.decompose_from):
+        raise FileNotFoundError(
+            f"decompose_from: no checkpoint in {os.path.abspath(config.decompose_from)}"
+        )
 
     # Data, the step and the state.
     task = tasks_lib.make_task(config)
@@ -214,7 +235,10 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     setup = build(work, config.plan, recipe=recipe, total_steps=total_steps)
     rng = jax.random.PRNGKey(config.seed)
     first_batch = next(task.train_batches(0, 1))[1]  # SNIP's gradient is taken on it
-    state = setup.init_state(first_batch, rng, jit=task.jit_init)
+    variables = None
+    if config.decompose_from and not config.resume:
+        variables = _decomposed_variables(setup, config.decompose_from, log)
+    state = setup.init_state(first_batch, rng, jit=task.jit_init, variables=variables)
     checkpointer, state, metrics_writer = resume_or_start(
         state,
         config.checkpoint_dir,
@@ -315,6 +339,27 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
         metrics_writer.close()
     summary["seconds"] = time.perf_counter() - start
     return summary
+
+
+def _decomposed_variables(setup, directory: str, log) -> dict[str, Any]:
+    """The factorized model's variables from the dense model in ``directory``."""
+    dense_params, dense_state, step = restore_model(directory)
+    shapes = setup.abstract_variables()
+    try:
+        variables = {
+            "params": decompose_params(dense_params, shapes["params"], setup.plan.factorize),
+            **decompose_params(
+                dense_state, {k: v for k, v in shapes.items() if k != "params"}, None
+            ),
+        }
+    except ValueError as err:
+        raise ValueError(
+            f"decompose_from: step {step} in {directory} is not a dense {setup.workload.name}: "
+            f"{err}"
+        ) from None
+    if log:
+        log(f"decomposed step {step} of {directory} ({setup.plan.factorize.method})")
+    return variables
 
 
 def _warn_if_mostly_skipped(history: list[dict[str, Any]], start: dict[str, int]) -> None:

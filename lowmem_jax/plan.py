@@ -13,6 +13,8 @@ settings)
                                                       (:meth:`wrap_optimizer`)
 ``optimizer_state`` :mod:`lowmem_jax.optimizer_state` the state's stored format, around the
                                                       (sparse) optimizer (:meth:`wrap_optimizer`)
+``factorize``       :mod:`lowmem_jax.factorization`   the model's layers, factorized
+                                                      (:meth:`configure_model`)
 ==================  ================================  =============================================
 
 A technique module never imports this one or another technique; the plan names them and
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from lowmem_jax import factorization as factorization_lib
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import optimizer_state as optimizer_state_lib
@@ -68,6 +71,8 @@ class Plan:
         arithmetic is float32 whenever the state or the parameters are stored in fewer bits.
       sparsity: a :class:`lowmem_jax.sparsity.SparseConfig` (sparse training, masked or
         compressed storage), or ``None`` for dense training.
+      factorize: a :class:`lowmem_jax.factorization.FactorConfig` (CP / Tucker-2 / low-rank
+        layers, for a model with a ``factorize`` field: the bundled ones), or ``None``.
       initial_loss_scale, loss_scale_period, loss_scale_factor, min_loss_scale: loss-scale
         settings (2**15, 2000, 2, 1 by default).
     """
@@ -104,6 +109,7 @@ class Plan:
     )
     remat_blocks: tuple[str, ...] = ()
     sparsity: sparsity_lib.SparseConfig | None = None
+    factorize: factorization_lib.FactorConfig | None = None
     initial_loss_scale: float = 2.0**15
     loss_scale_period: int = 2000
     loss_scale_factor: float = 2.0
@@ -129,6 +135,13 @@ class Plan:
             raise ValueError(
                 f"sparsity must be a lowmem_jax.sparsity.SparseConfig or None, got "
                 f"{type(self.sparsity).__name__}"
+            )
+        if self.factorize is not None and not isinstance(
+            self.factorize, factorization_lib.FactorConfig
+        ):
+            raise ValueError(
+                f"factorize must be a lowmem_jax.factorization.FactorConfig or None, got "
+                f"{type(self.factorize).__name__}"
             )
         self.make_loss_scale()  # validates the loss-scale settings
 
@@ -162,10 +175,21 @@ class Plan:
         e.g. ``nnx.BatchNorm`` computes in the dtype of its float32 statistics); layers with
         an explicit ``dtype`` keep it.
 
+        ``factorize`` is set on the model's ``factorize`` field.
+
         Raises:
-          ValueError: ``remat_blocks`` for a model that has its own ``remat`` attribute, or a
-            segmenting policy for a model without one.
+          ValueError: ``remat_blocks`` for a model that has its own ``remat`` attribute, a
+            segmenting policy for a model without one, or ``factorize`` for a model without a
+            ``factorize`` field.
         """
+        if self.factorize is not None and (
+            isinstance(model, nnx.Module) or not hasattr(model, "factorize")
+        ):
+            raise ValueError(
+                f"factorize needs a Linen model with a `factorize` field (the bundled WideResNet "
+                f"and DynamicConvTransformer); {type(model).__name__} has none: build it with "
+                f"lowmem_jax.factorization.FactorizedConv / LowRankDense instead"
+            )
         if isinstance(model, nnx.Module):
             configured = remat_lib.remat_module(model, self.remat, self.remat_blocks)
             if configured is model:  # no remat, no copy yet: the user's module stays as it was
@@ -176,6 +200,8 @@ class Plan:
                     layer.dtype = self.policy.compute_dtype
             return configured
         updates: dict[str, Any] = {}
+        if self.factorize is not None:
+            updates["factorize"] = self.factorize
         if hasattr(model, "dtype"):
             updates["dtype"] = self.policy.compute_dtype
         if hasattr(model, "remat"):
@@ -232,12 +258,15 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able description: every field, ``loss_scale`` resolved; ``sparsity`` as
-        :meth:`SparseConfig.describe`, left out when dense."""
+        :meth:`SparseConfig.describe` and ``factorize`` as :meth:`FactorConfig.describe`, each
+        left out when unset."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["loss_scale"] = self.loss_scale_kind
         if not self.remat_blocks:
             del out["remat_blocks"]
-        del out["sparsity"]  # last, when sparse
+        del out["sparsity"], out["factorize"]  # last, when set
         if self.sparsity is not None:
             out["sparsity"] = self.sparsity.describe()
+        if self.factorize is not None:
+            out["factorize"] = self.factorize.describe()
         return out

@@ -194,21 +194,39 @@ class Setup:
     config: dict[str, Any]
 
     def init_state(
-        self, batch: PyTree, rng: jax.Array | None = None, *, jit: bool = True
+        self,
+        batch: PyTree,
+        rng: jax.Array | None = None,
+        *,
+        jit: bool = True,
+        variables: PyTree | None = None,
     ) -> TrainState:
         """A fresh state: parameters initialised from the first rows of ``batch``'s
         ``init_inputs`` with ``rng`` (default ``PRNGKey(0)``, also the state's step key); an
         optimizer that needs the loss's gradient (SNIP masks) gets it on the whole ``batch``.
 
-        ``jit=False`` initialises op by op; the initial values can differ from the jitted ones in
-        the last bit (fused arithmetic), so a run keeps one choice to stay reproducible.
+        ``variables``: the model's variables to start from instead (``{"params": ...,
+        "batch_stats": ...}``, the structure of :meth:`abstract_variables`), e.g. a decomposed
+        dense model's. ``jit=False`` initialises op by op; the initial values can differ from
+        the jitted ones in the last bit (fused arithmetic), so a run keeps one choice to stay
+        reproducible.
         """
         rng = jax.random.PRNGKey(0) if rng is None else rng
-        return (jax.jit(self._init_state) if jit else self._init_state)(batch, rng)
+        return (jax.jit(self._init_state) if jit else self._init_state)(batch, rng, variables)
 
-    def _init_state(self, batch: PyTree, rng: jax.Array) -> TrainState:
-        inputs = [batch[k][:2] for k in self.workload.init_inputs]
-        variables = self.model.init(rng, *inputs, train=False)
+    def abstract_variables(self) -> PyTree:
+        """The shapes and dtypes of the configured model's variables (``model.init``)."""
+        inputs = [self.workload.batch[k] for k in self.workload.init_inputs]
+        return jax.eval_shape(
+            lambda *x: self.model.init(jax.random.PRNGKey(0), *x, train=False), *inputs
+        )
+
+    def _init_state(
+        self, batch: PyTree, rng: jax.Array, variables: PyTree | None = None
+    ) -> TrainState:
+        if variables is None:
+            inputs = [batch[k][:2] for k in self.workload.init_inputs]
+            variables = self.model.init(rng, *inputs, train=False)
         params = variables["params"]
         model_state = {k: v for k, v in variables.items() if k != "params"}
         grads = None
@@ -284,6 +302,7 @@ def build(
     recipe = recipe or work.recipe
     model = plan.configure_model(work.model)
     inputs = [work.batch[k] for k in work.init_inputs]
+    # The shapes of the model's variables (Setup.abstract_variables, before there is a Setup).
     params = jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *inputs)
     tx = plan.wrap_optimizer(recipe.optimizer_for(total_steps or 1), params["params"])
     loss_fn = work.loss_fn(model, recipe.label_smoothing)

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from lowmem_jax.factorization import FactorConfig, conv_layer, dense_layer
 from lowmem_jax.models.layers import BatchNorm
-from lowmem_jax.ops import Conv
 from lowmem_jax.remat import CONV_OUT, ScannedBlocks
 
 __all__ = ["WideResNet", "PreActBlock"]
@@ -43,6 +43,7 @@ class PreActBlock(nn.Module):
     dtype: Any = None
     bn_momentum: float = 0.9
     conv_impl: str = "auto"
+    factorize: FactorConfig | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
@@ -53,20 +54,34 @@ class PreActBlock(nn.Module):
             epsilon=1e-5,
             dtype=self.dtype,
         )
-        conv = functools.partial(Conv, use_bias=False, dtype=self.dtype, impl=self.conv_impl)
+        conv = functools.partial(
+            conv_layer, self.factorize, use_bias=False, dtype=self.dtype, impl=self.conv_impl
+        )
         s = self.strides
         out = nn.relu(norm(name="bn1")(x))
         shortcut = x
         if x.shape[-1] != self.features or s != 1:
             shortcut = conv(
-                self.features, (1, 1), strides=(s, s), padding="VALID", name="shortcut"
+                features=self.features,
+                kernel_size=(1, 1),
+                strides=(s, s),
+                padding="VALID",
+                name="shortcut",
             )(out)
         # Explicit symmetric padding as in the reference PyTorch code (SAME would pad (0, 1)
         # for stride 2).
-        y = conv(self.features, (3, 3), strides=(s, s), padding=((1, 1), (1, 1)), name="conv1")(out)
+        y = conv(
+            features=self.features,
+            kernel_size=(3, 3),
+            strides=(s, s),
+            padding=((1, 1), (1, 1)),
+            name="conv1",
+        )(out)
         y = checkpoint_name(y, CONV_OUT)
         y = nn.relu(norm(name="bn2")(y))
-        y = conv(self.features, (3, 3), padding=((1, 1), (1, 1)), name="conv2")(y)
+        y = conv(
+            features=self.features, kernel_size=(3, 3), padding=((1, 1), (1, 1)), name="conv2"
+        )(y)
         y = checkpoint_name(y, CONV_OUT)
         return y + shortcut.astype(y.dtype)
 
@@ -83,6 +98,8 @@ class WideResNet(nn.Module):
       conv_impl: ``"auto" | "xla" | "loop_friendly"`` (see :mod:`lowmem_jax.ops.conv`).
       unroll: run the stacks of identical blocks as straight-line code instead of a loop (same
         parameters and results; ``conv_impl="xla", unroll=True`` is the plain Flax baseline).
+      factorize: a :class:`~lowmem_jax.factorization.FactorConfig`: the blocks' convolutions
+        (and, unless ``keep_first_last``, the stem and the classifier) are factorized.
     """
 
     depth: int = 28
@@ -93,6 +110,7 @@ class WideResNet(nn.Module):
     conv_impl: str = "auto"
     unroll: bool = False
     bn_momentum: float = 0.9
+    factorize: FactorConfig | None = None
 
     def __post_init__(self):
         if self.depth < 10 or (self.depth - 4) % 6:
@@ -107,10 +125,21 @@ class WideResNet(nn.Module):
     def __call__(self, images: jax.Array, train: bool) -> jax.Array:
         n = (self.depth - 4) // 6
         block = functools.partial(
-            PreActBlock, dtype=self.dtype, bn_momentum=self.bn_momentum, conv_impl=self.conv_impl
+            PreActBlock,
+            dtype=self.dtype,
+            bn_momentum=self.bn_momentum,
+            conv_impl=self.conv_impl,
+            factorize=self.factorize,
         )
-        x = Conv(
-            16, (3, 3), padding=((1, 1), (1, 1)), dtype=self.dtype, impl=self.conv_impl, name="stem"
+        ends = None if self.factorize is None or self.factorize.keep_first_last else self.factorize
+        x = conv_layer(
+            ends,
+            features=16,
+            kernel_size=(3, 3),
+            padding=((1, 1), (1, 1)),
+            dtype=self.dtype,
+            impl=self.conv_impl,
+            name="stem",
         )(images)
         for g, (features, strides) in enumerate(zip((16, 32, 64), (1, 2, 2), strict=True)):
             features *= self.width
@@ -131,4 +160,4 @@ class WideResNet(nn.Module):
             name="bn_final",
         )(x)
         x = jnp.mean(nn.relu(x), axis=(1, 2))
-        return nn.Dense(self.num_classes, dtype=self.dtype, name="classifier")(x)
+        return dense_layer(ends, self.num_classes, dtype=self.dtype, name="classifier")(x)

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 
-__all__ = ["IMPLS", "Conv", "conv2d"]
+__all__ = ["IMPLS", "Conv", "conv2d", "explicit_padding"]
 
 IMPLS = ("auto", "xla", "loop_friendly")
 _PADDING_STRINGS = ("SAME", "VALID")
@@ -81,7 +81,7 @@ def _resolve_impl(impl: str) -> str:
     return impl
 
 
-def _explicit_padding(
+def explicit_padding(
     padding: Padding, in_hw: Sequence[int], k_hw: Sequence[int], strides: Sequence[int]
 ) -> Pads:
     """Padding "SAME" / "VALID" / pairs -> hashable ((lo_h, hi_h), (lo_w, hi_w))."""
@@ -215,7 +215,7 @@ def conv2d(
     strides = tuple(int(s) for s in strides)
     if len(strides) != 2 or min(strides) < 1:
         raise ValueError(f"strides must be 2 positive ints, got {strides}")
-    pads = _explicit_padding(padding, x.shape[1:3], kernel.shape[:2], strides)
+    pads = explicit_padding(padding, x.shape[1:3], kernel.shape[:2], strides)
     dtype = jnp.promote_types(x.dtype, kernel.dtype)
     # Cast outside the custom VJP: autodiff of astype returns each grad in its primal dtype.
     x, kernel = x.astype(dtype), kernel.astype(dtype)

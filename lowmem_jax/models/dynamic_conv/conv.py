@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from lowmem_jax.factorization import FactorConfig, dense_layer
 
 __all__ = [
     "DynamicConv",
@@ -37,10 +40,19 @@ __all__ = [
 CONV_TYPES = ("dynamic", "lightweight")
 PADDINGS = ("same", "causal")
 
-# fairseq's `Linear` (lightconv.py): Xavier-uniform weights, zero bias.
-_dense = functools.partial(
-    nn.Dense, kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.zeros
-)
+
+def _linear(factorize: FactorConfig | None) -> Callable[..., nn.Module]:
+    """fairseq's ``Linear`` (lightconv.py): Xavier-uniform weights, zero bias; low-rank
+    (:class:`~lowmem_jax.factorization.LowRankDense`) under ``factorize``."""
+    return functools.partial(
+        dense_layer,
+        factorize,
+        kernel_init=nn.initializers.xavier_uniform(),
+        bias_init=nn.initializers.zeros,
+    )
+
+
+_dense = _linear(None)
 
 
 def _check_dropout(name: str, rate: float) -> None:

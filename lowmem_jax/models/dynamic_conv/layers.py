@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax.models.dynamic_conv.conv import DynamicConv, LightConv, _dense, _deterministic
+from lowmem_jax.factorization import FactorConfig
+from lowmem_jax.models.dynamic_conv.conv import DynamicConv, LightConv, _deterministic, _linear
 from lowmem_jax.remat import DOT_OUT
 
 __all__ = [
@@ -87,6 +88,7 @@ class MultiHeadAttention(nn.Module):
     num_heads: int
     dropout: float = 0.0
     dtype: Any = None
+    factorize: FactorConfig | None = None
 
     @nn.compact
     def __call__(
@@ -109,7 +111,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"num_heads must divide the channels ({c}), got {h}")
         # fairseq scales the q/k/v init by 1/sqrt(2) when the three share one dimension.
         qkv_init = nn.initializers.variance_scaling(0.5, "fan_avg", "uniform")
-        proj = functools.partial(_dense, c, dtype=self.dtype, kernel_init=qkv_init)
+        proj = functools.partial(_linear(self.factorize), c, dtype=self.dtype, kernel_init=qkv_init)
         q = proj(name="q_proj")(query).reshape(b, t, h, c // h)
         if kv is None:
             kv = proj(name="k_proj")(memory), proj(name="v_proj")(memory)
@@ -122,7 +124,7 @@ class MultiHeadAttention(nn.Module):
         probs = nn.Dropout(self.dropout)(probs, deterministic=_deterministic(self, train))
         out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, c)
         out = checkpoint_name(out, DOT_OUT)
-        return _dense(c, dtype=self.dtype, name="out_proj")(out)
+        return _linear(self.factorize)(c, dtype=self.dtype, name="out_proj")(out)
 
 
 class _LayerMixin:
@@ -139,7 +141,7 @@ class _LayerMixin:
         the new input appended; dtype of ``prev``).
         """
         det = _deterministic(self, train)
-        h = _dense(x.shape[-1], dtype=self.dtype, name="linear1")(x)
+        h = _linear(self.factorize)(x.shape[-1], dtype=self.dtype, name="linear1")(x)
         new_prev = None
         if prev is not None:
             # The window is all the state a causal conv layer needs (fairseq's incremental_state
@@ -163,7 +165,7 @@ class _LayerMixin:
         # The conv is a K-step scan, not a dot: tag its output so `dots` saves it like a matmul
         # output instead of re-running the scan in the backward pass.
         h = checkpoint_name(h, DOT_OUT)
-        h = _dense(x.shape[-1], dtype=self.dtype, name="linear2")(h)
+        h = _linear(self.factorize)(x.shape[-1], dtype=self.dtype, name="linear2")(h)
         h = nn.Dropout(self.dropout)(h, deterministic=det)
         out = self._norm("conv_layer_norm")(x + h.astype(x.dtype))
         return out if prev is None else (out, new_prev)
@@ -171,9 +173,9 @@ class _LayerMixin:
     def _ffn_block(self, x: jax.Array, train: bool) -> jax.Array:
         """``LayerNorm(x + dropout(fc2(dropout_relu(relu(fc1(x))))))``."""
         det = _deterministic(self, train)
-        h = nn.relu(_dense(self.ffn_dim, dtype=self.dtype, name="fc1")(x))
+        h = nn.relu(_linear(self.factorize)(self.ffn_dim, dtype=self.dtype, name="fc1")(x))
         h = nn.Dropout(self.relu_dropout)(h, deterministic=det)
-        h = _dense(x.shape[-1], dtype=self.dtype, name="fc2")(h)
+        h = _linear(self.factorize)(x.shape[-1], dtype=self.dtype, name="fc2")(h)
         h = nn.Dropout(self.dropout)(h, deterministic=det)
         return self._norm("final_layer_norm")(x + h.astype(x.dtype))
 
@@ -196,6 +198,7 @@ class EncoderLayer(_LayerMixin, nn.Module):
     relu_dropout: float = 0.0
     weight_dropout: float = 0.0
     dtype: Any = None
+    factorize: FactorConfig | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, src_mask: jax.Array, train: bool = False) -> jax.Array:
@@ -221,6 +224,7 @@ class DecoderLayer(_LayerMixin, nn.Module):
     weight_dropout: float = 0.0
     attention_dropout: float = 0.0
     dtype: Any = None
+    factorize: FactorConfig | None = None
 
     @nn.compact
     def __call__(
@@ -245,7 +249,11 @@ class DecoderLayer(_LayerMixin, nn.Module):
             x, new_conv = self._conv_block(x, "causal", None, train, prev=cache["conv"])
             kv = cache["k"], cache["v"]
         h = MultiHeadAttention(
-            self.num_heads, self.attention_dropout, dtype=self.dtype, name="encoder_attn"
+            self.num_heads,
+            self.attention_dropout,
+            dtype=self.dtype,
+            factorize=self.factorize,
+            name="encoder_attn",
         )(x, memory, src_mask, train=train, kv=kv)
         h = nn.Dropout(self.dropout)(h, deterministic=_deterministic(self, train))
         x = self._norm("encoder_attn_layer_norm")(x + h.astype(x.dtype))

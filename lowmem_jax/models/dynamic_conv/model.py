@@ -31,7 +31,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax.models.dynamic_conv.conv import CONV_TYPES, _check_dropout, _dense, _deterministic
+from lowmem_jax.factorization import FactorConfig, apply_dense
+from lowmem_jax.models.dynamic_conv.conv import CONV_TYPES, _check_dropout, _deterministic
 from lowmem_jax.models.dynamic_conv.layers import (
     DecoderLayer,
     EncoderLayer,
@@ -79,6 +80,9 @@ class DynamicConvTransformer(nn.Module):
       dtype: computation dtype (``None``: follow the parameters).
       remat: a :mod:`lowmem_jax.remat` policy name, applied per layer.
       unroll: unroll the scans over identical layers (same parameters and results).
+      factorize: a :class:`~lowmem_jax.factorization.FactorConfig`: the layers' Linear
+        projections (attention, conv block, FFN) are low-rank; the embeddings, the output
+        projection and DynamicConv's ``weight_linear`` stay dense.
     """
 
     src_vocab_size: int
@@ -99,6 +103,7 @@ class DynamicConvTransformer(nn.Module):
     dtype: Any = None
     remat: str = "none"
     unroll: bool = False
+    factorize: FactorConfig | None = None
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size", "embed_dim", "ffn_dim", "num_heads"):
@@ -175,6 +180,7 @@ class DynamicConvTransformer(nn.Module):
             "relu_dropout": self.relu_dropout,
             "weight_dropout": self.weight_dropout,
             "dtype": self.dtype,
+            "factorize": self.factorize,
         }
         self.encoder_stacks = [
             ScannedBlocks(
@@ -264,6 +270,7 @@ class DynamicConvTransformer(nn.Module):
             relu_dropout=self.relu_dropout,
             weight_dropout=self.weight_dropout,
             dtype=self.dtype,
+            factorize=self.factorize,
             parent=None,
         )
 
@@ -303,22 +310,21 @@ class DynamicConvTransformer(nn.Module):
         # decode's activations: the embedding output's dtype, as `_embed` computes it.
         x_dtype = self.dtype or jnp.result_type(params["tgt_embed"]["embedding"])
         memory = memory.astype(x_dtype)
-        proj = _dense(c, dtype=self.dtype, parent=None)
         layers = []
         for k, p in self._decoder_stack_params():
             # vmap over the run's stacked layers: [n, B, S, C] each.
             def kv(p_layer):
                 attn = p_layer["encoder_attn"]
                 return (
-                    proj.apply({"params": attn["k_proj"]}, memory),
-                    proj.apply({"params": attn["v_proj"]}, memory),
+                    apply_dense(attn["k_proj"], memory, self.dtype),
+                    apply_dense(attn["v_proj"], memory, self.dtype),
                 )
 
             keys, values = jax.vmap(kv)(p)
             lin = p["linear1"]
             # linear1's output dtype (nn.Dense promotes its input and params when dtype is None).
-            conv_dtype = self.dtype or jnp.result_type(x_dtype, lin["kernel"], lin["bias"])
-            n = lin["kernel"].shape[0]
+            conv_dtype = self.dtype or jnp.result_type(x_dtype, *jax.tree.leaves(lin))
+            n = lin["bias"].shape[0]
             conv = jnp.zeros((n, b, k - 1, c), conv_dtype)
             layers.append({"conv": conv, "k": keys, "v": values})
         return {
