@@ -178,6 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     for result in results:
         lines += ["", f"## {result['model']}, batch {result['batch_size']}", "", *table(result)]
     lines += digits_table()
+    step_times = os.path.join(RESULTS, "train_step_wrn-28-2_b128_cpu.md")
+    if os.path.exists(step_times):
+        with open(step_times) as f:
+            lines += [
+                "",
+                "## Step time, WRN-28-2 batch 128 (XLA:CPU, measured)",
+                "",
+                "`python benchmarks/train_step.py --configs plain,fp32,remat_full,tucker,"
+                "tucker_remat_full,cp_remat_full,lowrank_remat_full --repeats 3 --out-dir "
+                "experiments/results/factorized` (one run; ratios within it). Factorized rows at "
+                "25%.",
+                "",
+                f.read().strip(),
+            ]
     with open(os.path.join(RESULTS, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(results, os.path.join(RESULTS, "memory_flops.png"))
