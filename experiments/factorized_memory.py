@@ -45,14 +45,14 @@ def configs(model: str, compressions: list[float]):
 
 
 def measure(model: str, compressions: list[float]) -> dict:
-    from lowmem_jax import cli
+    from lowmem_jax.plan_flags import analyze_argv
     from lowmem_jax.workloads import analyze_model
 
     batch, seq_len = SIZES[model]
     rows = []
     for name, plan in configs(model, compressions):
         report = analyze_model(model, batch, plan, seq_len=seq_len).to_dict()
-        argv = cli.analyze_argv(model, batch, plan, seq_len)
+        argv = analyze_argv(model, batch, plan, seq_len)
         rows.append({
             "name": name,
             "command": "lowmem analyze " + " ".join(argv),

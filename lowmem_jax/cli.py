@@ -18,7 +18,6 @@ Orbax, hidden otherwise). Warnings from lowmem_jax print as ``lowmem <command>: 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -26,11 +25,9 @@ import sys
 import warnings
 
 from lowmem_jax import paths
-from lowmem_jax.factorization import METHODS, FactorConfig
 from lowmem_jax.plan import Plan
+from lowmem_jax.plan_flags import add_plan_flags, add_workload_flags, plan_from_args
 from lowmem_jax.recipes import SCHEDULES
-from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS, REGROW_POOLS, SparseConfig
-from lowmem_jax.workloads import MODEL_NAMES
 
 MIB = 2.0**20
 
@@ -66,162 +63,6 @@ def _use_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="wrn-28-2", help=f"{MODEL_NAMES}. Default: %(default)s")
-
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        help="examples (sentences for dynamicconv-*) per batch. Default: 128 for wrn-D-K, 100 "
-        "for dynamicconv-*",
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        default=40,
-        help="tokens per sentence for dynamicconv-* (100 x 40 = the recipe's 4,000 tokens). "
-        "Default: %(default)s",
-    )
-
-
-def _add_plan_flags(parser: argparse.ArgumentParser, base: Plan) -> None:
-    """A flag per technique field of :class:`Plan` (its help and choices), then sparsity."""
-    group = parser.add_argument_group("techniques (composed into one jitted train step)")
-    for field in Plan.flag_fields():
-        default = getattr(base, field.name)
-        group.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=type(default),
-            choices=field.metadata["choices"],
-            help=f"{field.metadata['help']}. Default: {default}",
-        )
-    group = parser.add_argument_group("sparsity (lowmem_jax.sparsity)")
-    group.add_argument(
-        "--sparsity",
-        type=float,
-        default=0.0,
-        help="fraction of zeros in the sparse weights (conv and dense kernels except the "
-        "classifier; for translation the Linear kernels except DynamicConv's weight_linear, "
-        "embeddings dense), e.g. 0.9; 0 = dense. Default: %(default)s",
-    )
-    group.add_argument(
-        "--sparse-algorithm", default="dsr", choices=ALGORITHMS, help="Default: %(default)s"
-    )
-    group.add_argument(
-        "--sparse-distribution",
-        default="uniform",
-        choices=DISTRIBUTIONS,
-        help="per-layer densities. Default: %(default)s",
-    )
-    group.add_argument(
-        "--sparse-init", default="random", choices=INITS, help="initial mask. Default: %(default)s"
-    )
-    group.add_argument(
-        "--sparse-storage",
-        default="compressed",
-        choices=["compressed", "masked"],
-        help="compressed: non-zero values + int32 indices, dense weights only transient inside "
-        "the step; masked: dense weights + a mask (more memory than dense). Default: %(default)s",
-    )
-    group.add_argument(
-        "--sparse-regrow-pool",
-        default="auto",
-        choices=REGROW_POOLS,
-        help="where regrowth may land: not_kept = every position the prune did not keep (RigL's "
-        "Algorithm 1), zeros_first = old zeros first (a departure); auto = not_kept, zeros_first "
-        "for dsr. Default: %(default)s",
-    )
-    group.add_argument(
-        "--sparse-period",
-        type=int,
-        default=100,
-        help="optimizer steps between mask updates. Default: %(default)s",
-    )
-    group = parser.add_argument_group("factorized layers (lowmem_jax.factorization)")
-    group.add_argument(
-        "--factorize",
-        default="none",
-        choices=("none", *METHODS),
-        help="factorize the convolutions (cp: Lebedev et al.; tucker: Tucker-2, Kim et al.; "
-        "lowrank: KxK to R channels, then 1x1) and dense layers (always low-rank); the first and "
-        "last layers stay dense. Default: %(default)s",
-    )
-    group.add_argument(
-        "--factor-compression",
-        type=float,
-        default=0.25,
-        help="fraction of each factorized layer's parameters its factors keep (sets the ranks). "
-        "Default: %(default)s",
-    )
-
-
-def _plan(args: argparse.Namespace, base: Plan) -> Plan:
-    """``base`` with the technique flags given, and the sparsity they ask for."""
-    given = {f.name: getattr(args, f.name) for f in Plan.flag_fields()}
-    given = {k: v for k, v in given.items() if v is not None}
-    if not 0.0 <= args.sparsity < 1.0:
-        raise ValueError(f"--sparsity must be in [0, 1) (fraction of zeros), got {args.sparsity}")
-    sparse = None
-    if args.sparsity > 0.0:
-        sparse = SparseConfig(
-            algorithm=args.sparse_algorithm,
-            density=1.0 - args.sparsity,
-            distribution=args.sparse_distribution,
-            init=args.sparse_init,
-            update_period=args.sparse_period,
-            compressed=args.sparse_storage == "compressed",
-            regrow_pool=args.sparse_regrow_pool,
-        )
-    factorize = None
-    if args.factorize != "none":
-        factorize = FactorConfig(
-            method=args.factorize,
-            compression=args.factor_compression,
-        )
-    return dataclasses.replace(base, **given, sparsity=sparse, factorize=factorize)
-
-
-def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 40) -> list[str]:
-    """The ``lowmem analyze`` arguments that analyse ``plan`` (``None``: ``--plain``).
-
-    Technique flags are given where they differ from the flag's default. The result is checked
-    by parsing it back: the plan it gives must equal ``plan``.
-
-    Raises:
-      ValueError: a plan with a setting no flag expresses (e.g. a sparsity ``seed``).
-    """
-    argv = ["--model", model, "--batch-size", str(batch_size)]
-    if model.startswith("dynamicconv"):
-        argv += ["--seq-len", str(seq_len)]
-    if plan is None:
-        return [*argv, "--plain"]
-    default = Plan()
-    for field in Plan.flag_fields():
-        if getattr(plan, field.name) != getattr(default, field.name):
-            argv += ["--" + field.name.replace("_", "-"), str(getattr(plan, field.name))]
-    sparse = plan.sparsity
-    if sparse is not None:
-        argv += ["--sparsity", repr(round(1.0 - sparse.density, 12))]
-        flags = {
-            "--sparse-algorithm": (sparse.algorithm, "dsr"),
-            "--sparse-distribution": (sparse.distribution, "uniform"),
-            "--sparse-init": (sparse.init, "random"),
-            "--sparse-storage": ("compressed" if sparse.compressed else "masked", "compressed"),
-            "--sparse-period": (sparse.update_period, 100),
-            "--sparse-regrow-pool": (sparse.regrow_pool, "auto"),
-        }
-        argv += [a for flag, (v, d) in flags.items() if v != d for a in (flag, str(v))]
-    factor = plan.factorize
-    if factor is not None:
-        argv += ["--factorize", factor.method]
-        if factor.compression != 0.25:
-            argv += ["--factor-compression", repr(factor.compression)]
-    args = build_parser().parse_args(["analyze", *argv])
-    if _plan(args, Plan()) != plan:
-        raise ValueError(f"lowmem analyze has no flags for every setting of {plan}")
-    return argv
-
-
 # The train flags that set TrainConfig fields of the same name (None: the config's default).
 _TRAIN_FIELDS = (
     "dataset", "model", "epochs", "steps", "batch_size", "max_tokens", "warmup", "weight_decay",
@@ -237,7 +78,7 @@ def _train_config(args: argparse.Namespace):
     fields = {k: getattr(args, k) for k in _TRAIN_FIELDS if getattr(args, k) is not None}
     return TrainConfig(
         **fields,
-        plan=_plan(args, DEFAULT_PLAN),
+        plan=plan_from_args(args, DEFAULT_PLAN),
         learning_rate=args.lr,
         lr_schedule=args.lr_schedule,
         resume=args.resume,
@@ -283,7 +124,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from lowmem_jax.workloads import analyze_model
 
-    plan = _plan(args, Plan())
+    plan = plan_from_args(args, Plan())
     if args.plain:
         given = [
             f"--{f.name.replace('_', '-')}"
@@ -357,7 +198,7 @@ def _add_train_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--data-dir", metavar="DIR", help="TFDS data directory; nothing is downloaded"
     )
-    _add_plan_flags(train, DEFAULT_PLAN)
+    add_plan_flags(train, DEFAULT_PLAN)
     run = train.add_argument_group("the run (defaults: the dataset's and the model's recipe)")
     run.add_argument("--epochs", type=int, help="Default: 10 for image datasets")
     run.add_argument("--steps", type=int, help="optimizer updates. Default: 200 for translation")
@@ -484,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     analyze = commands["analyze"]
-    _add_workload_flags(analyze)
-    _add_plan_flags(analyze, Plan())
+    add_workload_flags(analyze)
+    add_plan_flags(analyze, Plan())
     analyze.add_argument(
         "--plain",
         action="store_true",
@@ -496,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.set_defaults(func=_cmd_analyze)
 
     report = commands["report"]
-    _add_workload_flags(report)
+    add_workload_flags(report)
     report.add_argument("--out-dir", default="lowmem_report", help="Default: %(default)s")
     report.set_defaults(func=_cmd_report)
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import jax
 
-from lowmem_jax.cli import analyze_argv
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.plan import Plan
+from lowmem_jax.plan_flags import analyze_argv
 from lowmem_jax.remat import CONV_OUT, DOT_OUT
 from lowmem_jax.sparsity import SparseConfig
 from lowmem_jax.workloads import analyze_model

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from lowmem_jax import cli
+from lowmem_jax.plan_flags import analyze_argv, plan_from_args
 
 
 @pytest.mark.slow
@@ -206,18 +207,18 @@ def test_analyze_argv_gives_back_every_plan_of_the_report_grid(model, batch):
     from lowmem_jax.report import standard_grid
 
     for name, _, plan in standard_grid(batch):
-        argv = cli.analyze_argv(model, batch, plan)
+        argv = analyze_argv(model, batch, plan)
         args = cli.build_parser().parse_args(["analyze", *argv])
         assert (args.model, args.batch_size) == (model, batch), name
         assert args.plain == (plan is None), name
         if plan is not None:
-            assert cli._plan(args, Plan()) == plan, name
+            assert plan_from_args(args, Plan()) == plan, name
     workload_flags = ["--model", model, "--batch-size", str(batch)]
     if model.startswith("dynamicconv"):
         workload_flags += ["--seq-len", "40"]
-    assert cli.analyze_argv(model, batch, Plan()) == workload_flags  # no technique: no flag
+    assert analyze_argv(model, batch, Plan()) == workload_flags  # no technique: no flag
     sparse = standard_grid(batch)[-1][2].sparsity
     pooled = Plan(sparsity=dataclasses.replace(sparse, regrow_pool="zeros_first"))
-    assert cli.analyze_argv(model, batch, pooled)[-2:] == ["--sparse-regrow-pool", "zeros_first"]
+    assert analyze_argv(model, batch, pooled)[-2:] == ["--sparse-regrow-pool", "zeros_first"]
     with pytest.raises(ValueError, match="no flags for every setting"):
-        cli.analyze_argv(model, batch, Plan(sparsity=dataclasses.replace(sparse, seed=3)))
+        analyze_argv(model, batch, Plan(sparsity=dataclasses.replace(sparse, seed=3)))

@@ -19,6 +19,7 @@ from lowmem_jax import cli
 from lowmem_jax import factorization as fz
 from lowmem_jax.factorization import layers as fz_layers
 from lowmem_jax.ops import conv2d
+from lowmem_jax.plan_flags import analyze_argv
 
 
 def _random(shape, seed=0):
@@ -256,10 +257,10 @@ def test_analyze_argv_round_trips_factorized_plans():
         lm.Plan(factorize=fz.FactorConfig("cp", 0.1), remat="full"),
         lm.Plan(factorize=fz.FactorConfig(), sparsity=lm.sparsity.SparseConfig(density=0.5)),
     ]:
-        argv = cli.analyze_argv("wrn-28-2", 128, plan)
+        argv = analyze_argv("wrn-28-2", 128, plan)
         assert "--factorize" in argv
     with pytest.raises(ValueError, match="no flags"):
-        cli.analyze_argv("wrn-28-2", 128, lm.Plan(factorize=fz.FactorConfig(cp_iterations=3)))
+        analyze_argv("wrn-28-2", 128, lm.Plan(factorize=fz.FactorConfig(cp_iterations=3)))
 
 
 def test_wrn_28_2_tucker_quarter_keeps_under_30_percent_of_the_parameters():

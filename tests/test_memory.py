@@ -9,6 +9,7 @@ import pytest
 import lowmem_jax as lm
 from lowmem_jax import cli, memory
 from lowmem_jax.flops import count_flops
+from lowmem_jax.plan_flags import plan_from_args
 from lowmem_jax.report import run_report, standard_grid, write_report
 from lowmem_jax.workloads import analyze_model
 
@@ -212,7 +213,7 @@ def test_report_writes_tables_and_plots(tmp_path):
     assert best["argv"] == rows[best["name"]]["argv"]
     assert best["argv"][:4] == ["--model", "wrn-10-1", "--batch-size", "8"]
     args = cli.build_parser().parse_args(["analyze", *best["argv"], "--json"])
-    again = analyze_model("wrn-10-1", 8, cli._plan(args, lm.Plan()))
+    again = analyze_model("wrn-10-1", 8, plan_from_args(args, lm.Plan()))
     assert again.xla == rows[best["name"]]["xla"]
     text = (tmp_path / "report.md").read_text()
     assert "| microbatch 4 |" in text and f"`lowmem analyze {' '.join(best['argv'])}`" in text
