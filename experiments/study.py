@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from lowmem_jax.checkpointing import checkpoint_steps
 from lowmem_jax.loop import TrainConfig, train_and_evaluate
 from lowmem_jax.plan import Plan
 from lowmem_jax.sparsity import SparseConfig
@@ -46,12 +47,16 @@ class Variant:
     """One configuration of a task: a technique at one setting, or a combination.
 
     ``plan`` (sparsity included) replaces the baseline's; its sparsity is seeded per run.
+    ``decompose``: start from the baseline trained with the same seed, its layers decomposed
+    into ``plan.factorize``'s (``TrainConfig.decompose_from``), and fine-tune for the baseline's
+    length, instead of training from scratch.
     """
 
     name: str
-    technique: str  # baseline, precision, microbatching, remat, sparsity, optimizer state, combined
+    technique: str  # baseline, precision, microbatching, remat, sparsity, optimizer state, ...
     setting: str
     plan: Plan = Plan()
+    decompose: bool = False
 
 
 def dsr(sparsity: float, seed: int = 0, target_pruned: int | None = None) -> SparseConfig:
@@ -148,11 +153,11 @@ def base_config(task: str, seed: int) -> TrainConfig:
     )
 
 
-def config_for(task: str, variant: Variant, seed: int) -> TrainConfig:
+def config_for(task: str, variant: Variant, seed: int, **overrides: Any) -> TrainConfig:
     plan = variant.plan
     if plan.sparsity is not None:
         plan = dataclasses.replace(plan, sparsity=dataclasses.replace(plan.sparsity, seed=seed))
-    return dataclasses.replace(base_config(task, seed), plan=plan)
+    return dataclasses.replace(base_config(task, seed), plan=plan, **overrides)
 
 
 def metric_name(task: str) -> str:
@@ -168,9 +173,11 @@ def sparse_fields(sparse: SparseConfig) -> dict[str, Any]:
     return out
 
 
-def train_once(task: str, variant: Variant, seed: int) -> dict[str, Any]:
-    """Trains one variant for one seed; returns the run record (no history)."""
-    config = config_for(task, variant, seed)
+def train_once(task: str, variant: Variant, seed: int, **overrides: Any) -> dict[str, Any]:
+    """Trains one variant for one seed; returns the run record (no history).
+
+    ``overrides``: :class:`TrainConfig` fields (``checkpoint_dir``, ``decompose_from``)."""
+    config = config_for(task, variant, seed, **overrides)
     start = time.perf_counter()
     summary = train_and_evaluate(config, log=None)
     plan = dataclasses.replace(variant.plan, sparsity=None)
@@ -180,6 +187,7 @@ def train_once(task: str, variant: Variant, seed: int) -> dict[str, Any]:
         "setting": variant.setting,
         "seed": seed,
         "plan": plan.to_dict(),
+        "decompose": variant.decompose,
         "sparse": None if config.plan.sparsity is None else sparse_fields(config.plan.sparsity),
         "metric": metric_name(task),
         "value": summary[metric_name(task)],
@@ -210,27 +218,45 @@ def run_variants(
     """Trains every (variant, seed) not already in ``<out_dir>/runs``; returns all records.
 
     Seeds are the outer loop, so a cut-short invocation has every variant at the first seeds.
+    A ``decompose`` variant fine-tunes the baseline of its seed, whose checkpoint is kept in
+    ``<out_dir>/checkpoints/baseline_seed<seed>`` (the baseline is trained, with checkpoints,
+    when that directory has none; its record is the same either way).
     """
     runs_dir = os.path.join(out_dir, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     records = load_runs(out_dir)
+    baseline = next(
+        (v for v in variants if v.name == "baseline"), Variant("baseline", "baseline", "")
+    )
+
+    def run(variant: Variant, seed: int, **overrides: Any) -> dict:
+        key = f"{variant.name}_seed{seed}"
+        if log:
+            log(f"[{time.strftime('%H:%M:%S')}] {task}: {variant.name} seed {seed}")
+        record = train_once(task, variant, seed, **overrides)
+        path = os.path.join(runs_dir, key + ".json")
+        with open(path + ".tmp", "w") as f:  # written whole, then renamed: never partial
+            json.dump(record, f, indent=1)
+        os.replace(path + ".tmp", path)
+        records[key] = record
+        if log:
+            log(f"    {record['metric']} {record['value']:.4f}  ({record['wall_seconds']:.0f}s)")
+        return record
+
     for seed in seeds:
+        dense_dir = os.path.join(out_dir, "checkpoints", f"baseline_seed{seed}")
+        needs_dense = any(v.decompose for v in variants)
         for variant in variants:
-            key = f"{variant.name}_seed{seed}"
-            if key in records:
+            if variant.decompose and not checkpoint_steps(dense_dir):
+                run(baseline, seed, checkpoint_dir=dense_dir)
+            if f"{variant.name}_seed{seed}" in records:
                 continue
-            if log:
-                log(f"[{time.strftime('%H:%M:%S')}] {task}: {variant.name} seed {seed}")
-            record = train_once(task, variant, seed)
-            path = os.path.join(runs_dir, key + ".json")
-            with open(path + ".tmp", "w") as f:  # written whole, then renamed: never partial
-                json.dump(record, f, indent=1)
-            os.replace(path + ".tmp", path)
-            records[key] = record
-            if log:
-                log(
-                    f"    {record['metric']} {record['value']:.4f}  ({record['wall_seconds']:.0f}s)"
-                )
+            if variant.decompose:
+                run(variant, seed, decompose_from=dense_dir)
+            elif variant.name == baseline.name and needs_dense:
+                run(variant, seed, checkpoint_dir=dense_dir)
+            else:
+                run(variant, seed)
     return records
 
 

@@ -39,12 +39,12 @@ from lowmem_jax.checkpointing import (
     restore_model,
     resume_or_start,
 )
-from lowmem_jax.factorization import decompose_params
+from lowmem_jax.factorization import decompose_params, select_ranks
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
 from lowmem_jax.train import model_params
-from lowmem_jax.workloads import build, workload
+from lowmem_jax.workloads import build, variable_shapes, workload
 
 __all__ = ["TrainConfig", "train_and_evaluate", "DEFAULT_PLAN", "NoProgressError"]
 
@@ -155,6 +155,14 @@ class TrainConfig:
             raise ValueError(
                 "decompose_from needs a plan with factorized layers (--factorize cp|tucker|lowrank)"
             )
+        factorize = self.plan.factorize
+        if factorize is not None and factorize.rank_rule != "compression" and not (
+            self.decompose_from or factorize.ranks
+        ):
+            raise ValueError(
+                f"rank_rule={factorize.rank_rule!r} chooses ranks from a trained dense model: "
+                "it needs decompose_from (--decompose-from DIR)"
+            )
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs a checkpoint_dir")
         if self.average_last > 1 and not self.checkpoint_dir:
@@ -232,12 +240,16 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     total_steps = task.total_steps
     work = task.workload(config)
     recipe = config.recipe(work.recipe)
-    setup = build(work, config.plan, recipe=recipe, total_steps=total_steps)
+    plan, dense = config.plan, None
+    if config.decompose_from:  # ranks from its weights are needed on resume too (the shapes)
+        dense = restore_model(config.decompose_from)
+        plan = _plan_with_ranks(work, plan, dense[0])
+    setup = build(work, plan, recipe=recipe, total_steps=total_steps)
     rng = jax.random.PRNGKey(config.seed)
     first_batch = next(task.train_batches(0, 1))[1]  # SNIP's gradient is taken on it
     variables = None
-    if config.decompose_from and not config.resume:
-        variables = _decomposed_variables(setup, config.decompose_from, log)
+    if dense is not None and not config.resume:
+        variables = _decomposed_variables(setup, dense, config.decompose_from, log)
     state = setup.init_state(first_batch, rng, jit=task.jit_init, variables=variables)
     checkpointer, state, metrics_writer = resume_or_start(
         state,
@@ -341,9 +353,26 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     return summary
 
 
-def _decomposed_variables(setup, directory: str, log) -> dict[str, Any]:
-    """The factorized model's variables from the dense model in ``directory``."""
-    dense_params, dense_state, step = restore_model(directory)
+def _plan_with_ranks(work, plan: Plan, dense_params) -> Plan:
+    """``plan`` with the ranks its ``rank_rule`` chooses from ``dense_params`` (unchanged for
+    ``compression``); where the factorized layers are comes from the model at compression
+    ranks."""
+    factorize = plan.factorize
+    if factorize.rank_rule == "compression":
+        return plan
+    placeholder = dataclasses.replace(factorize, rank_rule="compression")
+    model = dataclasses.replace(plan, factorize=placeholder).configure_model(work.model)
+    shapes = variable_shapes(model, work)["params"]
+    try:
+        factorize = select_ranks(dense_params, shapes, factorize)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"decompose_from: not a dense {work.name}: {err}") from None
+    return dataclasses.replace(plan, factorize=factorize)
+
+
+def _decomposed_variables(setup, dense, directory: str, log) -> dict[str, Any]:
+    """The factorized model's variables from ``dense`` (``restore_model`` of ``directory``)."""
+    dense_params, dense_state, step = dense
     shapes = setup.abstract_variables()
     try:
         variables = {
@@ -358,7 +387,9 @@ def _decomposed_variables(setup, directory: str, log) -> dict[str, Any]:
             f"{err}"
         ) from None
     if log:
-        log(f"decomposed step {step} of {directory} ({setup.plan.factorize.method})")
+        factorize = setup.plan.factorize
+        ranks = "" if factorize.rank_rule == "compression" else f", ranks by {factorize.rank_rule}"
+        log(f"decomposed step {step} of {directory} ({factorize.method}{ranks})")
     return variables
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from lowmem_jax.factorization import METHODS, FactorConfig
+from lowmem_jax.factorization import METHODS, RANK_RULES, FactorConfig
 from lowmem_jax.plan import Plan
 from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS, REGROW_POOLS, SparseConfig
 from lowmem_jax.workloads import MODEL_NAMES
@@ -99,8 +99,22 @@ def add_plan_flags(parser: argparse.ArgumentParser, base: Plan) -> None:
         "--factor-compression",
         type=float,
         default=0.25,
-        help="fraction of each factorized layer's parameters its factors keep (sets the ranks). "
-        "Default: %(default)s",
+        help="fraction of each factorized layer's parameters its factors keep (sets the ranks "
+        "under --factor-ranks compression). Default: %(default)s",
+    )
+    group.add_argument(
+        "--factor-ranks",
+        default="compression",
+        choices=RANK_RULES,
+        help="how ranks are chosen: by --factor-compression, or from the --decompose-from "
+        "model's weights (tucker, lowrank): energy (keep --factor-energy of the squared "
+        "singular values) or vbmf (Kim et al.'s VBMF). Default: %(default)s",
+    )
+    group.add_argument(
+        "--factor-energy",
+        type=float,
+        default=0.9,
+        help="retained energy for --factor-ranks energy. Default: %(default)s",
     )
 
 
@@ -126,6 +140,8 @@ def plan_from_args(args: argparse.Namespace, base: Plan) -> Plan:
         factorize = FactorConfig(
             method=args.factorize,
             compression=args.factor_compression,
+            rank_rule=args.factor_ranks,
+            energy=args.factor_energy,
         )
     return dataclasses.replace(base, **given, sparsity=sparse, factorize=factorize)
 
@@ -165,6 +181,10 @@ def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 
         argv += ["--factorize", factor.method]
         if factor.compression != 0.25:
             argv += ["--factor-compression", repr(factor.compression)]
+        if factor.rank_rule != "compression":
+            argv += ["--factor-ranks", factor.rank_rule]
+        if factor.energy != 0.9:
+            argv += ["--factor-energy", repr(factor.energy)]
     parser = argparse.ArgumentParser()
     add_workload_flags(parser)
     add_plan_flags(parser, Plan())

@@ -43,6 +43,7 @@ __all__ = [
     "workload",
     "build",
     "build_plain",
+    "variable_shapes",
     "analyze_model",
     "translation_is_sparse",
     "MODEL_NAMES",
@@ -216,10 +217,7 @@ class Setup:
 
     def abstract_variables(self) -> PyTree:
         """The shapes and dtypes of the configured model's variables (``model.init``)."""
-        inputs = [self.workload.batch[k] for k in self.workload.init_inputs]
-        return jax.eval_shape(
-            lambda *x: self.model.init(jax.random.PRNGKey(0), *x, train=False), *inputs
-        )
+        return variable_shapes(self.model, self.workload)
 
     def _init_state(
         self, batch: PyTree, rng: jax.Array, variables: PyTree | None = None
@@ -301,9 +299,7 @@ def build(
         plan = dataclasses.replace(plan, sparsity=sparse)
     recipe = recipe or work.recipe
     model = plan.configure_model(work.model)
-    inputs = [work.batch[k] for k in work.init_inputs]
-    # The shapes of the model's variables (Setup.abstract_variables, before there is a Setup).
-    params = jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *inputs)
+    params = variable_shapes(model, work)
     tx = plan.wrap_optimizer(recipe.optimizer_for(total_steps or 1), params["params"])
     loss_fn = work.loss_fn(model, recipe.label_smoothing)
     if remat.parse_policy(plan.remat).saved_names:
@@ -314,6 +310,13 @@ def build(
         remat.check_saved_names(plan.remat, tagged)
     step = make_train_step(loss_fn, tx, plan)
     return Setup(step, tx, loss_fn, model, plan, work, recipe, config)
+
+
+def variable_shapes(model: nn.Module, work: Workload) -> PyTree:
+    """The shapes and dtypes of ``model``'s variables (``jax.eval_shape`` of ``model.init`` on
+    ``work``'s batch)."""
+    inputs = [work.batch[k] for k in work.init_inputs]
+    return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *inputs)
 
 
 # What a model's author runs: straight-line blocks, XLA's own convolution.

@@ -10,6 +10,8 @@ import types
 import pytest
 
 from experiments import rq4_search, study
+from lowmem_jax.checkpointing import checkpoint_steps
+from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.loop import TrainConfig
 from lowmem_jax.plan import Plan
 from lowmem_jax.report import standard_grid
@@ -51,12 +53,23 @@ def test_run_variants_trains_once_and_resumes(tmp_path, monkeypatch):
     )
     variants = [
         study.Variant("baseline", "baseline", "fp32"),
-        study.Variant("mb16", "microbatching", "microbatch 16", Plan(microbatches=4)),
+        study.Variant(  # fine-tunes the baseline of its seed, decomposed
+            "lowrank",
+            "decomposed",
+            "low-rank 25%",
+            Plan(factorize=FactorConfig("lowrank")),
+            decompose=True,
+        ),
     ]
     first = study.run_variants("digits", variants, [0], str(tmp_path), log=None)
-    assert set(first) == {"baseline_seed0", "mb16_seed0"}
+    assert set(first) == {"baseline_seed0", "lowrank_seed0"}
     assert all(0.0 <= r["value"] <= 1.0 and r["steps"] == 22 for r in first.values())
-    monkeypatch.setattr(study, "train_once", lambda *a: pytest.fail("retrained a finished run"))
+    assert first["lowrank_seed0"]["decompose"] and not first["baseline_seed0"]["decompose"]
+    assert checkpoint_steps(tmp_path / "checkpoints" / "baseline_seed0") == [22]
+    assert first["lowrank_seed0"]["param_count"] < first["baseline_seed0"]["param_count"]
+    monkeypatch.setattr(
+        study, "train_once", lambda *a, **k: pytest.fail("retrained a finished run")
+    )
     again = study.run_variants("digits", variants, [0], str(tmp_path), log=None)
     assert again == json.loads(json.dumps(first))
 

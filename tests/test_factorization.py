@@ -18,6 +18,7 @@ import lowmem_jax as lm
 from lowmem_jax import cli
 from lowmem_jax import factorization as fz
 from lowmem_jax.factorization import layers as fz_layers
+from lowmem_jax.loop import TrainConfig
 from lowmem_jax.ops import conv2d
 from lowmem_jax.plan_flags import analyze_argv
 
@@ -127,6 +128,97 @@ def test_bad_config_values_are_refused():
         fz.FactorConfig(compression=0.0)
     with pytest.raises(ValueError, match="cp_iterations"):
         fz.FactorConfig(cp_iterations=-1)
+    with pytest.raises(ValueError, match="rank_rule"):
+        fz.FactorConfig(rank_rule="svd")
+    with pytest.raises(ValueError, match="method='cp' takes its ranks from compression"):
+        fz.FactorConfig("cp", rank_rule="vbmf")
+    with pytest.raises(ValueError, match="energy"):
+        fz.FactorConfig(rank_rule="energy", energy=1.5)
+
+
+# Ranks from trained weights: energy and VBMF.
+
+
+@given(
+    values=st.lists(st.floats(0.0, 100.0), min_size=1, max_size=40),
+    energy=st.floats(0.01, 1.0),
+)
+def test_energy_rank_is_the_least_rank_that_keeps_the_energy(values, energy):
+    s = np.sort(np.asarray(values))[::-1]
+    r = fz.energy_rank(s, energy)
+    total = np.sum(s**2)
+    assert 1 <= r <= len(s)
+    assert np.sum(s[:r] ** 2) >= energy * total * (1 - 1e-9)
+    if r > 1:
+        assert np.sum(s[: r - 1] ** 2) < energy * total
+
+
+@given(rank=st.integers(1, 8), rows=st.integers(24, 80), seed=st.integers(0, 1000))
+def test_vbmf_finds_the_rank_of_a_low_rank_matrix_in_noise(rank, rows, seed):
+    """Signals well above the noise's Marchenko-Pastur edge are kept, the noise is dropped."""
+    rng = np.random.default_rng(seed)
+    cols = 96
+    u = np.linalg.qr(rng.standard_normal((rows, rank)))[0]
+    v = np.linalg.qr(rng.standard_normal((cols, rank)))[0]
+    signal = np.linspace(10.0, 5.0, rank)  # edge: 0.1 * (sqrt(rows) + sqrt(cols)) < 2
+    y = u @ np.diag(signal) @ v.T + 0.1 * rng.standard_normal((rows, cols))
+    assert fz.vbmf_rank(y) == rank
+    assert fz.vbmf_rank(y.T) == rank
+    assert fz.vbmf_rank(0.1 * rng.standard_normal((rows, cols))) == 0
+
+
+def test_vbmf_threshold_constant_matches_the_papers_approximation():
+    """Nakajima et al. (2013): tau_bar ~ 2.5129 sqrt(alpha) (exact at alpha = 1)."""
+    from lowmem_jax.factorization.ranks import _tau_bar
+
+    assert _tau_bar(1.0) == pytest.approx(2.5129, abs=1e-4)
+    for alpha in (0.1, 0.3, 0.7):
+        assert _tau_bar(alpha) == pytest.approx(2.5129 * alpha**0.5, rel=0.04)
+
+
+def test_layer_ranks_read_the_tucker_unfoldings():
+    rng = np.random.default_rng(0)
+    u, core, v = (
+        rng.standard_normal((24, 5)),
+        rng.standard_normal((3, 3, 5, 7)),
+        rng.standard_normal((7, 40)),
+    )
+    kernel = np.asarray(fz.tucker2_to_tensor(u, core, v.T))  # multilinear ranks (5, 7)
+    energy = fz.FactorConfig("tucker", rank_rule="energy", energy=0.999999)
+    assert fz.layer_ranks(kernel, energy) == (5, 7)
+    noisy = kernel + 1e-3 * rng.standard_normal(kernel.shape)
+    assert fz.layer_ranks(noisy, fz.FactorConfig("tucker", rank_rule="vbmf")) == (5, 7)
+    # A matrix (dense layer or 1x1): one rank, of [k2 S, T].
+    matrix = rng.standard_normal((30, 4)) @ rng.standard_normal((4, 50))
+    assert fz.layer_ranks(matrix, energy) == (4,)
+
+
+def test_select_ranks_keys_layers_by_name_and_shape_and_builds_that_model():
+    images = jnp.zeros((2, 8, 8, 3))
+    dense = lm.models.WideResNet(16, 1).init(jax.random.PRNGKey(0), images, train=False)
+    config = fz.FactorConfig("tucker", rank_rule="energy", energy=0.5)
+    with pytest.raises(ValueError, match="takes ranks from a trained dense model"):
+        _params(lm.models.WideResNet(16, 1, factorize=config), [images])
+    placeholder = fz.FactorConfig("tucker")
+    shapes = _params(lm.models.WideResNet(16, 1, factorize=placeholder), [images])["params"]
+    chosen = fz.select_ranks(dense["params"], shapes, config)
+    table = {(name, shape): ranks for name, shape, ranks in chosen.ranks}
+    # WRN-16-1: per group (widths 16, 32, 64) a first block and a stack of one more.
+    stack = dense["params"]["group1_rest"]["stack"]["conv2"]["kernel"]  # [1, 3, 3, 32, 32]
+    first = dense["params"]["group1_first"]["stack"]["conv2"]["kernel"]
+    want = [fz.layer_ranks(np.asarray(k), config) for k in (*first, *stack)]
+    assert table[("conv2", (3, 3, 32, 32))] == tuple(np.max(want, axis=0))
+    assert table[("shortcut", (1, 1, 16, 32))][0] < 32
+    factored = lm.models.WideResNet(16, 1, factorize=chosen)
+    params = fz.decompose_params(dense["params"], _params(factored, [images])["params"], chosen)
+    core = params["group1_rest"]["stack"]["conv2"]["core"]["kernel"]
+    assert core.shape[-2:] == table[("conv2", (3, 3, 32, 32))]
+    logits = factored.apply({"params": params, "batch_stats": dense["batch_stats"]}, images,
+                            train=False)  # fmt: skip
+    assert logits.shape == (2, 10) and bool(jnp.all(jnp.isfinite(logits)))
+    assert fz.select_ranks(dense["params"], shapes, placeholder) is placeholder
+    with pytest.raises(ValueError, match="needs decompose_from"):
+        TrainConfig(plan=lm.Plan(factorize=config))
 
 
 # Layers: the same map as the dense convolution of the kernel their factors represent.
@@ -329,6 +421,19 @@ def test_train_dense_then_decompose_and_fine_tune(tmp_path, capsys):
     # This net's kernels, 2 epochs from random, keep ~16% of their norm at a quarter of the
     # parameters; one epoch of fine-tuning brings it well above chance (0.76 when written).
     assert tuned["test_accuracy"] > 0.5
+    # Ranks from the dense weights: the chosen ranks are in the record.
+    assert cli.main([
+        *common, "--epochs", "1", "--factorize", "tucker", "--decompose-from", dense_dir,
+        "--factor-ranks", "energy", "--factor-energy", "0.8",
+    ]) == 0  # fmt: skip
+    out = capsys.readouterr()
+    by_energy = json.loads(out.out)
+    assert "(tucker, ranks by energy)" in out.err
+    assert by_energy["plan"]["factorize"]["ranks"] and by_energy["test_accuracy"] > 0.5
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*common, "--factorize", "tucker", "--factor-ranks", "vbmf"])
+    assert exit_info.value.code == 2
+    assert "needs decompose_from" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*common, "--decompose-from", dense_dir])
     assert exit_info.value.code == 2

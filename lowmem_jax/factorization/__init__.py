@@ -15,6 +15,7 @@ dense model's parameters (:func:`decompose_params`) and fine-tune.
 from lowmem_jax.factorization.config import (
     FACTOR_HIDDEN,
     METHODS,
+    RANK_RULES,
     FactorConfig,
     compression_ranks,
     layer_method,
@@ -40,11 +41,13 @@ from lowmem_jax.factorization.layers import (
     factorize_kernel,
     reconstruct_kernel,
 )
+from lowmem_jax.factorization.ranks import energy_rank, layer_ranks, select_ranks, vbmf_rank
 
 __all__ = [
     "FACTOR_HIDDEN",
     "FACTOR_NAMES",
     "METHODS",
+    "RANK_RULES",
     "FactorConfig",
     "FactorizedConv",
     "LowRankDense",
@@ -55,13 +58,17 @@ __all__ = [
     "cp_to_tensor",
     "decompose_params",
     "dense_layer",
+    "energy_rank",
     "factor_shapes",
     "factorize_kernel",
     "layer_method",
+    "layer_ranks",
     "low_rank",
     "low_rank_to_tensor",
     "reconstruct_kernel",
     "relative_error",
+    "select_ranks",
     "tucker2",
     "tucker2_to_tensor",
+    "vbmf_rank",
 ]

@@ -11,6 +11,9 @@ at most the fraction ``c`` of its dense kernel's parameters. For a kernel ``[KH,
 
 Ranks are at least 1 and at most what the decomposition can use (``min(k2 S, T)`` for
 ``lowrank``, ``S`` and ``T`` for Tucker-2).
+
+Ranks from trained weights (``rank_rule="energy"`` or ``"vbmf"``, Kim et al. 2016) are chosen
+by :func:`lowmem_jax.factorization.select_ranks`, which fills the config's ``ranks`` table.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
 ]
 
 METHODS = ("cp", "tucker", "lowrank")
+RANK_RULES = ("compression", "energy", "vbmf")
 
 #: ``checkpoint_name`` of a factorized layer's inner outputs (remat ``save:factor_hidden``).
 FACTOR_HIDDEN = "factor_hidden"
@@ -54,6 +58,15 @@ class FactorConfig:
         stops them.
       keep_first_last: the first and last layers stay dense (the WRN's stem and classifier; the
         Transformer's embeddings and output projection are never factorized).
+      rank_rule: ``compression`` (ranks from ``compression``), or ranks chosen from a trained
+        dense model's weights (decompose-and-fine-tune only): ``energy`` (the least rank that
+        keeps ``energy`` of the squared singular values of each unfolding) or ``vbmf`` (Kim et
+        al.: empirical VBMF on each unfolding); :mod:`lowmem_jax.factorization.ranks`. Not for
+        ``cp`` (no closed-form CP rank).
+      energy: the retained fraction for ``rank_rule="energy"``, in ``(0, 1]``.
+      ranks: ``((layer name, dense kernel shape, ranks), ...)``: the ranks of the layers it
+        lists, over any rule; filled by ``select_ranks`` (a scanned stack's layers share one
+        entry: its name and shape).
     """
 
     method: str = "tucker"
@@ -62,6 +75,9 @@ class FactorConfig:
     cp_iterations: int = 50
     cp_tolerance: float = 1e-6
     keep_first_last: bool = True
+    rank_rule: str = "compression"
+    energy: float = 0.9
+    ranks: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -73,10 +89,37 @@ class FactorConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.cp_tolerance >= 0.0:
             raise ValueError(f"cp_tolerance must be >= 0, got {self.cp_tolerance}")
+        if self.rank_rule not in RANK_RULES:
+            raise ValueError(f"Unknown rank_rule={self.rank_rule!r}; allowed values: {RANK_RULES}")
+        if self.rank_rule != "compression" and self.method == "cp":
+            raise ValueError(
+                f"rank_rule={self.rank_rule!r} chooses Tucker-2 or low-rank ranks; "
+                "method='cp' takes its ranks from compression"
+            )
+        if not 0.0 < self.energy <= 1.0:
+            raise ValueError(f"energy must be in (0, 1], got {self.energy}")
+        # Hashable (a Flax module field): lists from JSON become tuples.
+        ranks = tuple((str(n), tuple(map(int, s)), tuple(map(int, r))) for n, s, r in self.ranks)
+        object.__setattr__(self, "ranks", ranks)
 
-    def ranks_for(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The ranks of a layer with a dense kernel of ``kernel_shape``: ``(R1, R2)`` for
-        Tucker-2, ``(R,)`` otherwise (:func:`compression_ranks`)."""
+    def ranks_for(self, kernel_shape: tuple[int, ...], name: str | None = None) -> tuple[int, ...]:
+        """The ranks of layer ``name`` with a dense kernel of ``kernel_shape``: ``(R1, R2)``
+        for Tucker-2, ``(R,)`` otherwise; from the ``ranks`` table when it lists the layer, else
+        by compression (:func:`compression_ranks`).
+
+        Raises:
+          ValueError: ``rank_rule`` is ``energy`` / ``vbmf`` and the table does not list the
+            layer (its ranks come from trained weights: ``select_ranks`` first).
+        """
+        for entry_name, shape, ranks in self.ranks:
+            if entry_name == name and shape == tuple(kernel_shape):
+                return ranks
+        if self.rank_rule != "compression":
+            raise ValueError(
+                f"rank_rule={self.rank_rule!r} takes ranks from a trained dense model, and none "
+                f"were chosen for layer {name!r} {tuple(kernel_shape)}: decompose a checkpoint "
+                "(lowmem train --decompose-from DIR, or factorization.select_ranks)"
+            )
         return compression_ranks(self.method, kernel_shape, self.compression)
 
     def describe(self) -> dict:

@@ -195,7 +195,7 @@ def _factors(module: nn.Module, method: str, shape: tuple[int, ...]) -> list[jax
     if all(name in stored for name in names):
         shapes = {name: stored[name]["kernel"].shape for name in names}
     else:
-        ranks = module.config.ranks_for(shape)
+        ranks = module.config.ranks_for(shape, module.name)
         shapes = factor_shapes(method, shape, ranks)
         if module.is_initializing():
             key = module.make_rng("params")
