@@ -17,6 +17,7 @@ from lowmem_jax import (
     nnx_split,
     ops,
     optimizer_state,
+    planner,
     precision,
     quantization,
     recipes,
@@ -41,6 +42,7 @@ from lowmem_jax.microbatch import accumulate_gradients
 from lowmem_jax.nnx_split import SplitNNX, split_nnx
 from lowmem_jax.optimizer_state import QuantizedState, quantized_state
 from lowmem_jax.plan import Plan
+from lowmem_jax.planner import BudgetPlan, NoPlanFits, plan_for_budget
 from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
 from lowmem_jax.remat import ScannedBlocks, compiler_options, parse_policy
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
@@ -93,6 +95,9 @@ __all__ = [
     "analyze",
     "analyze_model",
     "MemoryReport",
+    "plan_for_budget",
+    "BudgetPlan",
+    "NoPlanFits",
     "factorization",
     "loss_scale",
     "losses",
@@ -102,6 +107,7 @@ __all__ = [
     "nnx_split",
     "ops",
     "optimizer_state",
+    "planner",
     "precision",
     "quantization",
     "recipes",

@@ -2,6 +2,7 @@
 
 ``lowmem analyze``: compile-only memory analysis of one configuration (``--json`` for machines).
 ``lowmem report``: the standard grid of configurations, as a table, JSON, markdown and plots.
+``lowmem plan``: the plan with the fewest FLOPs whose compiled step fits a byte budget.
 ``lowmem train``: train a registered model on a dataset (nothing is downloaded) with any
 combination of the techniques.
 
@@ -183,6 +184,29 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from lowmem_jax.planner import parse_bytes, plan_for_model
+
+    budget = parse_bytes(args.budget)
+    log = None if args.json else print
+    if log:
+        log(f"lowmem plan: {args.model}, budget {budget / MIB:.1f} MiB, envelope {args.envelope}")
+    result = plan_for_model(
+        args.model, args.batch_size, budget, envelope=args.envelope, seq_len=args.seq_len, log=log
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), sort_keys=True))
+        return 0
+    x = result.xla
+    print(
+        f"plan: lowmem analyze {' '.join(result.argv)}\n"
+        f"  {x['source']} total {x['total_bytes'] / MIB:.1f} MiB (budget {budget / MIB:.1f}), "
+        f"analytic {result.analytic_total_bytes / MIB:.1f} MiB, FLOPs {result.flops:.4g} "
+        f"({result.flops_overhead:.3f} of the fp32 step), {result.seconds:.0f} s"
+    )
+    return 0
+
+
 def _add_train_flags(train: argparse.ArgumentParser) -> None:
     from lowmem_jax.loop import DEFAULT_PLAN
     from lowmem_jax.tasks import DATASETS
@@ -291,6 +315,13 @@ _COMMANDS = {
         "combinations; prints a table and writes report.json, report.md, breakdown.png and "
         "tradeoff.png.",
     ),
+    "plan": (
+        "the plan with the fewest FLOPs whose compiled step fits a memory budget",
+        "Search the technique combinations inside an accuracy envelope for the one whose "
+        "compiled train step fits --budget with the fewest FLOPs (recomputation counted); "
+        "candidates are predicted analytically and verified by compiling (nothing runs). Prints "
+        "the answer, its lowmem analyze flags and what else was considered.",
+    ),
     "train": (
         "train a model with a combination of low-memory techniques",
         "Train a registered model: a WideResNet on the scikit-learn digits (1,797 8x8 images "
@@ -340,6 +371,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_flags(report)
     report.add_argument("--out-dir", default="lowmem_report", help="Default: %(default)s")
     report.set_defaults(func=_cmd_report)
+
+    plan = commands["plan"]
+    add_workload_flags(plan)
+    plan.add_argument(
+        "--budget",
+        required=True,
+        help="bytes the compiled step may take (XLA's total: arguments + outputs + temps - "
+        "aliased), e.g. 48MiB, 1.5GiB",
+    )
+    plan.add_argument(
+        "--envelope",
+        default="report",
+        choices=("report", "any"),
+        help="report: the settings the technical report found safe for accuracy "
+        "(lowmem_jax.envelope); any: every setting. Default: %(default)s",
+    )
+    plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    plan.set_defaults(func=_cmd_plan)
 
     _add_train_flags(commands["train"])
     commands["train"].set_defaults(func=_cmd_train)

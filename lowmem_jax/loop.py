@@ -156,8 +156,10 @@ class TrainConfig:
                 "decompose_from needs a plan with factorized layers (--factorize cp|tucker|lowrank)"
             )
         factorize = self.plan.factorize
-        if factorize is not None and factorize.rank_rule != "compression" and not (
-            self.decompose_from or factorize.ranks
+        if (
+            factorize is not None
+            and factorize.rank_rule != "compression"
+            and not (self.decompose_from or factorize.ranks)
         ):
             raise ValueError(
                 f"rank_rule={factorize.rank_rule!r} chooses ranks from a trained dense model: "

@@ -21,11 +21,11 @@ from typing import Any
 
 import jax
 
+from lowmem_jax.envelope import ENVELOPES, report_sparsity
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
 from lowmem_jax.remat import CONV_OUT, DOT_OUT
-from lowmem_jax.sparsity import SparseConfig
 from lowmem_jax.workloads import analyze_model
 
 __all__ = [
@@ -46,20 +46,8 @@ PUBLISHED = {"wrn-28-2": 60.7, "dynamicconv-iwslt": 8.7}
 # (name, group, plan); plan None is the plain step (lowmem_jax.workloads.build_plain).
 GridRow = tuple[str, str, Plan | None]
 
-#: What the technical report found safe for accuracy: float32 master weights, microbatches of at
-#: least 8 examples (BatchNorm statistics per microbatch), at most 70% sparsity. It did not study
-#: factorized layers: a factorized row is outside.
-ENVELOPE = {
-    "precisions": ("fp32", "mixed_fp16", "mixed_bf16"),
-    "min_microbatch_examples": 8,
-    "max_sparsity": 0.7,
-}
-
-
-def _dsr(sparsity: float) -> SparseConfig:
-    """The report's sparse storage: DSR, compressed (values + indices), uniform densities."""
-    return SparseConfig(algorithm="dsr", density=1.0 - sparsity, distribution="uniform",
-                        compressed=True)  # fmt: skip
+#: The technical report's accuracy envelope (:data:`lowmem_jax.envelope.ENVELOPES`).
+ENVELOPE = ENVELOPES["report"]
 
 
 def divisor_at_most(batch_size: int, target: float) -> int:
@@ -90,11 +78,13 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
     for remat in ("dots", f"save:{saved_name}", "full", "every:2", "sqrt"):
         grid.append((f"remat {remat}", "remat", Plan(remat=remat)))
     for sparsity in (0.5, 0.7, 0.9):
-        grid.append((f"sparse {sparsity:.0%} dsr", "sparsity", Plan(sparsity=_dsr(sparsity))))
+        grid.append(
+            (f"sparse {sparsity:.0%} dsr", "sparsity", Plan(sparsity=report_sparsity(sparsity)))
+        )
     for fmt in ("bf16", "int8", "int4"):
         grid.append((f"state {fmt}", "optimizer state", Plan(optimizer_state=fmt)))
     for fmt in ("bf16", "int8", "int4"):
-        plan = Plan(optimizer_state=fmt, sparsity=_dsr(0.9))
+        plan = Plan(optimizer_state=fmt, sparsity=report_sparsity(0.9))
         grid.append((f"sparse 90% dsr + state {fmt}", "optimizer state", plan))
     tucker = FactorConfig("tucker", 0.25)
     grid.append(("factorize tucker 25%", "factorization", Plan(factorize=tucker)))
@@ -120,12 +110,15 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
     if 1 < size < batch_size:
         plan = Plan(precision="mixed_fp16", microbatches=batch_size // size, remat="full")
         grid.append((f"mixed_fp16 + mb {size} + remat full", "combined", plan))
-        plan = dataclasses.replace(plan, sparsity=_dsr(0.7))
+        plan = dataclasses.replace(plan, sparsity=report_sparsity(0.7))
         grid.append((f"mixed_fp16 + mb {size} + remat full + sparse 70%", "combined", plan))
     size = micro(2)
     if 1 < size < batch_size:
         plan = Plan(
-            precision="fp16", microbatches=batch_size // size, remat="full", sparsity=_dsr(0.9)
+            precision="fp16",
+            microbatches=batch_size // size,
+            remat="full",
+            sparsity=report_sparsity(0.9),
         )
         grid.append((f"fp16 + mb {size} + remat full + sparse 90%", "combined", plan))
         plan = dataclasses.replace(plan, optimizer_state="int4")
@@ -136,17 +129,7 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
 def in_envelope(config: dict[str, Any]) -> bool:
     """Whether a row's ``config`` (``Setup.config``) lies inside :data:`ENVELOPE`; the plain
     step does."""
-    if config.get("plain"):
-        return True
-    if config.get("factorize"):
-        return False
-    examples = config["batch_size"] // config["microbatches"]
-    sparsity = (config.get("sparsity") or {}).get("sparsity", 0.0)
-    return (
-        config["precision"] in ENVELOPE["precisions"]
-        and (config["microbatches"] == 1 or examples >= ENVELOPE["min_microbatch_examples"])
-        and sparsity <= ENVELOPE["max_sparsity"] + 1e-9
-    )
+    return ENVELOPE.why_outside(config) is None
 
 
 def run_report(
@@ -217,7 +200,7 @@ def run_report(
             "published_reduction": PUBLISHED.get(model),
         },
         "best_in_envelope": {
-            "envelope": ENVELOPE,
+            "envelope": ENVELOPE.describe(),
             "name": inside["name"],
             "argv": inside["argv"],
             "reduction_xla": inside["reduction_xla"],
@@ -265,8 +248,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     if inside and inside.get("reduction_xla_vs_plain") is not None:
         lines += [
             "Best inside the technical report's envelope (fp32 master weights, microbatches of "
-            f"at least {ENVELOPE['min_microbatch_examples']} examples, at most "
-            f"{ENVELOPE['max_sparsity']:.0%} sparsity): **{inside['reduction_xla_vs_plain']:.1f}x "
+            f"at least {ENVELOPE.min_microbatch_examples} examples, at most "
+            f"{ENVELOPE.max_sparsity:.0%} sparsity): **{inside['reduction_xla_vs_plain']:.1f}x "
             f"({src})**, {inside['reduction_analytic_vs_plain']:.1f}x (analytic), by "
             f"`{inside['name']}`: `lowmem analyze {' '.join(inside['argv'])}`.",
             "",

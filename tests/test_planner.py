@@ -1,0 +1,93 @@
+"""``lowmem plan``: budgets, envelopes, the search's answers verified by compiling them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import cli, planner
+from lowmem_jax.envelope import ENVELOPES, report_sparsity
+from lowmem_jax.factorization import FactorConfig
+from lowmem_jax.workloads import analyze_model
+
+MIB = 2**20
+MODEL, BATCH = "wrn-10-1", 16  # baseline: ~11.3 MiB by XLA:CPU
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("48MiB", 48 * MIB), ("1.5 GiB", int(1.5 * 2**30)), ("500MB", 500 * 10**6), ("1024", 1024),
+     ("2kib", 2048)],
+)  # fmt: skip
+def test_parse_bytes(text, expected):
+    assert planner.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "-3MiB", "0MiB", "12 parsecs", "1e3"])
+def test_parse_bytes_refuses_what_is_not_a_size(text):
+    with pytest.raises(ValueError, match="KiB, MiB, GiB"):
+        planner.parse_bytes(text)
+
+
+def test_envelopes_say_why_a_plan_is_outside():
+    def config(plan: lm.Plan) -> dict:
+        return {"batch_size": 128, **plan.to_dict()}
+
+    report, anything = ENVELOPES["report"], ENVELOPES["any"]
+    inside = lm.Plan(precision="mixed_fp16", microbatches=16, remat="full",
+                     sparsity=report_sparsity(0.7), optimizer_state="int8")  # fmt: skip
+    assert report.why_outside(config(inside)) is None
+    outside = {
+        "precision fp16": lm.Plan(precision="fp16"),
+        "microbatches of 4 examples": lm.Plan(microbatches=32),
+        "sparsity 90%": lm.Plan(sparsity=report_sparsity(0.9)),
+        "optimizer state int4": lm.Plan(optimizer_state="int4"),
+        "factorized layers": lm.Plan(factorize=FactorConfig()),
+    }
+    for reason, plan in outside.items():
+        assert reason in report.why_outside(config(plan))
+        assert anything.why_outside(config(plan)) is None
+
+
+def test_a_budget_the_baseline_fits_gets_the_baseline():
+    baseline = analyze_model(MODEL, BATCH, lm.Plan()).xla["total_bytes"]
+    result = planner.plan_for_model(MODEL, BATCH, baseline)
+    assert result.plan == lm.Plan() and result.flops_overhead == pytest.approx(1.0)
+    assert result.xla["total_bytes"] == baseline
+    assert result.considered[-1]["verdict"] == "chosen"
+
+
+@pytest.mark.slow
+def test_plan_json_gives_flags_whose_compiled_step_fits(capsys):
+    """The issue's checks at test scale: ``lowmem plan --json``, then ``lowmem analyze`` with
+    its ``argv`` compiles to at most the budget; a budget that microbatches alone meet gets no
+    recomputation (FLOPs overhead 1.00)."""
+    budget = 8 * MIB  # the baseline is ~11.3 MiB; two microbatches take ~6.4
+    assert cli.main(["plan", "--model", MODEL, "--batch-size", str(BATCH), "--budget", "8MiB",
+                     "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) >= {"plan", "argv", "xla", "flops_overhead", "considered"}
+    assert result["xla"]["total_bytes"] <= budget
+    assert result["flops_overhead"] == pytest.approx(1.0, abs=1e-3)
+    assert result["plan"]["remat"] == "none" and result["plan"]["microbatches"] > 1
+    assert cli.main(["analyze", *result["argv"], "--json"]) == 0
+    analyzed = json.loads(capsys.readouterr().out)
+    assert analyzed["xla"]["total_bytes"] == result["xla"]["total_bytes"] <= budget
+    assert analyzed["config"]["microbatches"] == result["plan"]["microbatches"]
+    assert ENVELOPES["report"].why_outside(analyzed["config"]) is None
+
+
+@pytest.mark.slow
+def test_a_budget_below_every_plan_names_the_smallest(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--model", MODEL, "--batch-size", str(BATCH), "--budget", "1MiB"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no plan in the 'report' envelope fits 1.0 MiB" in err
+    assert "the smallest budget that can work is" in err and "lowmem analyze --model" in err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--model", MODEL, "--budget", "lots"])
+    assert exit_info.value.code == 2
+    assert "budget 'lots' is not a positive size" in capsys.readouterr().err
