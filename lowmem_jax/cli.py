@@ -73,13 +73,34 @@ _TRAIN_FIELDS = (
 )  # fmt: skip
 
 
+def _given_technique_flags(args: argparse.Namespace) -> list[str]:
+    """The technique flags given on the command line (those not left at their default)."""
+    given = [f"--{f.name.replace('_', '-')}" for f in Plan.flag_fields()
+             if getattr(args, f.name) is not None]  # fmt: skip
+    given += ["--sparsity"] if args.sparsity else []
+    given += ["--factorize"] if args.factorize != "none" else []
+    return given
+
+
 def _train_config(args: argparse.Namespace):
     from lowmem_jax.loop import DEFAULT_PLAN, TrainConfig
+    from lowmem_jax.planner import parse_bytes
 
     fields = {k: getattr(args, k) for k in _TRAIN_FIELDS if getattr(args, k) is not None}
+    plan, budget = plan_from_args(args, DEFAULT_PLAN), None
+    if args.memory_budget is not None:
+        budget = parse_bytes(args.memory_budget)
+        given = _given_technique_flags(args)
+        if given:
+            raise ValueError(
+                f"--memory-budget chooses the techniques; it takes no {', '.join(given)}"
+            )
+        plan = DEFAULT_PLAN
     return TrainConfig(
         **fields,
-        plan=plan_from_args(args, DEFAULT_PLAN),
+        plan=plan,
+        memory_budget=budget,
+        memory_envelope=args.envelope,
         learning_rate=args.lr,
         lr_schedule=args.lr_schedule,
         resume=args.resume,
@@ -96,7 +117,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         paths.check_writable_file(args.output, "--output")
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print
     if not args.json:
-        print(f"training {config.model_name} on {config.dataset}: {config.plan.to_dict()}")
+        plan = "planned for --memory-budget" if config.memory_budget else config.plan.to_dict()
+        print(f"training {config.model_name} on {config.dataset}: {plan}")
     summary = train_and_evaluate(config, log=log)
     if args.output:
         with open(args.output, "w") as f:
@@ -127,13 +149,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
     plan = plan_from_args(args, Plan())
     if args.plain:
-        given = [
-            f"--{f.name.replace('_', '-')}"
-            for f in Plan.flag_fields()
-            if getattr(args, f.name) is not None
-        ]
-        given += ["--sparsity"] if args.sparsity else []
-        given += ["--factorize"] if args.factorize != "none" else []
+        given = _given_technique_flags(args)
         if given:
             raise ValueError(
                 f"--plain is the step without any technique; it takes no {', '.join(given)}"
@@ -293,6 +309,19 @@ def _add_train_flags(train: argparse.ArgumentParser) -> None:
         help="start from the newest checkpoint in DIR of the same model trained dense: its "
         "layers are decomposed into the --factorize ones (BatchNorm statistics kept), then "
         "fine-tuned",
+    )
+    budget = train.add_argument_group("memory budget (lowmem_jax.planner)")
+    budget.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="choose the techniques: the plan with the fewest FLOPs whose compiled step fits SIZE "
+        "(e.g. 48MiB; what lowmem plan answers), instead of technique flags",
+    )
+    budget.add_argument(
+        "--envelope",
+        default="report",
+        choices=("report", "any"),
+        help="the settings --memory-budget may use (see lowmem plan). Default: %(default)s",
     )
     ckpt.add_argument("--output", metavar="PATH", help="write the summary JSON here")
     ckpt.add_argument(

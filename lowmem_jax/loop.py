@@ -41,6 +41,7 @@ from lowmem_jax.checkpointing import (
 )
 from lowmem_jax.factorization import decompose_params, select_ranks
 from lowmem_jax.plan import Plan
+from lowmem_jax.planner import plan_for_budget
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
 from lowmem_jax.train import model_params
@@ -85,6 +86,10 @@ class TrainConfig:
         parameters are decomposed into the plan's factorized layers
         (:func:`lowmem_jax.factorization.decompose_params`; BatchNorm statistics copied) and
         fine-tuned, instead of starting from scratch. Needs ``plan.factorize``.
+      memory_budget: bytes the compiled train step may take: the plan is chosen by
+        :func:`lowmem_jax.planner.plan_for_budget` (fewest FLOPs that fits, inside
+        ``memory_envelope``: ``report`` or ``any``) and replaces ``plan``, which must be left at
+        its default.
       max_consecutive_skips: stop with :class:`NoProgressError` after this many skipped steps
         in a row (``0``: never).
       tensorboard: also write the records as TensorBoard scalars.
@@ -123,6 +128,8 @@ class TrainConfig:
     keep_checkpoints: int | None = None
     resume: bool = False
     decompose_from: str | None = None
+    memory_budget: int | None = None
+    memory_envelope: str = "report"
     max_consecutive_skips: int = 100
     tensorboard: bool = True
     progress: bool = True
@@ -165,6 +172,8 @@ class TrainConfig:
                 f"rank_rule={factorize.rank_rule!r} chooses ranks from a trained dense model: "
                 "it needs decompose_from (--decompose-from DIR)"
             )
+        if self.memory_budget is not None and self.plan != DEFAULT_PLAN:
+            raise ValueError("memory_budget chooses the plan: leave plan at its default")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs a checkpoint_dir")
         if self.average_last > 1 and not self.checkpoint_dir:
@@ -243,6 +252,18 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     work = task.workload(config)
     recipe = config.recipe(work.recipe)
     plan, dense = config.plan, None
+    if config.memory_budget is not None:
+        chosen = plan_for_budget(
+            work, config.memory_budget, envelope=config.memory_envelope, recipe=recipe
+        )
+        plan = chosen.plan
+        if log:
+            log(
+                f"memory budget {config.memory_budget / 2**20:.1f} MiB: "
+                f"{' '.join(chosen.argv[4:]) or 'no technique'} "
+                f"({chosen.xla['source']} {chosen.xla['total_bytes'] / 2**20:.1f} MiB, FLOPs "
+                f"{chosen.flops_overhead:.3f} of the fp32 step)"
+            )
     if config.decompose_from:  # ranks from its weights are needed on resume too (the shapes)
         dense = restore_model(config.decompose_from)
         plan = _plan_with_ranks(work, plan, dense[0])

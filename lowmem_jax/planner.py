@@ -42,6 +42,7 @@ from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.flops import count_flops
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
+from lowmem_jax.recipes import Recipe
 from lowmem_jax.workloads import Workload, build, workload
 
 __all__ = ["SPACE", "BudgetPlan", "NoPlanFits", "parse_bytes", "plan_for_budget", "plan_for_model"]
@@ -123,15 +124,16 @@ def _axes(envelope: Envelope, batch_size: int) -> dict[str, tuple]:
 class _Search:
     """The state of one search: the workload, caches of predictions and compiles, the log."""
 
-    def __init__(self, work: Workload, budget: int, envelope: Envelope, log):
+    def __init__(self, work: Workload, budget: int, envelope: Envelope, log, recipe):
         self.work, self.budget, self.envelope, self.log = work, budget, envelope, log
+        self.recipe = recipe
         self.predicted: dict[Plan, int] = {}
         self.compiled: dict[Plan, dict[str, Any]] = {}
         self.calibration: dict[tuple, float] = {}
         self.considered: list[dict[str, Any]] = []
 
     def flops(self, plan: Plan) -> float:
-        setup = build(self.work, plan)
+        setup = build(self.work, plan, recipe=self.recipe)
         state = setup.abstract_state()
         step = getattr(setup.step, "__wrapped__", setup.step)
         return count_flops(step, state, self.work.batch)[0]
@@ -162,7 +164,7 @@ class _Search:
     def _stored(self, precision, sparsity, state, factorize, accumulates) -> int:
         plan = Plan(precision=precision, sparsity=sparsity, optimizer_state=state,
                     factorize=factorize, microbatches=2 if accumulates else 1)  # fmt: skip
-        setup = build(self.work, plan)
+        setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
             state=setup.abstract_state(), batch=self.work.batch,
             microbatches=plan.microbatches, tx=setup.tx,
@@ -173,7 +175,7 @@ class _Search:
     def _activations(self, precision, remat, factorize, microbatches) -> int:
         plan = Plan(precision=precision, remat=remat, factorize=factorize,
                     microbatches=microbatches)  # fmt: skip
-        setup = build(self.work, plan)
+        setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
             state=setup.abstract_state(), batch=self.work.batch,
             loss_fn=precision_lib.cast_loss_fn(setup.loss_fn, plan.policy),
@@ -183,7 +185,7 @@ class _Search:
 
     def compile(self, plan: Plan) -> dict[str, Any]:
         if plan not in self.compiled:
-            setup = build(self.work, plan)
+            setup = build(self.work, plan, recipe=self.recipe)
             lowered = setup.step.lower(setup.abstract_state(), self.work.batch)
             self.compiled[plan] = memory.xla_memory(lowered.compile())
             self.predict(plan)
@@ -242,10 +244,12 @@ def plan_for_budget(
     budget_bytes: int,
     *,
     envelope: str = "report",
+    recipe: Recipe | None = None,
     log: Callable[[str], None] | None = None,
 ) -> BudgetPlan:
     """The plan with the fewest FLOPs whose compiled step on ``work`` fits ``budget_bytes``
-    (module docstring), inside ``envelope`` (``report`` or ``any``).
+    (module docstring), inside ``envelope`` (``report`` or ``any``); ``recipe``: the
+    optimizer (``None``: the workload's), which sets the optimizer state's bytes.
 
     Raises:
       ValueError: an unknown envelope or a budget that is not positive.
@@ -258,7 +262,7 @@ def plan_for_budget(
     start = time.perf_counter()
     env = ENVELOPES[envelope]
     axes = _axes(env, work.batch_size)
-    search = _Search(work, budget_bytes, env, log)
+    search = _Search(work, budget_bytes, env, log, recipe)
     reference = search.flops(Plan())
     classes = sorted(
         ((search.flops(Plan(remat=r, factorize=f)), r, f)
