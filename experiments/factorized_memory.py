@@ -178,6 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     for result in results:
         lines += ["", f"## {result['model']}, batch {result['batch_size']}", "", *table(result)]
     lines += digits_table()
+    lines += [
+        "",
+        "## Accuracy over seeds (CPU tasks)",
+        "",
+        "CP / Tucker-2 / low-rank at 10, 25 and 50%, from scratch and decomposed from the "
+        "dense baseline of the same seed then fine-tuned, with and without remat, ranks by "
+        "VBMF and by energy, 3 seeds each, paired with the baseline: "
+        "[digits/accuracy.md](digits/accuracy.md) (WRN-16-2, 8x8) and "
+        "[translation/accuracy.md](translation/accuracy.md) (the small DynamicConv "
+        "Transformer, synthetic reversal), by `python experiments/factorized_study.py`.",
+    ]
     step_times = os.path.join(RESULTS, "train_step_wrn-28-2_b128_cpu.md")
     if os.path.exists(step_times):
         with open(step_times) as f:

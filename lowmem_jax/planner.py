@@ -15,8 +15,8 @@ accuracy envelope (:data:`lowmem_jax.envelope.ENVELOPES`):
   (:func:`lowmem_jax.memory.analytic_breakdown`, no compile; XLA's total has not been below it
   on any configuration of our reports but the plain step), times a calibration: XLA's total
   over the analytic one for a compiled plan with the same settings but the microbatch count;
-  for settings not compiled yet, the least such ratio seen so far in the search (1 before the
-  first compile). The analytic count falls with more sparsity and fewer state bits, so a
+  for settings not compiled yet, the least such ratio seen so far at the same precision (1
+  before one). The analytic count falls with more sparsity and fewer state bits, so a
   microbatch count of a class is skipped when its corners (the most sparsity, each precision
   and state format) are all predicted over the budget, and the class when that holds at its
   most microbatches. Only candidates predicted to fit are compiled.
@@ -141,7 +141,7 @@ class _Search:
     def predict(self, plan: Plan, bound: bool = False) -> int:
         """Analytic bytes times the calibration of the plan's settings (:func:`_key`); where
         none was compiled with them, 1 (the analytic count), or with ``bound`` the least
-        calibration seen so far.
+        calibration seen so far at the plan's precision.
 
         The analytic count is assembled from two cached parts: the stored bytes (parameters,
         optimizer state with its accumulator, inputs), which do not depend on remat, and the
@@ -156,8 +156,12 @@ class _Search:
                 plan.microbatches > 1,
             ) + self._activations(plan.precision, plan.remat, plan.factorize, plan.microbatches)
         # Settings never compiled: XLA's totals have stayed above the analytic count times the
-        # least ratio seen so far, so ``bound`` uses it to skip what cannot fit.
-        fallback = min(self.calibration.values(), default=1.0) if bound else 1.0
+        # least ratio seen at the same precision (XLA:CPU computes bf16 convolutions in
+        # float32: its ratios are its own), so ``bound`` uses it to skip what cannot fit.
+        fallback = 1.0
+        if bound:
+            same = [r for k, r in self.calibration.items() if k[2] == plan.precision]
+            fallback = min(same, default=1.0)
         return int(self.predicted[plan] * self.calibration.get(_key(plan), fallback))
 
     @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
