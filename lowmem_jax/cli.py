@@ -204,12 +204,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from lowmem_jax.planner import parse_bytes, plan_for_model
 
     budget = parse_bytes(args.budget)
+    if args.plot:
+        paths.check_writable_file(args.plot, "--plot")
     log = None if args.json else print
     if log:
         log(f"lowmem plan: {args.model}, budget {budget / MIB:.1f} MiB, envelope {args.envelope}")
     result = plan_for_model(
         args.model, args.batch_size, budget, envelope=args.envelope, seq_len=args.seq_len, log=log
     )
+    if args.plot:
+        from lowmem_jax.planner import plot_considered
+
+        plot_considered(result, args.plot)
     if args.json:
         print(json.dumps(result.to_dict(), sort_keys=True))
         return 0
@@ -417,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(lowmem_jax.envelope); any: every setting. Default: %(default)s",
     )
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    plan.add_argument(
+        "--plot", metavar="PATH", help="write a PNG of the plans compiled: bytes vs FLOPs"
+    )
     plan.set_defaults(func=_cmd_plan)
 
     _add_train_flags(commands["train"])

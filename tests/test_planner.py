@@ -60,14 +60,16 @@ def test_a_budget_the_baseline_fits_gets_the_baseline():
 
 
 @pytest.mark.slow
-def test_plan_json_gives_flags_whose_compiled_step_fits(capsys):
+def test_plan_json_gives_flags_whose_compiled_step_fits(capsys, tmp_path):
     """The issue's checks at test scale: ``lowmem plan --json``, then ``lowmem analyze`` with
     its ``argv`` compiles to at most the budget; a budget that microbatches alone meet gets no
     recomputation (FLOPs overhead 1.00)."""
     budget = 8 * MIB  # the baseline is ~11.3 MiB; two microbatches take ~6.4
+    plot = tmp_path / "considered.png"
     assert cli.main(["plan", "--model", MODEL, "--batch-size", str(BATCH), "--budget", "8MiB",
-                     "--json"]) == 0  # fmt: skip
+                     "--json", "--plot", str(plot)]) == 0  # fmt: skip
     result = json.loads(capsys.readouterr().out)
+    assert plot.stat().st_size > 0
     assert set(result) >= {"plan", "argv", "xla", "flops_overhead", "considered"}
     assert result["xla"]["total_bytes"] <= budget
     assert result["flops_overhead"] == pytest.approx(1.0, abs=1e-3)
