@@ -85,14 +85,15 @@ def write_accuracy(task: str, out_dir: str, command: str) -> dict:
             "baseline's steps in all).\n\n"
         )
         f.write(study.accuracy_table(rows, task))
-        f.write("\n| config | parameters (seed 0) |\n|---|---:|\n")
+        f.write("\n| config | technique | parameters (seed 0) |\n|---|---|---:|\n")
         for row in rows:
-            f.write(f"| {row['setting']} | {row['param_count']:,} |\n")
+            f.write(f"| {row['setting']} | {row['technique']} | {row['param_count']:,} |\n")
         f.write(
             "\nPaired delta: the variant minus the baseline trained with the same seed "
             "(same data split and order).\n"
         )
-    study.plot_accuracy(rows, task, os.path.join(out_dir, "accuracy.png"))
+    title = f"Factorized layers: {task} (CPU scale; colour: from scratch or decomposed)"
+    study.plot_accuracy(rows, task, os.path.join(out_dir, "accuracy.png"), title)
     return result
 
 

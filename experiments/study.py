@@ -347,7 +347,9 @@ def accuracy_table(rows: list[dict[str, Any]], task: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_accuracy(rows: list[dict[str, Any]], task: str, path: str) -> None:
+def plot_accuracy(
+    rows: list[dict[str, Any]], task: str, path: str, title: str | None = None
+) -> None:
     """Bar chart of the paired difference to the baseline, with the seeds' range."""
     import matplotlib
 
@@ -370,7 +372,7 @@ def plot_accuracy(rows: list[dict[str, Any]], task: str, path: str) -> None:
     ax.set_xlabel(f"{unit} minus the baseline of the same seed (bar: mean, line: range)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[t]) for t in techniques]
     ax.legend(handles, techniques, fontsize=8, loc="lower left")
-    ax.set_title(f"Each technique alone: {task} (CPU scale)")
+    ax.set_title(title or f"Each technique alone: {task} (CPU scale)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
