@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "CP / Tucker-2 / low-rank at 10, 25 and 50%, from scratch and decomposed from the "
         "dense baseline of the same seed then fine-tuned, with and without remat, ranks by "
-        "VBMF and by energy, 3 seeds each, paired with the baseline: "
+        "VBMF and by energy, over seeds (each table gives its count), paired with the baseline: "
         "[digits/accuracy.md](digits/accuracy.md) (WRN-16-2, 8x8) and "
         "[translation/accuracy.md](translation/accuracy.md) (the small DynamicConv "
         "Transformer, synthetic reversal), by `python experiments/factorized_study.py`.",
