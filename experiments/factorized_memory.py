@@ -106,7 +106,8 @@ def digits_table() -> list[str]:
         "",
         "## Digits (WRN-16-2, 10 epochs, mixed_fp16 + 4 microbatches + remat full, seed 0)",
         "",
-        "One run each (`--output` JSON next to this file): no spread measured yet.",
+        "One run each (`--output` JSON next to this file); the spread over seeds is in the next "
+        "section.",
         "",
         "| run | parameters | test accuracy | train seconds (2 CPU cores, shared) | command |",
         "|---|---:|---:|---:|---|",
