@@ -22,6 +22,7 @@ from lowmem_jax import (
     quantization,
     recipes,
     remat,
+    sharding,
     skip_guard,
     sparsity,
     workloads,
@@ -52,6 +53,7 @@ from lowmem_jax.train import (
     make_train_step,
     model_params,
     scaled_grad_fn,
+    state_shardings,
 )
 from lowmem_jax.workloads import analyze_model, build, workload
 
@@ -64,6 +66,7 @@ __all__ = [
     "make_plain_train_step",
     "model_params",
     "scaled_grad_fn",
+    "state_shardings",
     "Optimizer",
     "as_optimizer",
     "differentiated_loss",
@@ -112,6 +115,7 @@ __all__ = [
     "quantization",
     "recipes",
     "remat",
+    "sharding",
     "skip_guard",
     "sparsity",
     "workloads",

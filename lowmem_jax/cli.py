@@ -19,6 +19,7 @@ Orbax, hidden otherwise). Warnings from lowmem_jax print as ``lowmem <command>: 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -71,6 +72,20 @@ _TRAIN_FIELDS = (
     "average_last", "checkpoint_dir", "checkpoint_every", "keep_checkpoints",
     "max_consecutive_skips", "decompose_from",
 )  # fmt: skip
+
+
+def _use_devices(args: argparse.Namespace) -> None:
+    """``--devices N`` with ``--shard``: N host devices on CPU, asked for before JAX starts."""
+    devices, shard = getattr(args, "devices", None), getattr(args, "shard", None)
+    if devices and shard in (None, "none"):
+        raise ValueError(
+            f"--devices {devices} needs --shard (dp, zero1, zero2 or zero3): without it the "
+            "step runs on one device"
+        )
+    if devices and shard not in (None, "none"):
+        from lowmem_jax.sharding import set_cpu_devices
+
+        set_cpu_devices(devices)
 
 
 def _given_technique_flags(args: argparse.Namespace) -> list[str]:
@@ -157,6 +172,13 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         plan = None
     report = analyze_model(args.model, args.batch_size, plan, seq_len=args.seq_len)
     result = {"model": args.model, "batch_size": report.config["batch_size"], **report.to_dict()}
+    if plan is not None and plan.shard != "none":  # the one-device step, for comparison
+        one = dataclasses.replace(plan, shard="none", devices=0)
+        single = analyze_model(args.model, args.batch_size, one, seq_len=args.seq_len).xla
+        result["single_device"] = {"xla": single}
+        result["xla_vs_single_device"] = {
+            k: result["xla"][k] / single[k] for k in ("argument_bytes", "total_bytes")
+        }
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
@@ -170,6 +192,14 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         f"output {x['output_bytes'] / MIB:9.2f}  alias {x['alias_bytes'] / MIB:9.2f}  "
         f"temp {x['temp_bytes'] / MIB:9.2f}  total {x['total_bytes'] / MIB:9.2f}"
     )
+    if "single_device" in result:
+        one, ratio = result["single_device"]["xla"], result["xla_vs_single_device"]
+        print(
+            f"  per device of {result['config']['devices']} ({result['config']['shard']}); one "
+            f"device: argument {one['argument_bytes'] / MIB:.2f} MiB, total "
+            f"{one['total_bytes'] / MIB:.2f} MiB (x{ratio['argument_bytes']:.3f}, "
+            f"x{ratio['total_bytes']:.3f})"
+        )
     print(
         f"   analytic: model {a['model_bytes'] / MIB:9.2f} MiB  optimizer "
         f"{a['optimizer_bytes'] / MIB:9.2f}  activations {a['activation_bytes'] / MIB:9.2f}  "
@@ -453,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         _use_compilation_cache(args.cache_dir)
+        _use_devices(args)
         return args.func(args)
     except NoProgressError as err:
         if args.debug:

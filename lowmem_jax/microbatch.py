@@ -48,28 +48,41 @@ def check_num_microbatches(num_microbatches: int) -> int:
     return num_microbatches
 
 
-def split_batch(batch: PyTree, num_microbatches: int) -> PyTree:
-    """Reshapes every leaf ``[B, ...]`` to ``[k, B/k, ...]`` (contiguous slices).
+def split_batch(batch: PyTree, num_microbatches: int, shards: int = 1) -> PyTree:
+    """Reshapes every leaf ``[B, ...]`` to ``[k, B/k, ...]``.
+
+    ``shards = 1``: contiguous slices. ``shards = N``: the batch is read as ``N`` contiguous
+    shards (one per data-parallel device) and microbatch ``i`` is the ``i``-th slice of each
+    (``[B] -> [N, k, B/(Nk)] -> [k, N, B/(Nk)] -> [k, B/k]``), so a device accumulates over
+    its own examples and no example moves between devices.
 
     Raises:
       ValueError: if a leaf has no batch axis or ``B`` is not divisible by ``k``; raised while
         tracing, before any computation is built.
     """
     k = check_num_microbatches(num_microbatches)
+    parts = k * shards
     leaves, _ = jax.tree_util.tree_flatten_with_path(batch)
     sizes = {jax.tree_util.keystr(p): (x.shape[0] if x.ndim else None) for p, x in leaves}
     for path, size in sizes.items():
         if size is None:
             raise ValueError(f"batch leaf {path or '<root>'} is a scalar; it has no batch axis")
-        if size % k:
+        if size % parts:
+            by = f"num_microbatches={k}" + (f" x shards={shards}" if shards > 1 else "")
             raise ValueError(
-                f"batch size {size} (leaf {path or '<root>'}) is not divisible by "
-                f"num_microbatches={k}; choose a divisor of the batch size"
+                f"batch size {size} (leaf {path or '<root>'}) is not divisible by {by}; "
+                "choose a divisor of the batch size"
             )
-    return jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+
+    def split(x):
+        b = x.shape[0] // parts
+        x = x.reshape((shards, k, b) + x.shape[1:]).swapaxes(0, 1)
+        return x.reshape((k, shards * b) + x.shape[3:])
+
+    return jax.tree.map(split, batch)
 
 
-def accumulate_gradients(grad_fn: GradFn, num_microbatches: int) -> GradFn:
+def accumulate_gradients(grad_fn: GradFn, num_microbatches: int, shards: int = 1) -> GradFn:
     """Wraps ``grad_fn`` to accumulate over ``num_microbatches`` slices with ``lax.scan``.
 
     ``num_microbatches == 1`` returns ``grad_fn`` itself. ``rng`` may be ``None``; otherwise
@@ -84,7 +97,7 @@ def accumulate_gradients(grad_fn: GradFn, num_microbatches: int) -> GradFn:
         return grad_fn
 
     def accumulated(params, model_state, batch, rng):
-        microbatches = split_batch(batch, k)
+        microbatches = split_batch(batch, k, shards)
         first = jax.tree.map(lambda x: x[0], microbatches)
         grads_shape, _, _ = jax.eval_shape(grad_fn, params, model_state, first, rng)
         grad_sum = jax.tree.map(

@@ -15,6 +15,8 @@ settings)
                                                       (sparse) optimizer (:meth:`wrap_optimizer`)
 ``factorize``       :mod:`lowmem_jax.factorization`   the model's layers, factorized
                                                       (:meth:`configure_model`)
+``shard`` (+        :mod:`lowmem_jax.sharding`        the step's layouts over a device mesh
+``devices``)                                          (:meth:`mesh`, ``make_train_step``)
 ==================  ================================  =============================================
 
 A technique module never imports this one or another technique; the plan names them and
@@ -37,6 +39,7 @@ from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import optimizer_state as optimizer_state_lib
 from lowmem_jax import precision as precision_lib
 from lowmem_jax import remat as remat_lib
+from lowmem_jax import sharding as sharding_lib
 from lowmem_jax import sparsity as sparsity_lib
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer
 from lowmem_jax.remat import ModuleT
@@ -73,6 +76,10 @@ class Plan:
         compressed storage), or ``None`` for dense training.
       factorize: a :class:`lowmem_jax.factorization.FactorConfig` (CP / Tucker-2 / low-rank
         layers, for a model with a ``factorize`` field: the bundled ones), or ``None``.
+      shard: a :mod:`lowmem_jax.sharding` stage (``none``, ``dp``, ``zero1``, ``zero2``,
+        ``zero3``): the step runs over a data-parallel mesh with that much of the state
+        partitioned; the batch size must divide by the devices (times ``microbatches``).
+      devices: the mesh's device count for ``shard`` (``0``: every device JAX sees).
       initial_loss_scale, loss_scale_period, loss_scale_factor, min_loss_scale: loss-scale
         settings (2**15, 2000, 2, 1 by default).
     """
@@ -107,6 +114,13 @@ class Plan:
         "al. 2023); leaves under 4096 elements stay fp32. Updates are computed in fp32",
         choices=optimizer_state_lib.FORMATS,
     )
+    shard: str = _flag(
+        "none",
+        "partition over a data-parallel mesh: dp (batch), zero1 (+ optimizer state), zero2 (+ "
+        "gradients), zero3 (+ parameters); figures are per device",
+        choices=sharding_lib.STAGES,
+    )
+    devices: int = _flag(0, "devices in the mesh for --shard (0: all visible)")
     remat_blocks: tuple[str, ...] = ()
     sparsity: sparsity_lib.SparseConfig | None = None
     factorize: factorization_lib.FactorConfig | None = None
@@ -143,7 +157,16 @@ class Plan:
                 f"factorize must be a lowmem_jax.factorization.FactorConfig or None, got "
                 f"{type(self.factorize).__name__}"
             )
-        self.make_loss_scale()  # validates the loss-scale settings
+        sharding_lib.stage(self.shard)
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 0:
+            raise ValueError(f"devices must be an int >= 0 (0: all visible), got {self.devices!r}")
+        loss_scale_lib.check_settings(
+            self.loss_scale_kind,
+            initial_scale=self.initial_loss_scale,
+            period=self.loss_scale_period,
+            factor=self.loss_scale_factor,
+            min_loss_scale=self.min_loss_scale,
+        )
 
     @property
     def policy(self) -> precision_lib.Policy:
@@ -251,6 +274,13 @@ class Plan:
     def flag_fields(cls) -> list[dataclasses.Field]:
         """The fields ``lowmem`` exposes as flags (those declared with a help text)."""
         return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+    def mesh(self) -> sharding_lib.Mesh | None:
+        """The data-parallel mesh of ``shard`` over ``devices`` (``None`` when ``shard`` is
+        ``"none"``); see :func:`lowmem_jax.sharding.data_mesh`."""
+        if self.shard == "none":
+            return None
+        return sharding_lib.data_mesh(self.devices)
 
     def compiler_options(self) -> dict[str, str]:
         """XLA options the jitted step needs for this plan (see :func:`remat.compiler_options`)."""

@@ -32,10 +32,18 @@ from flax import struct
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import precision as precision_lib
+from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer, differentiated_loss
 from lowmem_jax.plan import Plan
 
-__all__ = ["TrainState", "scaled_grad_fn", "make_train_step", "make_plain_train_step"]
+__all__ = [
+    "TrainState",
+    "scaled_grad_fn",
+    "make_train_step",
+    "make_plain_train_step",
+    "state_specs",
+    "state_shardings",
+]
 
 
 class TrainState(struct.PyTreeNode):
@@ -122,6 +130,26 @@ def scaled_grad_fn(loss_fn: LossFn, loss_scale: loss_scale_lib.LossScale):
     return grad_fn
 
 
+def state_specs(state: TrainState, plan: Plan, num_shards: int) -> TrainState:
+    """A :class:`~jax.sharding.PartitionSpec` per leaf of ``state`` (arrays or shapes) under
+    ``plan.shard``: the optimizer state partitioned from ``zero1`` on, the parameters at
+    ``zero3`` (:func:`lowmem_jax.sharding.leaf_spec`), everything else replicated."""
+    stage = sharding_lib.stage(plan.shard)
+    specs = sharding_lib.tree_specs(state, num_shards, partition=False)
+    return specs.replace(
+        params=sharding_lib.tree_specs(state.params, num_shards, stage.parameters),
+        opt_state=sharding_lib.tree_specs(state.opt_state, num_shards, stage.optimizer_state),
+    )
+
+
+def state_shardings(state: TrainState, plan: Plan) -> TrainState | None:
+    """:func:`state_specs` as ``NamedSharding`` on ``plan.mesh()``; ``None`` without one."""
+    mesh = plan.mesh()
+    if mesh is None:
+        return None
+    return sharding_lib.named(mesh, state_specs(state, plan, mesh.size))
+
+
 def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation | Optimizer,
@@ -136,6 +164,12 @@ def make_train_step(
     may store the parameters in another form, e.g. compressed sparse: the model then sees
     ``tx.materialize(state.params, state.opt_state)``, built inside the step, so transiently).
 
+    With ``plan.shard`` set, the step is one SPMD program over ``plan.mesh()``: the batch is
+    split over the devices, the state laid out by :func:`state_specs` on the way in and out,
+    and from ``zero2`` on the gradients are partitioned as the optimizer state is (XLA then
+    reduce-scatters them). Microbatches are taken from each device's examples
+    (:func:`lowmem_jax.microbatch.split_batch` with ``shards``).
+
     ``metrics`` holds the loss function's metrics (averaged over microbatches, float32) plus
     ``loss_scale`` (the scale used in this step), ``grads_finite`` and ``update_finite``
     (bools: were the gradients, and the updates and new parameters, finite; the step is
@@ -143,13 +177,33 @@ def make_train_step(
     """
     opt = as_optimizer(tx)
     policy_loss_fn = precision_lib.cast_loss_fn(loss_fn, plan.policy)
+    mesh = plan.mesh()
+    shards = 1 if mesh is None else mesh.size
+    stage = sharding_lib.stage(plan.shard)
+
+    def layout(tree, specs):
+        return tree if mesh is None else sharding_lib.constrain(tree, mesh, specs)
+
+    def gathered(loss):
+        # zero3: the partitioned parameters are gathered whole where the loss reads them (the
+        # transpose reduce-scatters their gradient); left to itself, XLA's partitioner lets
+        # the parameters' layout split the convolutions' channels instead of the batch.
+        def loss_of_gathered(p, *args):
+            return loss(layout(p, sharding_lib.tree_specs(p, shards, False)), *args)
+
+        return loss_of_gathered
 
     def train_step(state: TrainState, batch: PyTree):
+        state = layout(state, state_specs(state, plan, shards))
+        batch = layout(batch, sharding_lib.batch_spec(batch))
         rng = jax.random.fold_in(state.rng, state.step)
         loss, wrt = differentiated_loss(policy_loss_fn, opt, state.params, state.opt_state)
+        if stage.parameters:
+            loss = gathered(loss)
         grad_fn = scaled_grad_fn(loss, state.loss_scale)
-        grad_fn = microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches)
+        grad_fn = microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches, shards)
         grads, model_state, metrics = grad_fn(wrt, state.model_state, batch, rng)
+        grads = layout(grads, sharding_lib.tree_specs(grads, shards, stage.gradients))
 
         grads_finite = loss_scale_lib.all_finite(grads)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
@@ -172,6 +226,7 @@ def make_train_step(
             loss_scale=state.loss_scale.adjust(grads_finite),  # the scale answers to overflow
             skipped_steps=skipped,
         )
+        new_state = layout(new_state, state_specs(new_state, plan, shards))
         metrics = {
             **metrics,
             "loss_scale": state.loss_scale.loss_scale,

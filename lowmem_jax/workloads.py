@@ -32,10 +32,11 @@ import jax
 import jax.numpy as jnp
 
 from lowmem_jax import losses, memory, models, precision, remat, sparsity
+from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
-from lowmem_jax.train import TrainState, make_plain_train_step, make_train_step
+from lowmem_jax.train import TrainState, make_plain_train_step, make_train_step, state_shardings
 
 __all__ = [
     "Workload",
@@ -213,7 +214,13 @@ class Setup:
         reproducible.
         """
         rng = jax.random.PRNGKey(0) if rng is None else rng
-        return (jax.jit(self._init_state) if jit else self._init_state)(batch, rng, variables)
+        if not jit:
+            state = self._init_state(batch, rng, variables)
+            shardings = state_shardings(state, self.plan)
+            return state if shardings is None else jax.device_put(state, shardings)
+        shapes = jax.eval_shape(self._init_state, batch, rng, variables)
+        init = jax.jit(self._init_state, out_shardings=state_shardings(shapes, self.plan))
+        return init(batch, rng, variables)
 
     def abstract_variables(self) -> PyTree:
         """The shapes and dtypes of the configured model's variables (``model.init``)."""
@@ -237,8 +244,27 @@ class Setup:
         )
 
     def abstract_state(self) -> TrainState:
-        """The state's shapes and dtypes (nothing is computed)."""
-        return jax.eval_shape(self._init_state, self.workload.batch, jax.random.PRNGKey(0))
+        """The state's shapes and dtypes (nothing is computed), with the plan's shardings
+        when it has a mesh (``plan.shard``)."""
+        shapes = jax.eval_shape(self._init_state, self.workload.batch, jax.random.PRNGKey(0))
+        shardings = state_shardings(shapes, self.plan)
+        if shardings is None:
+            return shapes
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+        )
+
+    def abstract_batch(self) -> PyTree:
+        """The workload's batch shapes, split over the plan's mesh when it has one."""
+        mesh = self.plan.mesh()
+        if mesh is None:
+            return self.workload.batch
+        shardings = sharding_lib.named(mesh, sharding_lib.batch_spec(self.workload.batch))
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            self.workload.batch,
+            shardings,
+        )
 
     def example_batch(self, seed: int = 0) -> dict[str, jax.Array]:
         """A random batch of the workload's shapes: images ~ N(0, 1), labels in [0, 10),
@@ -255,16 +281,28 @@ class Setup:
         return out
 
     def analyze(self) -> memory.MemoryReport:
-        """Compile-only memory analysis of the step at the workload's batch shapes."""
-        return memory.analyze(
+        """Compile-only memory analysis of the step at the workload's batch shapes.
+
+        With a mesh (``plan.shard``), XLA's figures are per device (the partitioned program
+        one device runs) and ``config["devices"]`` is the mesh's size; the analytic figures
+        stay those of one device running the whole batch."""
+        mesh = self.plan.mesh()
+        config = self.config if mesh is None else {**self.config, "devices": mesh.size}
+        report = memory.analyze(
             self.step,
             self.abstract_state(),
-            self.workload.batch,
+            self.abstract_batch(),
             loss_fn=self.loss_fn,
             plan=self.plan,
             tx=self.tx,
-            config=self.config,
+            config=config,
         )
+        if mesh is not None:
+            report.notes.append(
+                f"xla: per device, shard={self.plan.shard!r} over {mesh.size} devices; "
+                "analytic: one device, the whole batch"
+            )
+        return report
 
 
 def build(
@@ -288,6 +326,13 @@ def build(
     if work.batch_size % plan.microbatches:
         raise ValueError(
             f"batch_size={work.batch_size} is not divisible by microbatches={plan.microbatches}"
+        )
+    mesh = plan.mesh()
+    if mesh is not None and work.batch_size % (plan.microbatches * mesh.size):
+        raise ValueError(
+            f"batch_size={work.batch_size} is not divisible by microbatches={plan.microbatches}"
+            f" x devices={mesh.size} (shard={plan.shard!r}: each device takes its share of "
+            "every microbatch)"
         )
     config = {"model": work.name, "batch_size": work.batch_size, **plan.to_dict()}
     sparse = plan.sparsity

@@ -31,6 +31,10 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), *(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())]
 ).strip()
 
+# Eight host devices for the sharding tests (tests/test_sharding.py); set before JAX starts its
+# backends. Everything else runs on the first, as with one.
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("LOWMEM_TEST_DEVICES", "8")))
+
 # One persistent compilation cache for the whole suite, in-process and for the CLI subprocesses
 # (LOWMEM_CACHE_DIR): the same small models are compiled by many tests, and the classification
 # task's op-by-op parameter initialisation alone compiles ~190 tiny programs (~20 s) per run.

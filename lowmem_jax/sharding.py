@@ -1,0 +1,181 @@
+"""ZeRO-style partitioning of the train state over a one-axis data-parallel device mesh.
+
+Stages (Rajbhandari et al. 2020, "ZeRO"), on a mesh of ``N`` devices with axis ``"data"``:
+
+=========  ======================================================================================
+``none``   one device; nothing is partitioned
+``dp``     data parallelism: each device computes on ``B / N`` examples; parameters, gradients
+           and optimizer state replicated (gradients all-reduced)
+``zero1``  ``dp`` + the optimizer state partitioned: each device updates its ``1/N`` slice
+``zero2``  ``zero1`` + the gradients partitioned (reduce-scattered instead of all-reduced)
+``zero3``  ``zero2`` + the parameters partitioned (gathered where a layer uses them)
+=========  ======================================================================================
+
+The step is one ``jax.jit`` program over the global arrays (SPMD): XLA's partitioner inserts the
+collectives the shardings imply, so a global reduction (the loss, the gradients' finiteness, a
+sparse layer's top-k budget, BatchNorm's statistics) means the same on every device as on one.
+
+**How a leaf is partitioned** (:func:`leaf_spec`). ZeRO partitions the flat concatenation of all
+parameters; here each array is partitioned along one of its own axes (no flattening, so a
+layer's slices stay arrays XLA can gather per layer): the largest axis divisible by ``N``
+(the last of equal ones). A leaf with no such axis (a scalar, a ``[3]`` vector) stays
+replicated; :func:`partitioned_fraction` says how many bytes that leaves whole.
+
+The batch is split along its leading axis (:func:`batch_spec`): device ``d`` holds examples
+``[d B/N, (d+1) B/N)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = [
+    "STAGES",
+    "AXIS",
+    "Stage",
+    "stage",
+    "data_mesh",
+    "leaf_spec",
+    "tree_specs",
+    "batch_spec",
+    "named",
+    "constrain",
+    "partitioned_fraction",
+    "set_cpu_devices",
+]
+
+PyTree = Any
+AXIS = "data"
+STAGES = ("none", "dp", "zero1", "zero2", "zero3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """What a stage partitions over the ``data`` axis (the batch always, from ``dp`` on)."""
+
+    name: str
+    optimizer_state: bool
+    gradients: bool
+    parameters: bool
+
+    @property
+    def parallel(self) -> bool:
+        return self.name != "none"
+
+
+_STAGES = {
+    "none": Stage("none", False, False, False),
+    "dp": Stage("dp", False, False, False),
+    "zero1": Stage("zero1", True, False, False),
+    "zero2": Stage("zero2", True, True, False),
+    "zero3": Stage("zero3", True, True, True),
+}
+
+
+def stage(name: str) -> Stage:
+    """The :class:`Stage` called ``name``.
+
+    Raises:
+      ValueError: naming ``shard`` and the allowed values.
+    """
+    if name not in _STAGES:
+        raise ValueError(f"Unknown shard={name!r}; allowed values: {list(STAGES)}")
+    return _STAGES[name]
+
+
+def set_cpu_devices(count: int) -> None:
+    """Makes at least ``count`` devices visible: asks XLA:CPU for ``count`` host devices
+    (``jax_num_cpu_devices``) if JAX has not started its backends yet; otherwise checks that
+    enough devices are already there. Other backends ignore the option.
+
+    Raises:
+      ValueError: JAX already runs with fewer than ``count`` devices.
+    """
+    if count < 1:
+        raise ValueError(f"devices must be >= 1, got {count}")
+    if count > 1 and count > jax.config.jax_num_cpu_devices:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:  # the backends have started: whatever they have must do
+            pass
+    if len(jax.devices()) < count:
+        raise ValueError(
+            f"devices={count}: JAX has already started with {len(jax.devices())} "
+            f"{jax.default_backend()} device(s); ask for host devices before anything runs on "
+            "JAX (lowmem --devices does, as does lowmem_jax.sharding.set_cpu_devices)"
+        )
+
+
+def data_mesh(devices: int = 0) -> Mesh:
+    """A one-axis mesh (``"data"``) over the first ``devices`` visible devices (``0``: all).
+
+    Raises:
+      ValueError: more devices than JAX sees, naming how to get more on CPU.
+    """
+    visible = jax.devices()
+    count = len(visible) if devices == 0 else devices
+    if count < 1 or count > len(visible):
+        raise ValueError(
+            f"devices={devices}: JAX sees {len(visible)} {jax.default_backend()} device(s); "
+            "on CPU, `lowmem ... --devices N` (or lowmem_jax.sharding.set_cpu_devices(N) before "
+            "JAX starts) gives N host devices"
+        )
+    return Mesh(np.asarray(visible[:count]), (AXIS,))
+
+
+def leaf_spec(shape: tuple[int, ...], num_shards: int) -> PartitionSpec:
+    """The spec that splits an array of ``shape`` over ``num_shards`` along its largest axis
+    divisible by ``num_shards`` (the last of equal ones); replicated (``P()``) if none is."""
+    if num_shards <= 1:
+        return PartitionSpec()
+    best = None
+    for axis, size in enumerate(shape):
+        if size % num_shards == 0 and (best is None or size >= shape[best]):
+            best = axis
+    if best is None:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * best), AXIS)
+
+
+def tree_specs(tree: PyTree, num_shards: int, partition: bool = True) -> PyTree:
+    """A :class:`PartitionSpec` per leaf of ``tree`` (arrays or shapes): :func:`leaf_spec`, or
+    replicated for every leaf when ``partition`` is false."""
+    return jax.tree.map(
+        lambda x: leaf_spec(tuple(x.shape), num_shards) if partition else PartitionSpec(), tree
+    )
+
+
+def batch_spec(batch: PyTree) -> PyTree:
+    """Every batch leaf split along its leading (example) axis."""
+    return jax.tree.map(lambda _: PartitionSpec(AXIS), batch)
+
+
+def named(mesh: Mesh, specs: PyTree) -> PyTree:
+    """``NamedSharding(mesh, spec)`` per spec of ``specs``."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec)
+    )
+
+
+def constrain(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
+    """``jax.lax.with_sharding_constraint`` of every leaf of ``tree`` to its spec (inside a
+    jitted function: XLA lays the value out so, communicating where it must)."""
+    return jax.lax.with_sharding_constraint(tree, named(mesh, specs))
+
+
+def partitioned_fraction(tree: PyTree, num_shards: int) -> float:
+    """The fraction of ``tree``'s bytes that :func:`leaf_spec` partitions (1.0 for an empty
+    tree)."""
+    total = part = 0
+    for x in jax.tree.leaves(tree):
+        size = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        total += size
+        if leaf_spec(tuple(x.shape), num_shards) != PartitionSpec():
+            part += size
+    return part / total if total else 1.0
