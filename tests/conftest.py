@@ -31,9 +31,10 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), *(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())]
 ).strip()
 
-# Eight host devices for the sharding tests (tests/test_sharding.py); set before JAX starts its
-# backends. Everything else runs on the first, as with one.
-jax.config.update("jax_num_cpu_devices", int(os.environ.get("LOWMEM_TEST_DEVICES", "8")))
+# Host devices for this process, set before JAX starts its backends: one, as a user has, unless
+# LOWMEM_TEST_DEVICES says more (tests/test_sharding.py runs tests/sharding_cases.py with 8 in a
+# process of its own; 8 devices here would slow every other test by ~6%).
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("LOWMEM_TEST_DEVICES", "1")))
 
 # One persistent compilation cache for the whole suite, in-process and for the CLI subprocesses
 # (LOWMEM_CACHE_DIR): the same small models are compiled by many tests, and the classification

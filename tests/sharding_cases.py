@@ -1,0 +1,246 @@
+"""ZeRO-style sharding (lowmem_jax.sharding): every stage computes what one device computes.
+
+Needs 8 host devices, set before JAX starts: tests/test_sharding.py runs this file in a pytest
+process of its own with ``LOWMEM_TEST_DEVICES=8`` (read by conftest). Alone:
+``LOWMEM_TEST_DEVICES=8 python -m pytest tests/sharding_cases.py``.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import BNNet, TinyMLP, assert_trees_close, classification_batch, to_numpy
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import lowmem_jax as lm
+from lowmem_jax import cli, sharding
+from lowmem_jax.microbatch import split_batch
+
+DEVICES = 8
+
+
+def test_this_process_has_eight_host_devices():
+    assert len(jax.devices()) >= DEVICES, "run with LOWMEM_TEST_DEVICES=8 (see the docstring)"
+
+
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=0, max_size=4).map(tuple),
+    shards=st.sampled_from([1, 2, 3, 4, 8]),
+)
+def test_leaf_spec_splits_the_largest_divisible_axis(shape, shards):
+    spec = sharding.leaf_spec(shape, shards)
+    divisible = [i for i, n in enumerate(shape) if n % shards == 0]
+    if shards == 1 or not divisible:
+        assert spec == P()
+        return
+    axis = spec.index(sharding.AXIS)
+    assert shape[axis] % shards == 0
+    assert shape[axis] == max(shape[i] for i in divisible)
+    assert all(s is None for i, s in enumerate(spec) if i != axis)
+
+
+def test_split_batch_takes_each_microbatch_from_every_shard():
+    x = jnp.arange(16)
+    assert split_batch(x, 2).tolist() == [list(range(8)), list(range(8, 16))]
+    # 4 shards of 4 examples; microbatch i is the i-th pair of each shard.
+    assert split_batch(x, 2, shards=4).tolist() == [
+        [0, 1, 4, 5, 8, 9, 12, 13],
+        [2, 3, 6, 7, 10, 11, 14, 15],
+    ]
+
+
+def test_bad_settings_raise_naming_the_parameter():
+    with pytest.raises(ValueError, match="shard='zero4'.*allowed values"):
+        lm.Plan(shard="zero4")
+    with pytest.raises(ValueError, match="devices must be an int >= 0"):
+        lm.Plan(shard="dp", devices=-1)
+    with pytest.raises(ValueError, match="devices=99: JAX sees"):
+        lm.Plan(shard="dp", devices=99).mesh()
+    with pytest.raises(ValueError, match="has already started with"):
+        sharding.set_cpu_devices(len(jax.devices()) + 1)
+
+
+def _run(model, plan, tx, batches, variables=None):
+    """Steps ``plan`` over ``batches`` from the same initial state; returns the host states."""
+    first = batches[0]
+    variables = variables or model.init(jax.random.key(0), first["image"], train=False)
+    params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    wrapped = plan.wrap_optimizer(tx, params)
+    state = lm.TrainState.create(params=params, model_state=model_state, tx=wrapped, plan=plan)
+    shardings = lm.state_shardings(state, plan)
+    if shardings is not None:
+        state = jax.device_put(state, shardings)
+    loss_fn = lm.classifier_loss_fn(plan.configure_model(model))
+    step = lm.make_train_step(loss_fn, wrapped, plan, donate=False)
+    out = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        out.append((to_numpy(state), to_numpy(metrics)))
+    return out, state, variables
+
+
+@pytest.mark.parametrize("stage", ["dp", "zero1", "zero2", "zero3"])
+def test_every_stage_equals_the_one_device_step(stage):
+    batches = [classification_batch(16, seed=s) for s in range(2)]
+    plan = lm.Plan(shard=stage, devices=DEVICES)
+    # SGD with momentum: Adam would amplify the rounding noise of the ~0 gradient of the bias
+    # before BatchNorm (g / (sqrt(nu) + eps) with nu ~ 1e-19) into visible differences.
+    tx = optax.sgd(0.1, momentum=0.9)
+    got, state, variables = _run(BNNet(), plan, tx, batches)
+    want, _, _ = _run(BNNet(), lm.Plan(), tx, batches, variables)
+    for (g, gm), (w, wm) in zip(got, want, strict=True):
+        assert_trees_close(g, w, rtol=2e-5, atol=1e-6)  # parameters, momentum, BN statistics
+        np.testing.assert_allclose(gm["loss"], wm["loss"], rtol=1e-6)
+    # The layout each stage promises, on the state the step returns.
+    kernel = state.params["Dense_0"]["kernel"]  # [5, 8]: split along its 8 outputs
+    mu = state.opt_state[0].trace["Dense_0"]["kernel"]
+    stage_ = sharding.stage(stage)
+    assert (kernel.sharding.spec == P(None, "data")) == stage_.parameters
+    assert (mu.sharding.spec == P(None, "data")) == stage_.optimizer_state
+    assert len(kernel.sharding.device_set) == DEVICES
+
+
+def test_an_overflow_on_one_device_skips_the_step_on_all():
+    """mixed fp16 + dynamic loss scale + 2 microbatches under zero2: one example that
+    overflows (it lives on one device) makes the global finiteness check fail, so no device
+    applies the step, exactly as on one device; the next step matches too."""
+    bad = classification_batch(32, seed=1)
+    bad["image"] = bad["image"].at[21].set(1e5)  # device 5 of 8 holds examples 20-23
+    batches = [classification_batch(32, seed=0), bad, classification_batch(32, seed=2)]
+    plan = lm.Plan(precision="mixed_fp16", microbatches=2, shard="zero2", devices=DEVICES)
+    got, _, variables = _run(TinyMLP(), plan, optax.sgd(0.1, momentum=0.9), batches)
+    one = lm.Plan(precision="mixed_fp16", microbatches=2)
+    # The one-device reference takes the same examples per microbatch (split_batch, shards=8).
+    per_device = [jax.tree.map(lambda x: _interleaved(x, 2, DEVICES), b) for b in batches]
+    want, _, _ = _run(TinyMLP(), one, optax.sgd(0.1, momentum=0.9), per_device, variables)
+    (s1, _), (s2, m2), (s3, _) = got
+    assert not bool(m2["grads_finite"]) and int(m2["skipped_steps"]) == 1
+    assert_trees_close(s2.params, s1.params, rtol=0, atol=0)
+    for (g, _), (w, _) in zip(got, want, strict=True):
+        # float16 compute: the devices' partial sums round differently (float16 eps ~1e-3)
+        assert_trees_close(g.params, w.params, rtol=5e-3, atol=1e-5)
+        assert float(g.loss_scale.loss_scale) == float(w.loss_scale.loss_scale)
+
+
+def _interleaved(x, microbatches, shards):
+    """The batch reordered so that contiguous microbatches hold what the sharded split
+    gives each microbatch (one device then computes the same sums)."""
+    return split_batch(x, microbatches, shards).reshape(x.shape)
+
+
+def test_compressed_sparse_zero3_equals_one_device():
+    """Compressed values and indices partitioned; the mask updates (global top-k budgets)
+    agree with one device's, including a rewiring step."""
+    sparse = lm.sparsity.SparseConfig(
+        algorithm="rigl", density=0.5, update_period=2, compressed=True
+    )
+    batches = [classification_batch(16, seed=s) for s in range(3)]  # rewires after step 2
+    plan = lm.Plan(sparsity=sparse, shard="zero3", devices=DEVICES)
+    got, _, variables = _run(TinyMLP(), plan, optax.adam(1e-2), batches)
+    want, _, _ = _run(TinyMLP(), lm.Plan(sparsity=sparse), optax.adam(1e-2), batches, variables)
+    for (g, _), (w, _) in zip(got, want, strict=True):
+        assert_trees_close(g.params, w.params, rtol=2e-5, atol=1e-6)
+        assert_trees_close(g.opt_state, w.opt_state, rtol=2e-5, atol=1e-6)
+
+
+def _analyze(capsys, *flags):
+    code = cli.main(["analyze", "--model", "wrn-10-1", "--batch-size", "16", *flags, "--json"])
+    assert code == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_analyze_reports_per_device_bytes_in_stage_order(capsys):
+    zero3 = _analyze(capsys, "--devices", "8", "--shard", "zero3")
+    assert zero3["config"]["devices"] == 8 and zero3["config"]["shard"] == "zero3"
+    one = zero3["single_device"]["xla"]
+    assert zero3["xla"]["argument_bytes"] <= 0.2 * one["argument_bytes"]
+    work = lm.workloads.workload("wrn-10-1", 16)
+    x = {s: lm.build(work, lm.Plan(shard=s, devices=8)).analyze().xla for s in ("zero1", "zero2")}
+    assert zero3["xla"]["argument_bytes"] < x["zero1"]["argument_bytes"] < one["argument_bytes"]
+    assert x["zero2"]["argument_bytes"] == x["zero1"]["argument_bytes"]
+    assert x["zero2"]["temp_bytes"] <= x["zero1"]["temp_bytes"]  # gradients partitioned
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--devices", "8"], "--devices 8 needs --shard"),
+        (["--devices", "8", "--shard", "dp", "--microbatches", "4"],
+         "batch_size=16 is not divisible by microbatches=4 x devices=8"),
+    ],
+)  # fmt: skip
+def test_bad_sharding_flags_exit_2_with_one_line(capsys, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["analyze", "--model", "wrn-10-1", "--batch-size", "16", *flags])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("restore_on", [1, 4])
+def test_a_checkpoint_saved_on_8_devices_restores_on_fewer(tmp_path, restore_on):
+    """Orbax writes the global arrays; restoring into a target laid out for another mesh
+    (or none) gives the same values in the target's layout."""
+    from lowmem_jax.checkpointing import Checkpointer
+
+    batches = [classification_batch(16, seed=s) for s in range(2)]
+    saved_plan = lm.Plan(shard="zero3", devices=8)
+    _, state, variables = _run(BNNet(), saved_plan, optax.adam(1e-2), batches)
+    Checkpointer(str(tmp_path)).save(2, state, force=True)
+
+    plan = lm.Plan(shard="zero3", devices=4) if restore_on == 4 else lm.Plan()
+    _, target, _ = _run(BNNet(), plan, optax.adam(1e-2), batches[:1], variables)
+    restored = Checkpointer(str(tmp_path)).restore(target)
+    assert_trees_close(to_numpy(restored), to_numpy(state), rtol=0, atol=0)
+    kernel = restored.params["Dense_0"]["kernel"]
+    assert len(kernel.sharding.device_set) == restore_on
+    assert kernel.sharding == target.params["Dense_0"]["kernel"].sharding
+
+
+def test_two_processes_over_localhost_match_one_process(tmp_path):
+    """jax.distributed over localhost with CPU collectives: each process feeds its half of
+    every batch; the zero3 parameters after 3 steps equal one process's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import dp_worker
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "params.npz"
+    worker = os.path.join(os.path.dirname(__file__), "dp_worker.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, f"localhost:{port}", str(i), "2", "zero3", str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+
+    plan = lm.Plan()
+    params = dp_worker.initial_variables()["params"]
+    state = lm.TrainState.create(params=params, tx=dp_worker.tx(), plan=plan)
+    step = lm.make_train_step(lm.classifier_loss_fn(dp_worker.Net()), dp_worker.tx(), plan)
+    for batch in dp_worker.batches():
+        state, _ = step(state, batch)
+    got = np.load(out)
+    want = {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(state.params)}  # fmt: skip
+    assert sorted(got.files) == sorted(want)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
