@@ -105,7 +105,8 @@ class Plan:
         "none",
         "rematerialization policy per block: none, full (save block inputs), dots (save "
         "conv/matmul outputs), save:NAME[,NAME] (save tagged activations, e.g. save:conv_out), "
-        "every:K (checkpoint segments of K blocks), sqrt",
+        "offload:NAME[,NAME] (keep them in host memory instead), every:K (checkpoint segments "
+        "of K blocks), sqrt",
     )
     optimizer_state: str = _flag(
         "auto",

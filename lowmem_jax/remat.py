@@ -12,6 +12,10 @@ Policy names (:func:`parse_policy`):
 ``dots``            save matmul and convolution outputs (``dots_saveable`` plus the ``conv_out``
                     and ``dot_out`` names the models tag), recompute the cheap elementwise ops
 ``save:A,B``        save only the activations tagged ``checkpoint_name(x, "A")`` / ``"B"``
+``offload:A,B``     move the activations tagged ``A`` / ``B`` to host memory (``pinned_host``)
+                    between forward and backward instead of recomputing them (JAX's
+                    ``save_and_offload_only_these_names``); the rest is recomputed. XLA:CPU has
+                    one memory space, so only a GPU / TPU shows the device bytes it saves
 ``every:K``         Chen et al. segments: save only the input of every K-th block; the backward
                     pass recomputes a segment of K blocks, saving their inputs, then each block
                     (``n/K + K`` block inputs live instead of ``n``; ``every:1`` == ``full``)
@@ -60,7 +64,9 @@ __all__ = [
 
 ModuleT = TypeVar("ModuleT", nn.Module, nnx.Module)
 
-POLICY_NAMES = ("none", "full", "dots", "save:NAME[,NAME...]", "every:K", "sqrt")
+POLICY_NAMES = (
+    "none", "full", "dots", "save:NAME[,NAME...]", "offload:NAME[,NAME...]", "every:K", "sqrt"
+)
 
 # Names the bundled models tag with `jax.ad_checkpoint.checkpoint_name`.
 CONV_OUT = "conv_out"
@@ -87,10 +93,12 @@ class RematSpec:
 
     @property
     def saved_names(self) -> tuple[str, ...]:
-        """The ``checkpoint_name`` tags a ``save:A,B`` policy saves (``()`` for the others)."""
-        if not self.name.startswith("save:"):
+        """The ``checkpoint_name`` tags a ``save:A,B`` policy saves or an ``offload:A,B``
+        policy offloads (``()`` for the others)."""
+        prefix = self.name.split(":", 1)[0]
+        if prefix not in ("save", "offload"):
             return ()
-        return tuple(n for n in self.name[len("save:") :].split(",") if n)
+        return tuple(n for n in self.name.split(":", 1)[1].split(",") if n)
 
     def segment_length(self, num_blocks: int) -> int:
         """Blocks per segment for a stack of ``num_blocks`` (1 unless segmenting)."""
@@ -121,6 +129,16 @@ def parse_policy(name: str | RematSpec) -> RematSpec:
         names = [n for n in name[len("save:") :].split(",") if n]
         if names:
             return RematSpec(name, cp.save_only_these_names(*names))
+    if isinstance(name, str) and name.startswith("offload:"):
+        names = [n for n in name[len("offload:") :].split(",") if n]
+        if names:
+            policy = cp.save_and_offload_only_these_names(
+                names_which_can_be_saved=[],
+                names_which_can_be_offloaded=names,
+                offload_src="device",
+                offload_dst="pinned_host",
+            )
+            return RematSpec(name, policy)
     if isinstance(name, str) and name.startswith("every:"):
         k = name[len("every:") :]
         if k.isdigit() and int(k) >= 1:
@@ -287,7 +305,7 @@ def check_saved_names(remat: str | RematSpec, tagged: set[str]) -> None:
     missing = [n for n in spec.saved_names if n not in tagged]
     if missing:
         raise ValueError(
-            f"remat={spec.name!r} saves {missing}, which the model never tags "
+            f"remat={spec.name!r} keeps {missing}, which the model never tags "
             f"with checkpoint_name; the model tags: {sorted(tagged) or 'nothing'}"
         )
 

@@ -104,6 +104,8 @@ def test_missing_datasets_are_one_line_with_how_to_prepare_them(tmp_path, capsys
          "the model tags: ['conv_out']"),
         (["analyze", "--model", "dynamicconv-small", "--remat", "save:conv_out"],
          "the model tags: ['dot_out']"),
+        (["analyze", "--model", "wrn-10-1", "--batch-size", "8", "--remat", "offload:x"],
+         "keeps ['x'], which the model never tags"),
         (["analyze", "--model", "wrn-10-1", "--microbatches", "3"], "not divisible"),
         (["analyze", "--plain", "--remat", "full", "--microbatches", "2"],
          "--plain is the step without any technique; it takes no --microbatches, --remat"),

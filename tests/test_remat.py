@@ -8,7 +8,7 @@ import pytest
 
 import lowmem_jax as lm
 
-POLICIES = ["full", "dots", "save:conv_out", "every:2", "every:3", "sqrt"]
+POLICIES = ["full", "dots", "save:conv_out", "offload:conv_out", "every:2", "every:3", "sqrt"]
 
 
 def _wrn_grads(remat, depth=28, batch=4, size=8):
@@ -128,7 +128,7 @@ def test_parameters_do_not_depend_on_policy():
     assert all(s == shapes["none"] for s in shapes.values())
 
 
-@pytest.mark.parametrize("name", ["some", "every:0", "every:x", "save:", "", None])
+@pytest.mark.parametrize("name", ["some", "every:0", "every:x", "save:", "offload:", "", None])
 def test_unknown_policy_raises(name):
     with pytest.raises(ValueError, match=r"remat=.*allowed values"):
         lm.parse_policy(name)
