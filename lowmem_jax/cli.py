@@ -205,6 +205,14 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         f"{a['optimizer_bytes'] / MIB:9.2f}  activations {a['activation_bytes'] / MIB:9.2f}  "
         f"inputs {a['input_bytes'] / MIB:7.2f}  total {a['total_bytes'] / MIB:9.2f}"
     )
+    if x["host_bytes"] or a["host_resident_bytes"]:
+        host = x["host_bytes"] or {}
+        print(
+            f"       host: {a['host_resident_bytes'] / MIB:.2f} MiB of the state kept in host "
+            f"memory (analytic); {x['source']} host argument "
+            f"{host.get('argument', 0) / MIB:.2f} MiB, temp {host.get('temp', 0) / MIB:.2f}"
+            + ("" if host else " (one memory space: counted in the device figures above)")
+        )
     print(
         f"      FLOPs: {result['flops']:.4g} per step (jaxpr; XLA cost analysis: "
         f"{result['flops_xla'] or 0:.4g}, loop bodies counted once)"

@@ -17,7 +17,9 @@ leaves are enough: nothing runs and no data is needed) and returns a :class:`Mem
     (from ``jax.vjp``'s jaxpr, the mechanism behind ``saved_residuals``), excluding the
     parameters and inputs themselves; with remat, only what the policy saves;
   - **inputs**: the batch;
-  - **state**: everything else in the train state (BatchNorm statistics, loss scale, counters).
+  - **state**: everything else in the train state (BatchNorm statistics, loss scale, counters);
+  - ``host_resident_bytes``: the part of the above whose sharding keeps it in host memory
+    between steps (``Plan.optimizer_memory="pinned_host"``), not a separate part.
 
 * ``flops``: counted from the step's jaxpr (``2 * MACs`` of every matmul and convolution plus one
   per element of every other arithmetic op; loop bodies multiplied by their trip counts, remat
@@ -57,6 +59,7 @@ __all__ = [
     "analytic_breakdown",
     "saved_activation_bytes",
     "tree_bytes",
+    "host_resident_bytes",
 ]
 
 
@@ -70,6 +73,16 @@ def _nbytes(x) -> int:
 def tree_bytes(tree: PyTree) -> int:
     """Bytes of every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
     return sum(_nbytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
+
+
+def host_resident_bytes(tree: PyTree) -> int:
+    """Bytes of the leaves of ``tree`` whose sharding names host memory (``pinned_host`` /
+    ``unpinned_host``): what stays off the device between steps."""
+    return sum(
+        _nbytes(x)
+        for x in jax.tree.leaves(tree)
+        if "host" in str(getattr(getattr(x, "sharding", None), "memory_kind", None) or "")
+    )
 
 
 def _bytes_by_dtype(tree: PyTree) -> dict[str, int]:
@@ -282,6 +295,7 @@ def analytic_breakdown(
         "activation_residuals": activations,
         "input_bytes": tree_bytes(batch),
         "state_bytes": tree_bytes(state) - tree_bytes((state.params, opt_state)),
+        "host_resident_bytes": host_resident_bytes(state),
     }
     parts = ("model_bytes", "optimizer_bytes", "activation_bytes", "input_bytes", "state_bytes")
     out["total_bytes"] = sum(out[k] or 0 for k in parts)
@@ -340,6 +354,12 @@ def analyze(
             "XLA:CPU computes bfloat16 convolutions in float32 (with converts), so bf16 shrinks "
             "parameter bytes but not temp bytes here (fp16 does); measure half-precision "
             "activation savings on a GPU"
+        )
+    if analytic["host_resident_bytes"] and xla["host_bytes"] is None:
+        notes.append(
+            f"{analytic['host_resident_bytes']} bytes of the state are placed in host memory; "
+            f"{xla['source']} keeps one memory space and counts them in argument/output bytes "
+            "(a GPU reports them as host_bytes)"
         )
     model_params = _model_params(state, as_optimizer(optax.identity() if tx is None else tx))
     return MemoryReport(

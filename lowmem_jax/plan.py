@@ -80,6 +80,9 @@ class Plan:
         ``zero3``): the step runs over a data-parallel mesh with that much of the state
         partitioned; the batch size must divide by the devices (times ``microbatches``).
       devices: the mesh's device count for ``shard`` (``0``: every device JAX sees).
+      optimizer_memory: the memory the optimizer state stays in between steps (a
+        :data:`lowmem_jax.sharding.MEMORY_KINDS` name): ``device``, or ``pinned_host`` (host
+        memory; the step moves it to the device for the update and the new state back).
       initial_loss_scale, loss_scale_period, loss_scale_factor, min_loss_scale: loss-scale
         settings (2**15, 2000, 2, 1 by default).
     """
@@ -122,6 +125,13 @@ class Plan:
         choices=sharding_lib.STAGES,
     )
     devices: int = _flag(0, "devices in the mesh for --shard (0: all visible)")
+    optimizer_memory: str = _flag(
+        "device",
+        "where the optimizer state lives between steps: device, or pinned_host (host memory, "
+        "moved to the device for the update and back, as ZeRO-Offload places it; XLA:CPU has "
+        "one memory, so the device bytes it saves show on a GPU only)",
+        choices=sharding_lib.MEMORY_KINDS,
+    )
     remat_blocks: tuple[str, ...] = ()
     sparsity: sparsity_lib.SparseConfig | None = None
     factorize: factorization_lib.FactorConfig | None = None
@@ -161,6 +171,7 @@ class Plan:
         sharding_lib.stage(self.shard)
         if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 0:
             raise ValueError(f"devices must be an int >= 0 (0: all visible), got {self.devices!r}")
+        sharding_lib.check_memory_kind(self.optimizer_memory, "optimizer_memory")
         loss_scale_lib.check_settings(
             self.loss_scale_kind,
             initial_scale=self.initial_loss_scale,
@@ -277,11 +288,14 @@ class Plan:
         return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
     def mesh(self) -> sharding_lib.Mesh | None:
-        """The data-parallel mesh of ``shard`` over ``devices`` (``None`` when ``shard`` is
-        ``"none"``); see :func:`lowmem_jax.sharding.data_mesh`."""
-        if self.shard == "none":
-            return None
-        return sharding_lib.data_mesh(self.devices)
+        """The device mesh the step's layouts refer to: ``shard``'s data-parallel mesh over
+        ``devices`` (:func:`lowmem_jax.sharding.data_mesh`); with ``shard="none"``, one device
+        when ``optimizer_memory`` needs a sharding to name its memory, else ``None``."""
+        if self.shard != "none":
+            return sharding_lib.data_mesh(self.devices)
+        if self.optimizer_memory != "device":
+            return sharding_lib.data_mesh(1)
+        return None
 
     def compiler_options(self) -> dict[str, str]:
         """XLA options the jitted step needs for this plan (see :func:`remat.compiler_options`)."""

@@ -65,7 +65,13 @@ __all__ = [
 ModuleT = TypeVar("ModuleT", nn.Module, nnx.Module)
 
 POLICY_NAMES = (
-    "none", "full", "dots", "save:NAME[,NAME...]", "offload:NAME[,NAME...]", "every:K", "sqrt"
+    "none",
+    "full",
+    "dots",
+    "save:NAME[,NAME...]",
+    "offload:NAME[,NAME...]",
+    "every:K",
+    "sqrt",
 )
 
 # Names the bundled models tag with `jax.ad_checkpoint.checkpoint_name`.

@@ -23,6 +23,12 @@ replicated; :func:`partitioned_fraction` says how many bytes that leaves whole.
 
 The batch is split along its leading axis (:func:`batch_spec`): device ``d`` holds examples
 ``[d B/N, (d+1) B/N)``.
+
+**Memory kinds** (:data:`MEMORY_KINDS`): a sharding also says which memory of its devices holds
+the array: ``device`` (the accelerator's) or ``pinned_host`` (page-locked host memory the
+accelerator reads by DMA). Inside a jitted step, ``jax.device_put(x, named(mesh, specs,
+kind))`` moves a value between them (:func:`to_memory`). XLA:CPU has one physical memory, so
+there the move is a copy and saves nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 __all__ = [
     "STAGES",
     "AXIS",
+    "MEMORY_KINDS",
     "Stage",
     "stage",
     "data_mesh",
@@ -46,6 +53,8 @@ __all__ = [
     "batch_spec",
     "named",
     "constrain",
+    "to_memory",
+    "check_memory_kind",
     "partitioned_fraction",
     "set_cpu_devices",
 ]
@@ -53,6 +62,7 @@ __all__ = [
 PyTree = Any
 AXIS = "data"
 STAGES = ("none", "dp", "zero1", "zero2", "zero3")
+MEMORY_KINDS = ("device", "pinned_host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +166,19 @@ def batch_spec(batch: PyTree) -> PyTree:
     return jax.tree.map(lambda _: PartitionSpec(AXIS), batch)
 
 
-def named(mesh: Mesh, specs: PyTree) -> PyTree:
-    """``NamedSharding(mesh, spec)`` per spec of ``specs``."""
+def check_memory_kind(kind: str, name: str = "memory_kind") -> None:
+    """Raises ``ValueError`` naming ``name`` and :data:`MEMORY_KINDS` unless ``kind`` is one."""
+    if kind not in MEMORY_KINDS:
+        raise ValueError(f"Unknown {name}={kind!r}; allowed values: {list(MEMORY_KINDS)}")
+
+
+def named(mesh: Mesh, specs: PyTree, memory_kind: str | None = None) -> PyTree:
+    """``NamedSharding(mesh, spec, memory_kind=memory_kind)`` per spec of ``specs``
+    (``None``: the devices' default memory)."""
     return jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec)
+        lambda s: NamedSharding(mesh, s, memory_kind=memory_kind),
+        specs,
+        is_leaf=lambda s: isinstance(s, PartitionSpec),
     )
 
 
@@ -167,6 +186,12 @@ def constrain(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
     """``jax.lax.with_sharding_constraint`` of every leaf of ``tree`` to its spec (inside a
     jitted function: XLA lays the value out so, communicating where it must)."""
     return jax.lax.with_sharding_constraint(tree, named(mesh, specs))
+
+
+def to_memory(tree: PyTree, mesh: Mesh, specs: PyTree, memory_kind: str) -> PyTree:
+    """``tree`` laid out by ``specs`` in ``memory_kind`` (:data:`MEMORY_KINDS`) of the mesh's
+    devices: inside a jitted function, a transfer XLA schedules (host <-> device)."""
+    return jax.device_put(tree, named(mesh, specs, memory_kind))
 
 
 def partitioned_fraction(tree: PyTree, num_shards: int) -> float:

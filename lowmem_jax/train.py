@@ -143,11 +143,15 @@ def state_specs(state: TrainState, plan: Plan, num_shards: int) -> TrainState:
 
 
 def state_shardings(state: TrainState, plan: Plan) -> TrainState | None:
-    """:func:`state_specs` as ``NamedSharding`` on ``plan.mesh()``; ``None`` without one."""
+    """:func:`state_specs` as ``NamedSharding`` on ``plan.mesh()``, the optimizer state's in
+    ``plan.optimizer_memory``; ``None`` without a mesh."""
     mesh = plan.mesh()
     if mesh is None:
         return None
-    return sharding_lib.named(mesh, state_specs(state, plan, mesh.size))
+    specs = state_specs(state, plan, mesh.size)
+    return sharding_lib.named(mesh, specs).replace(
+        opt_state=sharding_lib.named(mesh, specs.opt_state, plan.optimizer_memory)
+    )
 
 
 def make_train_step(
@@ -170,6 +174,11 @@ def make_train_step(
     reduce-scatters them). Microbatches are taken from each device's examples
     (:func:`lowmem_jax.microbatch.split_batch` with ``shards``).
 
+    With ``plan.optimizer_memory="pinned_host"`` the optimizer state arrives in host memory,
+    is moved to the device for the update, and the new state is moved back (its layout as
+    above): the device holds it only during the update (ZeRO-Offload keeps it on the host and
+    updates there; XLA cannot run the update on the host, so it is streamed instead).
+
     ``metrics`` holds the loss function's metrics (averaged over microbatches, float32) plus
     ``loss_scale`` (the scale used in this step), ``grads_finite`` and ``update_finite``
     (bools: were the gradients, and the updates and new parameters, finite; the step is
@@ -180,6 +189,7 @@ def make_train_step(
     mesh = plan.mesh()
     shards = 1 if mesh is None else mesh.size
     stage = sharding_lib.stage(plan.shard)
+    offload = plan.optimizer_memory != "device"
 
     def layout(tree, specs):
         return tree if mesh is None else sharding_lib.constrain(tree, mesh, specs)
@@ -194,7 +204,12 @@ def make_train_step(
         return loss_of_gathered
 
     def train_step(state: TrainState, batch: PyTree):
-        state = layout(state, state_specs(state, plan, shards))
+        specs = state_specs(state, plan, shards)
+        if offload:  # the update runs on the device: the state comes in from host memory
+            state = state.replace(
+                opt_state=sharding_lib.to_memory(state.opt_state, mesh, specs.opt_state, "device")
+            )
+        state = layout(state, specs)
         batch = layout(batch, sharding_lib.batch_spec(batch))
         rng = jax.random.fold_in(state.rng, state.step)
         loss, wrt = differentiated_loss(policy_loss_fn, opt, state.params, state.opt_state)
@@ -226,7 +241,13 @@ def make_train_step(
             loss_scale=state.loss_scale.adjust(grads_finite),  # the scale answers to overflow
             skipped_steps=skipped,
         )
-        new_state = layout(new_state, state_specs(new_state, plan, shards))
+        new_state = layout(new_state, specs)
+        if offload:
+            new_state = new_state.replace(
+                opt_state=sharding_lib.to_memory(
+                    new_state.opt_state, mesh, specs.opt_state, plan.optimizer_memory
+                )
+            )
         metrics = {
             **metrics,
             "loss_scale": state.loss_scale.loss_scale,

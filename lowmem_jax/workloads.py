@@ -286,7 +286,7 @@ class Setup:
         With a mesh (``plan.shard``), XLA's figures are per device (the partitioned program
         one device runs) and ``config["devices"]`` is the mesh's size; the analytic figures
         stay those of one device running the whole batch."""
-        mesh = self.plan.mesh()
+        mesh = self.plan.mesh() if self.plan.shard != "none" else None
         config = self.config if mesh is None else {**self.config, "devices": mesh.size}
         report = memory.analyze(
             self.step,

@@ -106,6 +106,20 @@ def test_every_stage_equals_the_one_device_step(stage):
     assert len(kernel.sharding.device_set) == DEVICES
 
 
+def test_zero1_with_the_optimizer_state_in_host_memory_equals_one_device():
+    """Each device's 1/N slice of the optimizer state lives in host memory between steps."""
+    batches = [classification_batch(16, seed=s) for s in range(2)]
+    plan = lm.Plan(shard="zero1", devices=DEVICES, optimizer_memory="pinned_host")
+    tx = optax.sgd(0.1, momentum=0.9)
+    got, state, variables = _run(BNNet(), plan, tx, batches)
+    want, _, _ = _run(BNNet(), lm.Plan(), tx, batches, variables)
+    for (g, _), (w, _) in zip(got, want, strict=True):
+        assert_trees_close(g, w, rtol=2e-5, atol=1e-6)
+    mu = state.opt_state[0].trace["Dense_0"]["kernel"]
+    assert mu.sharding.memory_kind == "pinned_host" and mu.sharding.spec == P(None, "data")
+    assert state.params["Dense_0"]["kernel"].sharding.memory_kind == "device"
+
+
 def test_an_overflow_on_one_device_skips_the_step_on_all():
     """mixed fp16 + dynamic loss scale + 2 microbatches under zero2: one example that
     overflows (it lives on one device) makes the global finiteness check fail, so no device

@@ -59,6 +59,7 @@ def _one_line_error(argv, capsys, prog="lowmem train"):
         (["--eval-every", "0"], "eval_every must be >= 1"),
         (["--seed", "-1"], "seed must be in [0, 2**32), got -1"),
         (["--precision", "bogus"], "argument --precision: invalid choice: 'bogus'"),
+        (["--optimizer-memory", "disk"], "argument --optimizer-memory: invalid choice: 'disk'"),
         (["--average-last", "3"], "average_last=3 needs a checkpoint_dir"),
         (["--max-consecutive-skips", "-1"], "max_consecutive_skips must be >= 0"),
         (["--dataset", "synthetic-copy", "--model", "dynamicconv-small", "--beam-size", "0"],

@@ -1,0 +1,100 @@
+"""Host offload of the optimizer state (Plan.optimizer_memory="pinned_host").
+
+XLA:CPU has one physical memory, so these tests check placement and arithmetic (the step
+computes what the on-device step computes; the state stays in host memory between steps,
+through donation and checkpoints), not a saving: that is measured on a GPU.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import BNNet, assert_trees_close, classification_batch, to_numpy
+
+import lowmem_jax as lm
+from lowmem_jax import checkpointing, cli, memory, workloads
+
+
+def _memory_kinds(tree):
+    return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}
+
+
+def _states(plan, tx, batches, donate):
+    model = BNNet()
+    variables = model.init(jax.random.key(0), batches[0]["image"], train=False)
+    params = variables["params"]
+    wrapped = plan.wrap_optimizer(tx, params)
+    state = lm.TrainState.create(
+        params=params, model_state={"batch_stats": variables["batch_stats"]}, tx=wrapped, plan=plan
+    )
+    shardings = lm.state_shardings(state, plan)
+    if shardings is not None:
+        state = jax.device_put(state, shardings)
+    step = lm.make_train_step(
+        lm.classifier_loss_fn(plan.configure_model(model)), wrapped, plan, donate=donate
+    )
+    out = []
+    for batch in batches:
+        state, _ = step(state, batch)
+        out.append((_memory_kinds(state.opt_state), _memory_kinds(state.params), to_numpy(state)))
+    return out
+
+
+@pytest.mark.parametrize("optimizer_state", ["auto", "int8"])
+def test_host_resident_optimizer_state_computes_what_the_device_one_does(optimizer_state):
+    batches = [classification_batch(16, seed=s) for s in range(3)]
+    tx = optax.adam(1e-2)
+    host = lm.Plan(optimizer_memory="pinned_host", optimizer_state=optimizer_state)
+    got = _states(host, tx, batches, donate=True)  # donated: the host buffers are reused
+    want = _states(lm.Plan(optimizer_state=optimizer_state), tx, batches, donate=False)
+    for (opt_kinds, param_kinds, g), (_, _, w) in zip(got, want, strict=True):
+        assert opt_kinds == {"pinned_host"} and param_kinds == {"device"}
+        assert_trees_close(g, w, rtol=0, atol=0)
+
+
+def test_plan_names_the_memory_and_the_mesh_it_needs():
+    with pytest.raises(ValueError, match=r"optimizer_memory='disk'; allowed values: \['device'"):
+        lm.Plan(optimizer_memory="disk")
+    assert lm.Plan().mesh() is None
+    assert lm.Plan(optimizer_memory="pinned_host").mesh().size == 1  # a sharding names memory
+
+
+def test_analyze_counts_the_host_resident_bytes_and_says_where_they_are(capsys):
+    work = workloads.workload("wrn-10-1", batch_size=8, image_size=8)
+    device = workloads.build(work, lm.Plan()).analyze()
+    host = workloads.build(work, lm.Plan(optimizer_memory="pinned_host")).analyze()
+    opt_bytes = sum(
+        v for k, v in host.analytic["optimizer_breakdown"].items() if k.startswith("slot:")
+    )
+    assert host.analytic["host_resident_bytes"] == opt_bytes > 0
+    assert device.analytic["host_resident_bytes"] == 0
+    # XLA:CPU, one memory: the same program bytes, and a note that says so.
+    assert host.xla["total_bytes"] == device.xla["total_bytes"]
+    assert any("XLA:CPU keeps one memory space" in n for n in host.notes)
+    assert host.config["optimizer_memory"] == "pinned_host"
+    assert not any(n.startswith("xla: per device") for n in host.notes)  # one device, no shard
+    argv = ["analyze", "--model", "wrn-10-1", "--batch-size", "8"]
+    assert cli.main([*argv, "--optimizer-memory", "pinned_host"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("host:")]
+    assert line == [
+        f"       host: {opt_bytes / 2**20:.2f} MiB of the state kept in host memory (analytic); "
+        "XLA:CPU host argument 0.00 MiB, temp 0.00 (one memory space: counted in the device "
+        "figures above)"
+    ]
+
+
+def test_a_checkpoint_restores_into_host_memory(tmp_path):
+    plan = lm.Plan(optimizer_memory="pinned_host")
+    setup = workloads.build(workloads.workload("wrn-10-1", batch_size=8, image_size=8), plan)
+    batch = setup.example_batch()
+    state, _ = setup.step(setup.init_state(batch), batch)
+    saved = to_numpy(state)
+    ckpt = checkpointing.Checkpointer(str(tmp_path), every=1, keep=1)
+    ckpt.save(1, state)
+    restored = ckpt.restore(setup.abstract_state())
+    ckpt.close()
+    assert _memory_kinds(restored.opt_state) == {"pinned_host"}
+    assert_trees_close(to_numpy(restored), saved, rtol=0, atol=0)
+    state, _ = setup.step(restored, batch)  # and the step takes it as it is
+    assert np.isfinite(float(jax.tree.leaves(state.params)[0].sum()))
+    assert memory.host_resident_bytes(state) == memory.host_resident_bytes(restored) > 0
