@@ -74,8 +74,32 @@ _TRAIN_FIELDS = (
 )  # fmt: skip
 
 
+# lowmem report --shard-devices auto: those of these that divide the batch.
+_AUTO_SHARD_DEVICES = (2, 4, 8)
+
+
+def _device_counts(text: str) -> tuple[int, ...] | None:
+    """``--shard-devices``: ``auto`` (``None``), ``none`` or comma-separated counts."""
+    if text in ("auto", "none"):
+        return None if text == "auto" else ()
+    try:
+        counts = tuple(sorted({int(n) for n in text.split(",")}))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give auto, none or comma-separated device counts >= 2, e.g. 2,4,8"
+        )
+    return counts
+
+
 def _use_devices(args: argparse.Namespace) -> None:
-    """``--devices N`` with ``--shard``: N host devices on CPU, asked for before JAX starts."""
+    """``--devices N`` with ``--shard`` (or ``lowmem report --shard-devices``): host devices on
+    CPU, asked for before JAX starts."""
+    if getattr(args, "shard_devices", ()) != ():
+        from lowmem_jax.sharding import set_cpu_devices
+
+        set_cpu_devices(max(args.shard_devices or _AUTO_SHARD_DEVICES))
     devices, shard = getattr(args, "devices", None), getattr(args, "shard", None)
     if devices and shard in (None, "none"):
         raise ValueError(
@@ -227,10 +251,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     batch_size = workload(args.model, args.batch_size, seq_len=args.seq_len).batch_size
     paths.ensure_directory(args.out_dir, "--out-dir")
     print(f"lowmem report: {args.model}, batch {batch_size} (compile-only, no step runs)")
-    result = run_report(args.model, batch_size, seq_len=args.seq_len)
+    shard_devices = args.shard_devices
+    if shard_devices is None:
+        shard_devices = tuple(n for n in _AUTO_SHARD_DEVICES if batch_size % n == 0)
+    result = run_report(args.model, batch_size, seq_len=args.seq_len, shard_devices=shard_devices)
     command = "lowmem report " + " ".join(
         [f"--model {args.model}", f"--batch-size {batch_size}", f"--out-dir {args.out_dir}"]
         + ([f"--seq-len {args.seq_len}"] if args.model.startswith("dynamicconv") else [])
+        + [f"--shard-devices {','.join(map(str, shard_devices)) or 'none'}"]
     )
     written = write_report(result, args.out_dir, command=command)
     print(to_markdown(result))
@@ -443,6 +471,14 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands["report"]
     add_workload_flags(report)
     report.add_argument("--out-dir", default="lowmem_report", help="Default: %(default)s")
+    report.add_argument(
+        "--shard-devices",
+        type=_device_counts,
+        default="auto",
+        help="device counts for the sharding section (per-device bytes of the baseline under "
+        "each ZeRO stage; host devices on CPU), e.g. 2,4,8; auto: those of 2, 4, 8 that divide "
+        "the batch; none: no section. Default: %(default)s",
+    )
     report.set_defaults(func=_cmd_report)
 
     plan = commands["plan"]

@@ -27,6 +27,7 @@ A technique module never imports this one or another technique; the plan names t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -210,7 +211,11 @@ class Plan:
         e.g. ``nnx.BatchNorm`` computes in the dtype of its float32 statistics); layers with
         an explicit ``dtype`` keep it.
 
-        ``factorize`` is set on the model's ``factorize`` field.
+        ``factorize`` is set on the model's ``factorize`` field. Under ``shard="zero3"`` a
+        model with a ``param_layout`` field (the bundled ones) gets
+        :func:`lowmem_jax.sharding.replicate` there: each block of its scanned stacks gathers
+        its own partitioned parameters inside the loop, so one block's, not the whole model's,
+        are whole on a device at a time.
 
         Raises:
           ValueError: ``remat_blocks`` for a model that has its own ``remat`` attribute, a
@@ -237,6 +242,9 @@ class Plan:
         updates: dict[str, Any] = {}
         if self.factorize is not None:
             updates["factorize"] = self.factorize
+        if sharding_lib.stage(self.shard).parameters and hasattr(model, "param_layout"):
+            # zero3: each scanned block gathers its own parameters inside the loop
+            updates["param_layout"] = functools.partial(sharding_lib.replicate, mesh=self.mesh())
         if hasattr(model, "dtype"):
             updates["dtype"] = self.policy.compute_dtype
         if hasattr(model, "remat"):

@@ -60,6 +60,7 @@ __all__ = [
     "tagged_names",
     "check_saved_names",
     "ScannedBlocks",
+    "STACK",
 ]
 
 ModuleT = TypeVar("ModuleT", nn.Module, nnx.Module)
@@ -329,6 +330,10 @@ def compiler_options(remat: str | RematSpec = "full", backend: str | None = None
     return {}
 
 
+#: The variable name under which :class:`ScannedBlocks` stores its blocks' stacked variables.
+STACK = "stack"
+
+
 class ScannedBlocks(nn.Module):
     """``length`` blocks of identical shapes, applied in sequence with ``lax.scan`` and remat.
 
@@ -337,7 +342,7 @@ class ScannedBlocks(nn.Module):
     the block are
     stored stacked: every leaf of the block's ``params`` (and of any other collection, such as
     ``batch_stats``) gets a leading ``[length]`` axis, under ``params/stack`` and
-    ``<collection>/stack``.
+    ``<collection>/stack`` (:data:`STACK`).
 
     Attributes:
       make_block: a zero-argument callable returning a fresh (unbound) block module, e.g.
@@ -347,12 +352,17 @@ class ScannedBlocks(nn.Module):
       remat: a policy name or :class:`RematSpec` (module docstring).
       unroll: unroll the scan into straight-line code (``lax.scan(unroll=True)``): same
         parameters and results; XLA then schedules the blocks as it would a Python loop.
+      param_layout: applied to one block's parameters inside the loop, before the block uses
+        them (and again when remat recomputes the block), e.g. ZeRO-3's gather of that
+        block's partitioned parameters (:func:`lowmem_jax.sharding.replicate`, set by
+        ``Plan.configure_model``); ``None``: used as stored.
     """
 
     make_block: Callable[[], nn.Module]
     length: int
     remat: str | RematSpec = "none"
     unroll: bool = False
+    param_layout: Callable[[Any], Any] | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *context: Any, train: bool) -> jax.Array:
@@ -369,12 +379,12 @@ class ScannedBlocks(nn.Module):
 
         if self.is_initializing():
             stacked = init_stack(self.make_rng("params"))
-            params = self.param("stack", lambda _: stacked["params"])
+            params = self.param(STACK, lambda _: stacked["params"])
             others = {c: v for c, v in stacked.items() if c != "params"}
         else:
-            params = self.get_variable("params", "stack")
+            params = self.get_variable("params", STACK)
             others = {
-                c: v["stack"] for c, v in self.variables.items() if c != "params" and "stack" in v
+                c: v[STACK] for c, v in self.variables.items() if c != "params" and STACK in v
             }
         mutable = [c for c in others if train and self.is_mutable_collection(c)]
         use_dropout = train and self.has_rng("dropout")
@@ -386,6 +396,8 @@ class ScannedBlocks(nn.Module):
 
         def apply_block(h, xs):
             p, state, key = xs
+            if self.param_layout is not None:
+                p = self.param_layout(p)
             rngs = {"dropout": key} if use_dropout else {}
             out = block.apply(
                 {"params": p, **state},
@@ -418,10 +430,10 @@ class ScannedBlocks(nn.Module):
 
         if self.is_initializing():
             for c, v in others.items():
-                self.variable(c, "stack", lambda v=v: v)
+                self.variable(c, STACK, lambda v=v: v)
         elif mutable:
             for c in mutable:
-                self.put_variable(c, "stack", new_others[c])
+                self.put_variable(c, STACK, new_others[c])
         return x
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "batch_spec",
     "named",
     "constrain",
+    "replicate",
     "to_memory",
     "check_memory_kind",
     "partitioned_fraction",
@@ -186,6 +187,13 @@ def constrain(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
     """``jax.lax.with_sharding_constraint`` of every leaf of ``tree`` to its spec (inside a
     jitted function: XLA lays the value out so, communicating where it must)."""
     return jax.lax.with_sharding_constraint(tree, named(mesh, specs))
+
+
+def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
+    """``tree`` whole on every device of ``mesh`` (:func:`constrain` to ``P()``): inside a
+    jitted function, XLA all-gathers what is partitioned, and the transpose reduce-scatters
+    the gradient."""
+    return constrain(tree, mesh, jax.tree.map(lambda _: PartitionSpec(), tree))
 
 
 def to_memory(tree: PyTree, mesh: Mesh, specs: PyTree, memory_kind: str) -> PyTree:

@@ -28,10 +28,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import PartitionSpec
 
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import precision as precision_lib
+from lowmem_jax import remat as remat_lib
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer, differentiated_loss
 from lowmem_jax.plan import Plan
@@ -154,6 +156,10 @@ def state_shardings(state: TrainState, plan: Plan) -> TrainState | None:
     )
 
 
+def _in_stack(path) -> bool:
+    return any(getattr(key, "key", None) == remat_lib.STACK for key in path)
+
+
 def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation | Optimizer,
@@ -197,9 +203,16 @@ def make_train_step(
     def gathered(loss):
         # zero3: the partitioned parameters are gathered whole where the loss reads them (the
         # transpose reduce-scatters their gradient); left to itself, XLA's partitioner lets
-        # the parameters' layout split the convolutions' channels instead of the batch.
+        # the parameters' layout split the convolutions' channels instead of the batch. The
+        # stacks of scanned blocks stay partitioned here: a configured model gathers one
+        # block's inside its loop (Plan.configure_model).
         def loss_of_gathered(p, *args):
-            return loss(layout(p, sharding_lib.tree_specs(p, shards, False)), *args)
+            specs = jax.tree_util.tree_map_with_path(
+                lambda path, spec: spec if _in_stack(path) else PartitionSpec(),
+                sharding_lib.tree_specs(p, shards),
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+            return loss(layout(p, specs), *args)
 
         return loss_of_gathered
 

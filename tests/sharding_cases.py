@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import lowmem_jax as lm
 from lowmem_jax import cli, sharding
 from lowmem_jax.microbatch import split_batch
+from lowmem_jax.report import run_report, write_report
 
 DEVICES = 8
 
@@ -106,6 +107,51 @@ def test_every_stage_equals_the_one_device_step(stage):
     assert len(kernel.sharding.device_set) == DEVICES
 
 
+def test_zero3_gathers_each_scanned_block_inside_its_loop():
+    """WRN-22-1 (stacks of 2 scanned blocks) under zero3: the configured model gathers one
+    block's parameters inside the scan (a sharding constraint in the loop body), and the
+    step equals the one-device step."""
+    model = lm.models.WideResNet(depth=22, width=1)
+    rng = np.random.default_rng(0)
+    batches = [
+        {"image": jnp.asarray(rng.normal(size=(16, 8, 8, 3)), jnp.float32),
+         "label": jnp.asarray(rng.integers(0, 10, size=16), jnp.int32)}
+        for _ in range(2)
+    ]  # fmt: skip
+    plan = lm.Plan(shard="zero3", devices=DEVICES, remat="full")
+    configured = plan.configure_model(model)
+    assert configured.param_layout is not None
+    assert lm.Plan().configure_model(model).param_layout is None
+    variables = model.init(jax.random.key(0), batches[0]["image"], train=False)
+    forward = lm.remat.traced_equations(
+        lambda p: configured.apply({**variables, "params": p}, batches[0]["image"], train=False),
+        variables["params"],
+    )
+    loop_bodies = [_equation_names(e.params["jaxpr"].jaxpr) for e in forward
+                   if e.primitive.name == "scan"]  # fmt: skip
+    assert loop_bodies and all("sharding_constraint" in names for names in loop_bodies)
+    tx = optax.sgd(0.1, momentum=0.9)
+    got, state, _ = _run(model, plan, tx, batches, variables)
+    want, _, _ = _run(model, lm.Plan(remat="full"), tx, batches, variables)
+    for (g, gm), (w, wm) in zip(got, want, strict=True):
+        assert_trees_close(g, w, rtol=2e-5, atol=1e-5)
+        np.testing.assert_allclose(gm["loss"], wm["loss"], rtol=1e-6)
+    stacked = state.params["group0_rest"]["stack"]["conv1"]["kernel"]  # [2, 3, 3, 16, 16]
+    assert stacked.sharding.spec == P(None, None, None, None, "data")
+
+
+def _equation_names(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _equation_names(inner)
+    return names
+
+
 def test_zero1_with_the_optimizer_state_in_host_memory_equals_one_device():
     """Each device's 1/N slice of the optimizer state lives in host memory between steps."""
     batches = [classification_batch(16, seed=s) for s in range(2)]
@@ -174,11 +220,33 @@ def test_analyze_reports_per_device_bytes_in_stage_order(capsys):
     assert zero3["config"]["devices"] == 8 and zero3["config"]["shard"] == "zero3"
     one = zero3["single_device"]["xla"]
     assert zero3["xla"]["argument_bytes"] <= 0.2 * one["argument_bytes"]
-    work = lm.workloads.workload("wrn-10-1", 16)
-    x = {s: lm.build(work, lm.Plan(shard=s, devices=8)).analyze().xla for s in ("zero1", "zero2")}
-    assert zero3["xla"]["argument_bytes"] < x["zero1"]["argument_bytes"] < one["argument_bytes"]
+
+
+def test_the_report_has_per_device_bytes_for_every_stage(tmp_path, capsys):
+    grid = [("baseline", "baseline", lm.Plan())]
+    result = run_report("wrn-10-1", 16, grid=grid, progress=None, shard_devices=(8,))
+    stages = [(1, "none"), *((8, s) for s in ("dp", "zero1", "zero2", "zero3"))]
+    assert [(r["plan"], r["devices"], r["shard"]) for r in result["sharding"]] == [
+        (plan, *stage) for plan in ("baseline", "remat full") for stage in stages
+    ]
+    rows = {(r["devices"], r["shard"]): r for r in result["sharding"] if r["plan"] == "baseline"}
+    one, x = rows[1, "none"], {s: rows[8, s] for s in ("dp", "zero1", "zero2", "zero3")}
+    assert one["total_bytes"] == result["configs"][0]["xla"]["total_bytes"]  # the same step
+    argument = [x[s]["argument_bytes"] for s in ("dp", "zero1", "zero3")]
+    assert one["argument_bytes"] > argument[0] > argument[1] > argument[2]
     assert x["zero2"]["argument_bytes"] == x["zero1"]["argument_bytes"]
     assert x["zero2"]["temp_bytes"] <= x["zero1"]["temp_bytes"]  # gradients partitioned
+    assert all(r["total_vs_one"] < 1 for r in x.values())
+    written = write_report(result, str(tmp_path))
+    assert "sharding.png" in {p.rsplit("/", 1)[-1] for p in written}
+    assert "| remat full | 8 | zero3 |" in (tmp_path / "report.md").read_text()
+    # lowmem report checks the counts before compiling anything
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["report", "--model", "wrn-10-1", "--batch-size", "12", "--shard-devices", "8",
+                  "--out-dir", str(tmp_path)])  # fmt: skip
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("divide batch_size=12; [8] do not"), err
 
 
 @pytest.mark.parametrize(

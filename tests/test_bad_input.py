@@ -111,8 +111,11 @@ def test_missing_datasets_are_one_line_with_how_to_prepare_them(tmp_path, capsys
         (["analyze", "--plain", "--remat", "full", "--microbatches", "2"],
          "--plain is the step without any technique; it takes no --microbatches, --remat"),
         (["analyze", "--plain", "--sparsity", "0.5"], "it takes no --sparsity"),
-        (["report", "--model", "foo"], "Unknown model='foo'"),
-        (["report", "--model", "wrn-10-1", "--out-dir", "/proc/lowmem-report"], "--out-dir"),
+        (["report", "--model", "foo", "--shard-devices", "none"], "Unknown model='foo'"),
+        (["report", "--shard-devices", "1,2"], "'1,2': give auto, none or comma-separated"),
+        (["report", "--shard-devices", "x"], "argument --shard-devices: 'x': give auto"),
+        (["report", "--model", "wrn-10-1", "--out-dir", "/proc/lowmem-report", "--shard-devices",
+          "none"], "--out-dir"),
     ],
 )  # fmt: skip
 def test_bad_analyze_and_report_input_is_one_line(argv, match, capsys, nothing_compiles):

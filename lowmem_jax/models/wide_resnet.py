@@ -21,6 +21,7 @@ Inputs: images ``[B, H, W, C]`` (any float dtype). Output: logits ``[B, num_clas
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -100,6 +101,8 @@ class WideResNet(nn.Module):
         parameters and results; ``conv_impl="xla", unroll=True`` is the plain Flax baseline).
       factorize: a :class:`~lowmem_jax.factorization.FactorConfig`: the blocks' convolutions
         (and, unless ``keep_first_last``, the stem and the classifier) are factorized.
+      param_layout: applied to each block's parameters inside its stack's loop
+        (:class:`~lowmem_jax.remat.ScannedBlocks`; ZeRO-3 gathers them there).
     """
 
     depth: int = 28
@@ -111,6 +114,7 @@ class WideResNet(nn.Module):
     unroll: bool = False
     bn_momentum: float = 0.9
     factorize: FactorConfig | None = None
+    param_layout: Callable[[Any], Any] | None = None
 
     def __post_init__(self):
         if self.depth < 10 or (self.depth - 4) % 6:
@@ -144,14 +148,13 @@ class WideResNet(nn.Module):
         for g, (features, strides) in enumerate(zip((16, 32, 64), (1, 2, 2), strict=True)):
             features *= self.width
             first = functools.partial(block, features=features, strides=strides)
-            x = ScannedBlocks(first, 1, self.remat, self.unroll, name=f"group{g}_first")(
-                x, train=train
+            stack = functools.partial(
+                ScannedBlocks, remat=self.remat, unroll=self.unroll, param_layout=self.param_layout
             )
+            x = stack(first, 1, name=f"group{g}_first")(x, train=train)
             if n > 1:
                 rest = functools.partial(block, features=features)
-                x = ScannedBlocks(rest, n - 1, self.remat, self.unroll, name=f"group{g}_rest")(
-                    x, train=train
-                )
+                x = stack(rest, n - 1, name=f"group{g}_rest")(x, train=train)
         x = BatchNorm(
             use_running_average=not train,
             momentum=self.bn_momentum,

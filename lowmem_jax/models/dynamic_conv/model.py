@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -83,6 +83,8 @@ class DynamicConvTransformer(nn.Module):
       factorize: a :class:`~lowmem_jax.factorization.FactorConfig`: the layers' Linear
         projections (attention, conv block, FFN) are low-rank; the embeddings, the output
         projection and DynamicConv's ``weight_linear`` stay dense.
+      param_layout: applied to each layer's parameters inside its stack's loop
+        (:class:`~lowmem_jax.remat.ScannedBlocks`; ZeRO-3 gathers them there).
     """
 
     src_vocab_size: int
@@ -104,6 +106,7 @@ class DynamicConvTransformer(nn.Module):
     remat: str = "none"
     unroll: bool = False
     factorize: FactorConfig | None = None
+    param_layout: Callable[[Any], Any] | None = None
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size", "embed_dim", "ffn_dim", "num_heads"):
@@ -188,6 +191,7 @@ class DynamicConvTransformer(nn.Module):
                 n,
                 self.remat,
                 self.unroll,
+                self.param_layout,
                 name=f"encoder_k{k}_{i}",
             )
             for i, (k, n) in enumerate(_runs(self.encoder_kernel_sizes))
@@ -203,6 +207,7 @@ class DynamicConvTransformer(nn.Module):
                 n,
                 self.remat,
                 self.unroll,
+                self.param_layout,
                 name=f"decoder_k{k}_{i}",
             )
             for i, (k, n) in enumerate(_runs(self.decoder_kernel_sizes))
