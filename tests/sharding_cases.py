@@ -7,6 +7,7 @@ process of its own with ``LOWMEM_TEST_DEVICES=8`` (read by conftest). Alone:
 
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,6 +151,27 @@ def _equation_names(jaxpr) -> set[str]:
                 if hasattr(inner, "eqns"):
                     names |= _equation_names(inner)
     return names
+
+
+class WideMLP(nn.Module):
+    """64 -> 128 -> 3: the [64, 128] kernel's Adam moments are large enough to be quantized."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        return nn.Dense(3)(nn.relu(nn.Dense(128)(x)))
+
+
+def test_zero1_with_an_int8_optimizer_state_equals_one_device():
+    """The block-wise quantized moments (codes and scales) are partitioned like any state."""
+    batches = [classification_batch(16, features=64, seed=s) for s in range(2)]
+    plan = lm.Plan(shard="zero1", devices=DEVICES, optimizer_state="int8")
+    tx = optax.adam(1e-2)
+    got, state, variables = _run(WideMLP(), plan, tx, batches)
+    want, _, _ = _run(WideMLP(), lm.Plan(optimizer_state="int8"), tx, batches, variables)
+    for (g, _), (w, _) in zip(got, want, strict=True):
+        assert_trees_close(g, w, rtol=2e-5, atol=1e-6)
+    codes = [x for x in jax.tree.leaves(state.opt_state) if x.dtype == jnp.uint8]
+    assert codes and all(c.sharding.spec == P("data") for c in codes)
 
 
 def test_zero1_with_the_optimizer_state_in_host_memory_equals_one_device():
