@@ -99,7 +99,9 @@ def _use_devices(args: argparse.Namespace) -> None:
     if getattr(args, "shard_devices", ()) != ():
         from lowmem_jax.sharding import set_cpu_devices
 
-        set_cpu_devices(max(args.shard_devices or _AUTO_SHARD_DEVICES))
+        # auto takes what the backend then has (e.g. one GPU: no section); counts are required
+        auto = args.shard_devices is None
+        set_cpu_devices(max(args.shard_devices or _AUTO_SHARD_DEVICES), require=not auto)
     devices, shard = getattr(args, "devices", None), getattr(args, "shard", None)
     if devices and shard in (None, "none"):
         raise ValueError(
@@ -253,7 +255,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     print(f"lowmem report: {args.model}, batch {batch_size} (compile-only, no step runs)")
     shard_devices = args.shard_devices
     if shard_devices is None:
-        shard_devices = tuple(n for n in _AUTO_SHARD_DEVICES if batch_size % n == 0)
+        import jax
+
+        visible = len(jax.devices())
+        shard_devices = tuple(
+            n for n in _AUTO_SHARD_DEVICES if batch_size % n == 0 and n <= visible
+        )
     result = run_report(args.model, batch_size, seq_len=args.seq_len, shard_devices=shard_devices)
     command = "lowmem report " + " ".join(
         [f"--model {args.model}", f"--batch-size {batch_size}", f"--out-dir {args.out_dir}"]
@@ -477,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="device counts for the sharding section (per-device bytes of the baseline under "
         "each ZeRO stage; host devices on CPU), e.g. 2,4,8; auto: those of 2, 4, 8 that divide "
-        "the batch; none: no section. Default: %(default)s",
+        "the batch and the backend has (host devices on CPU); none: no section. Default: "
+        "%(default)s",
     )
     report.set_defaults(func=_cmd_report)
 

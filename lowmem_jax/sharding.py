@@ -100,13 +100,14 @@ def stage(name: str) -> Stage:
     return _STAGES[name]
 
 
-def set_cpu_devices(count: int) -> None:
+def set_cpu_devices(count: int, *, require: bool = True) -> None:
     """Makes at least ``count`` devices visible: asks XLA:CPU for ``count`` host devices
     (``jax_num_cpu_devices``) if JAX has not started its backends yet; otherwise checks that
-    enough devices are already there. Other backends ignore the option.
+    enough devices are already there. Other backends ignore the option. ``require=False``
+    only asks (for a caller that then uses what :func:`jax.devices` has).
 
     Raises:
-      ValueError: JAX already runs with fewer than ``count`` devices.
+      ValueError: ``require`` and JAX runs with fewer than ``count`` devices.
     """
     if count < 1:
         raise ValueError(f"devices must be >= 1, got {count}")
@@ -115,7 +116,7 @@ def set_cpu_devices(count: int) -> None:
             jax.config.update("jax_num_cpu_devices", count)
         except RuntimeError:  # the backends have started: whatever they have must do
             pass
-    if len(jax.devices()) < count:
+    if require and len(jax.devices()) < count:
         raise ValueError(
             f"devices={count}: JAX has already started with {len(jax.devices())} "
             f"{jax.default_backend()} device(s); ask for host devices before anything runs on "

@@ -28,7 +28,7 @@ def test_mean_of_microbatch_grads_equals_full_batch(k):
     np.testing.assert_allclose(acc_metrics["accuracy"], full_metrics["accuracy"], rtol=1e-6)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     microbatch_size=st.integers(1, 6),
     k=st.integers(1, 6),
