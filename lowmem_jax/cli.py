@@ -96,9 +96,9 @@ def _device_counts(text: str) -> tuple[int, ...] | None:
 def _use_devices(args: argparse.Namespace) -> None:
     """``--devices N`` with ``--shard`` (or ``lowmem report --shard-devices``): host devices on
     CPU, asked for before JAX starts."""
-    if getattr(args, "shard_devices", ()) != ():
-        from lowmem_jax.sharding import set_cpu_devices
+    from lowmem_jax.sharding import set_cpu_devices  # imports no JAX backend
 
+    if getattr(args, "shard_devices", ()) != ():
         # auto takes what the backend then has (e.g. one GPU: no section); counts are required
         auto = args.shard_devices is None
         set_cpu_devices(max(args.shard_devices or _AUTO_SHARD_DEVICES), require=not auto)
@@ -109,8 +109,6 @@ def _use_devices(args: argparse.Namespace) -> None:
             "step runs on one device"
         )
     if devices and shard not in (None, "none"):
-        from lowmem_jax.sharding import set_cpu_devices
-
         set_cpu_devices(devices)
 
 
