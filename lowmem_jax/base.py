@@ -29,6 +29,7 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree, PyTree, Any], tuple[jax.Array, tuple[PyTree, PyTree]]]
 
 __all__ = [
+    "BlockwiseLeaf",
     "Optimizer",
     "OptaxOptimizer",
     "as_optimizer",
@@ -37,6 +38,27 @@ __all__ = [
     "PyTree",
     "LossFn",
 ]
+
+
+class BlockwiseLeaf:
+    """A parameter of a stack of ``L`` identical blocks (leading axis: the block) held in a form
+    other than its dense ``[L, *block_shape]`` array, which the block loop densifies one block
+    at a time (:class:`lowmem_jax.remat.ScannedBlocks`): inside the block's remat, so only one
+    block's dense weights exist at a time, in the forward pass and again in the backward.
+
+    Subclasses are pytrees (their arrays are children, so casts and gradients reach them) and
+    implement :meth:`block`.
+    """
+
+    shape: tuple[int, ...]  # the dense shape, [L, *block_shape]
+
+    def block(self, index: jax.Array) -> jax.Array:
+        """The dense ``[*block_shape]`` weights of block ``index`` (a traced int32 scalar)."""
+        raise NotImplementedError
+
+    def dense(self) -> jax.Array:
+        """All blocks' dense weights, ``[L, *block_shape]``."""
+        raise NotImplementedError
 
 
 class Optimizer:
@@ -72,11 +94,13 @@ class Optimizer:
         """Whether :meth:`store` needs the loss's gradient (e.g. SNIP's initial masks)."""
         return False
 
-    def materialize(self, params: PyTree, state: PyTree) -> PyTree:
+    def materialize(self, params: PyTree, state: PyTree, blockwise: bool = False) -> PyTree:
         """The stored parameters (and the state that locates them) -> the model's parameters.
 
-        Runs inside the step, so what it builds is transient."""
-        del state
+        Runs inside the step, so what it builds is transient. ``blockwise``: leaves of stacked
+        blocks may come back as :class:`BlockwiseLeaf` (the step's loss asks for it; everything
+        else gets dense arrays)."""
+        del state, blockwise
         return params
 
     @property
@@ -127,7 +151,8 @@ def differentiated_loss(
     if opt.grads_wrt_stored:
 
         def loss(stored, model_state, batch, rng):  # the dense weights exist per microbatch
-            return loss_fn(opt.materialize(stored, opt_state), model_state, batch, rng)
+            params = opt.materialize(stored, opt_state, blockwise=True)
+            return loss_fn(params, model_state, batch, rng)
 
         return loss, params
     return loss_fn, opt.materialize(params, opt_state)

@@ -186,9 +186,9 @@ class QuantizedStateOptimizer(Optimizer):
         leaves = [self._encode_like(o, x, k) for o, x, k in zip(old, new, keys, strict=False)]
         return updates, QuantizedState(jax.tree.unflatten(treedef, leaves), rng)
 
-    def materialize(self, params: PyTree, state: QuantizedState) -> PyTree:
+    def materialize(self, params: PyTree, state: QuantizedState, blockwise: bool = False) -> PyTree:
         # The storage's own state (e.g. a sparse pattern: integers) is not quantized.
-        return self.inner.materialize(params, state.inner_state)
+        return self.inner.materialize(params, state.inner_state, blockwise)
 
     @property
     def grads_wrt_stored(self) -> bool:

@@ -285,7 +285,10 @@ class Plan:
             tx = optimizer_state_lib.quantized_state(tx, fmt)
         opt = as_optimizer(tx)
         if self.sparsity is not None:
-            opt = sparsity_lib.sparse_training(tx, self.sparsity, params)
+            # The scanned stacks densify their compressed weights one block at a time.
+            opt = sparsity_lib.sparse_training(
+                tx, self.sparsity, params, stacked=remat_lib.in_stack
+            )
         if stored and quantized:
             opt = optimizer_state_lib.quantized_state(opt, fmt)
         return opt

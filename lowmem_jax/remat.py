@@ -50,6 +50,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core as jax_core
 
+from lowmem_jax.base import BlockwiseLeaf
+
 __all__ = [
     "RematSpec",
     "parse_policy",
@@ -61,6 +63,7 @@ __all__ = [
     "check_saved_names",
     "ScannedBlocks",
     "STACK",
+    "in_stack",
 ]
 
 ModuleT = TypeVar("ModuleT", nn.Module, nnx.Module)
@@ -334,6 +337,12 @@ def compiler_options(remat: str | RematSpec = "full", backend: str | None = None
 STACK = "stack"
 
 
+def in_stack(names: Sequence[str]) -> bool:
+    """Whether the parameter at path ``names`` belongs to a :class:`ScannedBlocks` stack (its
+    leading axis indexes the blocks)."""
+    return STACK in names
+
+
 class ScannedBlocks(nn.Module):
     """``length`` blocks of identical shapes, applied in sequence with ``lax.scan`` and remat.
 
@@ -356,6 +365,12 @@ class ScannedBlocks(nn.Module):
         them (and again when remat recomputes the block), e.g. ZeRO-3's gather of that
         block's partitioned parameters (:func:`lowmem_jax.sharding.replicate`, set by
         ``Plan.configure_model``); ``None``: used as stored.
+
+    A stacked parameter given as a :class:`~lowmem_jax.base.BlockwiseLeaf` (compressed sparse
+    weights, see ``Optimizer.materialize(blockwise=True)``) is densified inside the loop, one
+    block at a time, under the block's remat policy: one block's dense weights exist at a time
+    (the backward pass rebuilds them). Without remat the backward pass keeps every block's
+    dense weights anyway, so the stack is densified whole, before the loop.
     """
 
     make_block: Callable[[], nn.Module]
@@ -394,8 +409,17 @@ class ScannedBlocks(nn.Module):
             else jnp.zeros((self.length,), jnp.uint32)
         )
 
+        # Blockwise leaves stay whole (closed over); the loop carries the block index instead.
+        leaves, treedef = jax.tree.flatten(params, is_leaf=_is_blockwise)
+        if not spec.enabled:
+            leaves = [x.dense() if _is_blockwise(x) else x for x in leaves]
+        blockwise = {i: x for i, x in enumerate(leaves) if _is_blockwise(x)}
+        params = [None if i in blockwise else x for i, x in enumerate(leaves)]
+
         def apply_block(h, xs):
-            p, state, key = xs
+            p, state, key, index = xs
+            p = [blockwise[i].block(index) if i in blockwise else x for i, x in enumerate(p)]
+            p = jax.tree.unflatten(treedef, p)
             if self.param_layout is not None:
                 p = self.param_layout(p)
             rngs = {"dropout": key} if use_dropout else {}
@@ -410,7 +434,7 @@ class ScannedBlocks(nn.Module):
             h, new_state = out if mutable else (out, {})
             return h, {c: new_state.get(c, state[c]) for c in state}
 
-        xs = (params, others, keys)
+        xs = (params, others, keys, jnp.arange(self.length, dtype=jnp.int32))
         segment = spec.segment_length(self.length) if spec.segment else 1
         if self.length == 1:
             # A lone block may change the shape (stride, width), which a scan carry cannot;
@@ -435,6 +459,10 @@ class ScannedBlocks(nn.Module):
             for c in mutable:
                 self.put_variable(c, STACK, new_others[c])
         return x
+
+
+def _is_blockwise(x: Any) -> bool:
+    return isinstance(x, BlockwiseLeaf)
 
 
 def _segmented_scan(apply_block, x, xs, length: int, segment: int, spec: RematSpec, unroll: bool):

@@ -157,7 +157,7 @@ def state_shardings(state: TrainState, plan: Plan) -> TrainState | None:
 
 
 def _in_stack(path) -> bool:
-    return any(getattr(key, "key", None) == remat_lib.STACK for key in path)
+    return remat_lib.in_stack([getattr(key, "key", None) for key in path])
 
 
 def make_train_step(

@@ -108,7 +108,7 @@ def rewire(
         elif algorithm == "snfs":
             score = jnp.abs(momentum[i]).astype(jnp.float32)
         else:
-            score = jax.random.uniform(jax.random.fold_in(rng, i), s.shape)
+            score = masks_lib.uniform_scores(jax.random.fold_in(rng, i), s.shape[0])
         grown = masks_lib.largest(~s, score, grow[i], prefer=~m if zeros_first else None)
         new_masks.append(s | grown)
     threshold = _next_threshold(algorithm, threshold, total, target_pruned)
@@ -267,7 +267,7 @@ def rewire_compressed(
         elif algorithm == "snfs":
             score = jnp.abs(dense(j, source, idx)).astype(jnp.float32)
         else:
-            score = jax.random.uniform(source, (n,))
+            score = masks_lib.uniform_scores(source, n)
         key = masks_lib.grow_score(eligible, score, prefer)
         grown.append(masks_lib.top_positions(eligible, key, grow[j], caps[j]))
     threshold = _next_threshold(algorithm, threshold, total, target_pruned)

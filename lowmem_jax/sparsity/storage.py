@@ -18,6 +18,8 @@ slot (compressed). Both classes answer the same questions, so the sparse optimiz
 * :meth:`~Storage.capacity`: non-zeros a layer may hold (``size`` or ``capacity``);
 * :meth:`~Storage.pattern`, :meth:`~Storage.store`: a dense mask and leaf -> pattern, stored leaf;
 * :meth:`~Storage.materialize`: stored leaf -> dense leaf (compressed: a scatter, transient);
+* :meth:`~Storage.materialize_blockwise`: the same for a leaf of stacked blocks, which the
+  block loop densifies one block at a time (compressed: :class:`CompressedStack`);
 * :meth:`~Storage.live`: bool per slot, which slots hold a non-zero weight;
 * :meth:`~Storage.gather`: a dense gradient -> the stored layout;
 * :meth:`~Storage.rewire`: one prune-and-regrow update in this storage
@@ -27,17 +29,26 @@ slot (compressed). Both classes answer the same questions, so the sparse optimiz
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax.base import BlockwiseLeaf
 from lowmem_jax.sparsity import algorithms
 
 if TYPE_CHECKING:
     from lowmem_jax.sparsity.layout import LeafSpec
 
-__all__ = ["Storage", "MaskedStorage", "CompressedStorage", "MASKED", "COMPRESSED"]
+__all__ = [
+    "Storage",
+    "MaskedStorage",
+    "CompressedStorage",
+    "CompressedStack",
+    "MASKED",
+    "COMPRESSED",
+]
 
 
 class Storage:
@@ -62,6 +73,14 @@ class Storage:
     def materialize(self, stored: jax.Array, pattern: jax.Array, spec: LeafSpec) -> jax.Array:
         """The dense leaf ``[*shape]`` of a stored one."""
         raise NotImplementedError
+
+    def materialize_blockwise(
+        self, stored: jax.Array, pattern: jax.Array, spec: LeafSpec
+    ) -> jax.Array | BlockwiseLeaf:
+        """A leaf of ``L`` stacked blocks (``[L, *block_shape]``) as the block loop reads it:
+        here the dense leaf; a storage that can build one block's weights from the stored
+        form alone returns a :class:`~lowmem_jax.base.BlockwiseLeaf`."""
+        return self.materialize(stored, pattern, spec)
 
     def live(self, pattern: jax.Array, spec: LeafSpec) -> jax.Array:
         """bool ``[capacity]``: the slots that hold a non-zero weight."""
@@ -147,8 +166,10 @@ class CompressedStorage(Storage):
         return self.gather(leaf.reshape(-1), pattern, spec)
 
     def materialize(self, stored, pattern, spec):
-        dense = jnp.zeros((spec.size,), stored.dtype).at[pattern].set(stored, mode="drop")
-        return dense.reshape(spec.shape)
+        return _scatter(stored, pattern, spec.size).reshape(spec.shape)
+
+    def materialize_blockwise(self, stored, pattern, spec):
+        return CompressedStack(stored, pattern, spec.shape)
 
     def live(self, pattern, spec):
         return pattern < spec.size
@@ -171,6 +192,56 @@ class CompressedStorage(Storage):
                 jnp.where(kept, idx, s.size).at[free_slot].set(grown, mode="drop").astype(jnp.int32)
             )
         return out.survivors, indices, out.threshold
+
+
+def _scatter(values: jax.Array, positions: jax.Array, size: int) -> jax.Array:
+    """Flat ``[size]``: ``values`` at ``positions``, 0 elsewhere; positions outside
+    ``[0, size)`` are dropped (unused slots, other blocks' weights).
+
+    The positions in range are distinct, and the others are made distinct (``size + slot``), so
+    the scatter may promise unique indices: JAX's derivative of a scatter that cannot (and
+    XLA:CPU's lowering of one) tracks which update won with dense int32 maps of the layer.
+    """
+    slot = jnp.arange(positions.shape[0], dtype=jnp.int32)
+    distinct = jnp.where((positions >= 0) & (positions < size), positions, size + slot)
+    return (
+        jnp.zeros((size,), values.dtype).at[distinct].set(values, mode="drop", unique_indices=True)
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+class CompressedStack(BlockwiseLeaf):
+    """A compressed leaf of ``L`` stacked blocks: ``values`` ``[capacity]`` at the flat
+    positions ``indices`` of the dense ``shape = [L, *block_shape]``. Block ``i`` holds the
+    positions ``[i * n, (i + 1) * n)``, ``n = prod(block_shape)``; :meth:`block` scatters
+    the ``[capacity]`` values into ``[n]``, dropping the other blocks' (O(capacity) work per
+    block; its gradient w.r.t. ``values`` is a gather)."""
+
+    def __init__(self, values: jax.Array, indices: jax.Array, shape: tuple[int, ...]):
+        self.values, self.indices, self.shape = values, indices, tuple(shape)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def block(self, index):
+        n = math.prod(self.shape[1:])
+        local = self.indices - jnp.asarray(index, jnp.int32) * n
+        return _scatter(self.values, local, n).reshape(self.shape[1:])
+
+    def dense(self) -> jax.Array:
+        """All blocks, ``[L, *block_shape]``."""
+        return _scatter(self.values, self.indices, math.prod(self.shape)).reshape(self.shape)
+
+    def tree_flatten(self):
+        return (self.values, self.indices), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(*children, shape)
+
+    def __repr__(self) -> str:
+        return f"CompressedStack(shape={self.shape}, capacity={self.values.shape[0]})"
 
 
 MASKED = MaskedStorage()

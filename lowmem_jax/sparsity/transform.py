@@ -22,6 +22,7 @@ pattern, counter, threshold or slot. With microbatching the wrapper runs once pe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -70,11 +71,15 @@ class SparseTraining(Optimizer):
       config: the :class:`SparseConfig`.
       layout: the static per-leaf budgets and capacities (:func:`make_layout` of the dense
         parameters).
+      stacked: ``stacked(path_names) -> bool`` picks the leaves whose leading axis indexes
+        stacked blocks that the model densifies one block at a time (set by
+        ``Plan.wrap_optimizer`` for the bundled models' scanned stacks); ``None``: none.
     """
 
     inner: optax.GradientTransformation
     config: SparseConfig
     layout: Layout
+    stacked: Callable[[tuple[str, ...]], bool] | None = None
 
     @property
     def storage(self) -> Storage:
@@ -225,15 +230,20 @@ class SparseTraining(Optimizer):
 
     # --- the step --------------------------------------------------------------------------
 
-    def materialize(self, params: PyTree, state: PyTree) -> PyTree:
+    def materialize(self, params: PyTree, state: PyTree, blockwise: bool = False) -> PyTree:
         """The dense parameters the model sees; ``state`` is the :class:`SparseState` or any
-        pytree containing one."""
+        pytree containing one. ``blockwise``: the :attr:`stacked` leaves as the storage's
+        per-block form (compressed: :class:`~.storage.CompressedStack`, densified one block at
+        a time by the model's block loop)."""
         pattern = _find_state(state).pattern
         values = leaves_by_key(params, self.layout.keys)
-        dense = {
-            s.key: self.storage.materialize(values[s.key], pattern[s.key], s)
-            for s in self.layout.leaves
-        }
+        dense = {}
+        for s in self.layout.leaves:
+            stacked = (
+                blockwise and self.stacked is not None and self.stacked(tuple(s.key.split("/")))
+            )
+            build = self.storage.materialize_blockwise if stacked else self.storage.materialize
+            dense[s.key] = build(values[s.key], pattern[s.key], s)
         return replace_leaves(params, dense)
 
     def update(self, grads: PyTree, state: SparseState, params: PyTree | None = None):
@@ -375,10 +385,14 @@ def _find_state(tree: PyTree) -> SparseState:
 
 
 def sparse_training(
-    inner: optax.GradientTransformation, config: SparseConfig, params: PyTree
+    inner: optax.GradientTransformation,
+    config: SparseConfig,
+    params: PyTree,
+    stacked: Callable[[tuple[str, ...]], bool] | None = None,
 ) -> SparseTraining:
     """Wraps ``inner`` for sparse training of (dense) ``params`` (arrays or shapes) under
-    ``config``; the layout (which leaves, budgets, capacities) is fixed here.
+    ``config``; the layout (which leaves, budgets, capacities) is fixed here. ``stacked``: see
+    :attr:`SparseTraining.stacked`.
 
     Raises:
       ValueError: if ``config.is_sparse`` selects no leaf.
@@ -388,7 +402,7 @@ def sparse_training(
     layout = make_layout(params, config)
     if not layout.leaves:
         raise ValueError("config.is_sparse selected no parameter leaf; nothing to sparsify")
-    return SparseTraining(inner=inner, config=config, layout=layout)
+    return SparseTraining(inner=inner, config=config, layout=layout, stacked=stacked)
 
 
 def density_report(sparse: SparseTraining, opt_state: PyTree) -> dict[str, Any]:
