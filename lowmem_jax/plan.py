@@ -266,6 +266,9 @@ class Plan:
         parameters' shapes, so sparse training resets them itself, and the rewiring reads the
         stored parameters and gradients without float32 copies. ``int8`` / ``int4`` wrap the
         sparse optimizer: its reset of regrown weights' slots runs on the decoded float32 state.
+        Sparse training is told which leaves belong to scanned stacks (:func:`remat.in_stack`):
+        in compressed storage the step hands those to the model compressed, and each block
+        densifies its own weights inside its remat (:class:`~lowmem_jax.base.BlockwiseLeaf`).
 
         ``params``: the model's parameters, arrays or shapes (``jax.eval_shape``); needed when
         the plan is sparse (which leaves, their budgets). The result is what
@@ -285,7 +288,6 @@ class Plan:
             tx = optimizer_state_lib.quantized_state(tx, fmt)
         opt = as_optimizer(tx)
         if self.sparsity is not None:
-            # The scanned stacks densify their compressed weights one block at a time.
             opt = sparsity_lib.sparse_training(
                 tx, self.sparsity, params, stacked=remat_lib.in_stack
             )
