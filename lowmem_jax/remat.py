@@ -418,7 +418,11 @@ class ScannedBlocks(nn.Module):
 
         def apply_block(h, xs):
             p, state, key, index = xs
-            p = [blockwise[i].block(index) if i in blockwise else x for i, x in enumerate(p)]
+            # Tied to the block's input, the stored weights are densified when the block runs:
+            # XLA may not hoist a lone block's dense copy (loop-invariant) out of an enclosing
+            # loop (the microbatches'), where it would stay alive throughout.
+            stored, h = jax.lax.optimization_barrier((blockwise, h))
+            p = [stored[i].block(index) if i in stored else x for i, x in enumerate(p)]
             p = jax.tree.unflatten(treedef, p)
             if self.param_layout is not None:
                 p = self.param_layout(p)

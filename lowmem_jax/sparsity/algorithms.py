@@ -208,16 +208,19 @@ def rewire_compressed(
     zeros_first = regrow_pool == "zeros_first"
     caps = tuple(int(v.shape[0]) for v in values)
     live = [i < n for i, n in zip(indices, sizes, strict=True)]
-    mags = [jnp.abs(v).astype(jnp.float32) for v in values]
     active = jnp.stack([m.sum(dtype=jnp.int32) for m in live])
     if algorithm == "dsr":
         threshold = jnp.asarray(threshold, jnp.float32)
-        dropped = [m & (a < threshold) for m, a in zip(live, mags, strict=True)]
+        dropped = []
+        for j, v in enumerate(values):
+            if dropped:  # layer j once layer j - 1 is done, as the regrowth below
+                dropped[-1], v = jax.lax.optimization_barrier((dropped[-1], v))
+            dropped.append(live[j] & (jnp.abs(v).astype(jnp.float32) < threshold))
     else:
         counts = jnp.floor(fraction * active.astype(jnp.float32)).astype(jnp.int32)
         dropped = [
-            masks_lib.smallest_slots(m, a, pos, counts[j])
-            for j, (m, a, pos) in enumerate(zip(live, mags, indices, strict=True))
+            masks_lib.smallest_slots(m, jnp.abs(v).astype(jnp.float32), pos, counts[j])
+            for j, (m, v, pos) in enumerate(zip(live, values, indices, strict=True))
         ]
     survivors = [m & ~d for m, d in zip(live, dropped, strict=True)]
     num_dropped = jnp.stack([d.sum(dtype=jnp.int32) for d in dropped])
