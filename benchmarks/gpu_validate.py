@@ -51,10 +51,9 @@ def grid_names(model: str, batch_size: int) -> list[str]:
 
 
 def _grid(model: str, batch_size: int):
-    from lowmem_jax.remat import CONV_OUT, DOT_OUT
-    from lowmem_jax.report import standard_grid
+    from lowmem_jax.report import model_grid
 
-    return standard_grid(batch_size, DOT_OUT if model.startswith("dynamicconv") else CONV_OUT)
+    return model_grid(model, batch_size)
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:

@@ -186,6 +186,7 @@ def train_once(task: str, variant: Variant, seed: int, **overrides: Any) -> dict
         "technique": variant.technique,
         "setting": variant.setting,
         "seed": seed,
+        **({} if config.fold is None else {"fold": config.fold, "folds": config.folds}),
         "plan": plan.to_dict(),
         "decompose": variant.decompose,
         "sparse": None if config.plan.sparsity is None else sparse_fields(config.plan.sparsity),
@@ -194,6 +195,7 @@ def train_once(task: str, variant: Variant, seed: int, **overrides: Any) -> dict
         "wall_seconds": time.perf_counter() - start,
     }
     keep = (
+        "test_examples",
         "test_accuracy",
         "token_accuracy",
         "bleu_greedy",
@@ -214,10 +216,16 @@ def run_variants(
     seeds: Sequence[int],
     out_dir: str,
     log: Callable[[str], None] | None = print,
+    folds: int | None = None,
+    config: dict[str, Any] | None = None,
 ) -> dict[str, dict]:
     """Trains every (variant, seed) not already in ``<out_dir>/runs``; returns all records.
 
     Seeds are the outer loop, so a cut-short invocation has every variant at the first seeds.
+    ``folds`` (digits): cross-validation, every (variant, seed, fold) for fold in
+    ``range(folds)`` (``TrainConfig.fold``), recorded as ``<variant>_seed<seed>_fold<fold>``;
+    ``decompose`` variants are not supported there. ``config``: :class:`TrainConfig` fields
+    every run takes instead of the task's (e.g. another ``dataset``).
     A ``decompose`` variant fine-tunes the baseline of its seed, whose checkpoint is kept in
     ``<out_dir>/checkpoints/baseline_seed<seed>`` (the baseline is trained, with checkpoints,
     when that directory has none; its record is the same either way).
@@ -230,10 +238,10 @@ def run_variants(
     )
 
     def run(variant: Variant, seed: int, **overrides: Any) -> dict:
-        key = f"{variant.name}_seed{seed}"
+        key = run_key(variant.name, seed, overrides.get("fold"))
         if log:
-            log(f"[{time.strftime('%H:%M:%S')}] {task}: {variant.name} seed {seed}")
-        record = train_once(task, variant, seed, **overrides)
+            log(f"[{time.strftime('%H:%M:%S')}] {task}: {key}")
+        record = train_once(task, variant, seed, **(config or {}), **overrides)
         path = os.path.join(runs_dir, key + ".json")
         with open(path + ".tmp", "w") as f:  # written whole, then renamed: never partial
             json.dump(record, f, indent=1)
@@ -243,6 +251,15 @@ def run_variants(
             log(f"    {record['metric']} {record['value']:.4f}  ({record['wall_seconds']:.0f}s)")
         return record
 
+    if folds is not None:
+        if any(v.decompose for v in variants):
+            raise ValueError("cross-validation (folds) does not run decompose variants")
+        for seed in seeds:
+            for fold in range(folds):
+                for variant in variants:
+                    if run_key(variant.name, seed, fold) not in records:
+                        run(variant, seed, fold=fold, folds=folds)
+        return records
     for seed in seeds:
         dense_dir = os.path.join(out_dir, "checkpoints", f"baseline_seed{seed}")
         needs_dense = any(v.decompose for v in variants)
@@ -258,6 +275,11 @@ def run_variants(
             else:
                 run(variant, seed)
     return records
+
+
+def run_key(name: str, seed: int, fold: int | None = None) -> str:
+    """A run's record name: ``<name>_seed<seed>`` (``_fold<fold>`` under cross-validation)."""
+    return f"{name}_seed{seed}" + ("" if fold is None else f"_fold{fold}")
 
 
 def load_runs(out_dir: str) -> dict[str, dict]:
@@ -282,7 +304,8 @@ def _spread(values: list[float]) -> dict[str, float | None]:
 
 def summarize(records: dict[str, dict], baseline: str = "baseline") -> list[dict[str, Any]]:
     """One row per variant: the metric's mean / std / range over seeds, and the paired
-    difference to ``baseline`` (same seed) with its mean / std / range."""
+    difference to ``baseline`` (same seed) with its mean / std / range and, from two seeds on,
+    its 95% t interval (``ci95``)."""
     by_name: dict[str, dict[int, dict]] = {}
     for r in records.values():
         by_name.setdefault(r["name"], {})[r["seed"]] = r
@@ -293,6 +316,9 @@ def summarize(records: dict[str, dict], baseline: str = "baseline") -> list[dict
         values = [per_seed[s]["value"] for s in seeds]
         paired = [per_seed[s]["value"] - base[s]["value"] for s in seeds if s in base]
         first = per_seed[seeds[0]]
+        delta = _spread(paired) if paired else None
+        if delta is not None and len(paired) >= 2 and name != baseline:
+            delta.update(pairs=len(paired), ci95=list(corrected_t_interval(paired, 0.0)))
         rows.append(
             {
                 "name": name,
@@ -301,12 +327,85 @@ def summarize(records: dict[str, dict], baseline: str = "baseline") -> list[dict
                 "metric": first["metric"],
                 "seeds": seeds,
                 "value": _spread(values),
-                "delta_vs_baseline": _spread(paired) if paired else None,
+                "delta_vs_baseline": delta,
                 "skipped_steps": [per_seed[s].get("skipped_steps") for s in seeds],
                 "density": [(per_seed[s].get("sparsity") or {}).get("density") for s in seeds],
                 "train_seconds": statistics.mean(per_seed[s]["train_seconds"] for s in seeds),
             }
         )
+    return rows
+
+
+def corrected_t_interval(
+    deltas: Sequence[float], test_fraction: float, level: float = 0.95
+) -> tuple[float, float]:
+    """The interval for the mean of cross-validated paired ``deltas`` by the corrected
+    resampled t-test (Nadeau & Bengio 2003): ``mean +- t_{n-1} * sqrt((1/n + n_test/n_train)
+    * s^2)``, ``n = len(deltas)``, ``s^2`` their sample variance. The ``n_test / n_train`` term
+    (``test_fraction / (1 - test_fraction)``) accounts for the training sets overlapping, which
+    the plain ``1/n`` would ignore (intervals too narrow). ``test_fraction=0``: the plain
+    paired t interval (independent pairs, e.g. seeds)."""
+    from scipy import stats
+
+    n = len(deltas)
+    if n < 2:
+        raise ValueError(f"an interval needs at least 2 deltas, got {n}")
+    mean = statistics.mean(deltas)
+    var = statistics.variance(deltas) * (1.0 / n + test_fraction / (1.0 - test_fraction))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * var**0.5
+    return mean - half, mean + half
+
+
+def _pooled(runs: dict[tuple[int, int], dict], seed: int, folds: int) -> float | None:
+    """Accuracy over every fold of ``seed`` (each image once), ``None`` if a fold is missing."""
+    mine = [r for (s, _), r in runs.items() if s == seed]
+    if len(mine) < folds:
+        return None
+    return sum(r["value"] * r["test_examples"] for r in mine) / sum(
+        r["test_examples"] for r in mine
+    )
+
+
+def summarize_cv(records: dict[str, dict], baseline: str = "baseline") -> list[dict[str, Any]]:
+    """One row per variant of a cross-validated study (:func:`run_variants` with ``folds``).
+
+    Per seed, the pooled accuracy over its folds (every image tested once: correct / images);
+    per (seed, fold), the paired difference to ``baseline`` of the same split; their mean and
+    the corrected resampled t interval (:func:`corrected_t_interval`, 95%). Only the (seed,
+    fold) pairs both ran count."""
+    by_name: dict[str, dict[tuple[int, int], dict]] = {}
+    for r in records.values():
+        if "fold" in r:
+            by_name.setdefault(r["name"], {})[(r["seed"], r["fold"])] = r
+    base = by_name.get(baseline, {})
+    rows = []
+    for name, runs in by_name.items():
+        splits = sorted(runs)
+        seeds = sorted({seed for seed, _ in splits})
+        first = runs[splits[0]]
+        folds = first["folds"]
+
+        per_seed = {seed: _pooled(runs, seed, folds) for seed in seeds}
+        paired = [runs[k]["value"] - base[k]["value"] for k in splits if k in base]
+        row = {
+            "name": name,
+            "technique": first["technique"],
+            "setting": first["setting"],
+            "metric": first["metric"],
+            "seeds": seeds,
+            "folds": folds,
+            "runs": len(splits),
+            "pooled_by_seed": per_seed,
+            "value": _spread([runs[k]["value"] for k in splits]),
+            "delta_vs_baseline": None,
+            "skipped_steps": sum(runs[k].get("skipped_steps") or 0 for k in splits),
+            "train_seconds": statistics.mean(runs[k]["train_seconds"] for k in splits),
+        }
+        if name != baseline and len(paired) >= 2:
+            low, high = corrected_t_interval(paired, 1.0 / folds)
+            row["delta_vs_baseline"] = {**_spread(paired), "pairs": len(paired),
+                                        "ci95": [low, high]}  # fmt: skip
+        rows.append(row)
     return rows
 
 

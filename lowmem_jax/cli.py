@@ -68,7 +68,7 @@ def _use_compilation_cache(cache_dir: str) -> None:
 # The train flags that set TrainConfig fields of the same name (None: the config's default).
 _TRAIN_FIELDS = (
     "dataset", "model", "epochs", "steps", "batch_size", "max_tokens", "warmup", "weight_decay",
-    "label_smoothing", "seed", "data_dir", "image_size", "eval_every", "beam_size",
+    "label_smoothing", "seed", "data_dir", "image_size", "fold", "folds", "eval_every", "beam_size",
     "average_last", "checkpoint_dir", "checkpoint_every", "keep_checkpoints",
     "max_consecutive_skips", "decompose_from",
 )  # fmt: skip
@@ -324,6 +324,11 @@ def _add_train_flags(train: argparse.ArgumentParser) -> None:
         "by --max-tokens). Default: 128",
     )  # fmt: skip
     run.add_argument("--image-size", type=int, help="digits: 8, 16 or 32 pixels. Default: 32")
+    run.add_argument(
+        "--fold", type=int, help="digits: test on this fold (0-based) of --folds stratified "
+        "folds shuffled by --seed (cross-validation) instead of the 80/20 split",
+    )  # fmt: skip
+    run.add_argument("--folds", type=int, help="digits: folds for --fold. Default: 5")
     run.add_argument(
         "--lr", type=float, help="peak learning rate. Default: the recipe's (0.1 SGD Nesterov for "
         "wrn-D-K; Adam 2e-3 for dynamicconv-small, 5e-4 for dynamicconv-iwslt)",

@@ -75,6 +75,8 @@ class TrainConfig:
       seed: parameters, dropout, data split and order.
       data_dir: the TFDS directory (CIFAR-10, IWSLT'14, TED); nothing is downloaded.
       image_size: digits only (8, 16 or 32 pixels; 8 is the original resolution).
+      fold, folds: digits only: test on the ``fold``-th of ``folds`` stratified folds shuffled
+        by ``seed`` (cross-validation) instead of the 80/20 split.
       dropout, model_overrides, vocab_size, length_multiple, eval_sentences, beam_size,
         length_penalty, max_len_a, max_len_b, average_last: translation
         (:mod:`lowmem_jax.tasks.translation`).
@@ -112,6 +114,8 @@ class TrainConfig:
     seed: int = 0
     data_dir: str | None = None
     image_size: int = 32
+    fold: int | None = None
+    folds: int = 5
     dropout: float | None = None
     model_overrides: dict[str, Any] | None = None
     vocab_size: int = 10000
@@ -149,6 +153,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.folds < 2:
+            raise ValueError(f"folds must be >= 2, got {self.folds}")
+        if self.fold is not None and not 0 <= self.fold < self.folds:
+            raise ValueError(
+                f"fold must be in [0, {self.folds}) (folds={self.folds}), got {self.fold}"
+            )
         if self.max_consecutive_skips < 0:
             raise ValueError(
                 f"max_consecutive_skips must be >= 0 (0: never stop), got "

@@ -17,6 +17,9 @@ settings)
                                                       (:meth:`configure_model`)
 ``shard`` (+        :mod:`lowmem_jax.sharding`        the step's layouts over a device mesh
 ``devices``)                                          (:meth:`mesh`, ``make_train_step``)
+``input_dtype``     the data pipeline and the model   the batch's stored images: ``uint8`` raw
+                                                      pixels, normalised inside the step
+                                                      (:func:`lowmem_jax.workloads.build`)
 ==================  ================================  =============================================
 
 A technique module never imports this one or another technique; the plan names them and
@@ -45,7 +48,10 @@ from lowmem_jax import sparsity as sparsity_lib
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer
 from lowmem_jax.remat import ModuleT
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "INPUT_DTYPES"]
+
+#: How a batch may store its images (``Plan.input_dtype``).
+INPUT_DTYPES = ("float32", "uint8")
 
 
 def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -84,6 +90,12 @@ class Plan:
       optimizer_memory: the memory the optimizer state stays in between steps (a
         :data:`lowmem_jax.sharding.MEMORY_KINDS` name): ``device``, or ``pinned_host`` (host
         memory; the step moves it to the device for the update and the new state back).
+      input_dtype: how the batch's images are stored: ``float32`` (normalised by the data
+        pipeline) or ``uint8`` (raw pixels, 4x fewer bytes; the model normalises each
+        microbatch inside the step: the bundled WideResNet's ``pixel_mean`` / ``pixel_std``).
+        It is a contract between the data and the model: :func:`lowmem_jax.workloads.build`
+        and the image tasks honour it (the batch's image leaves uint8, the model given the
+        data's statistics); ``make_train_step`` takes the batch it is given.
       initial_loss_scale, loss_scale_period, loss_scale_factor, min_loss_scale: loss-scale
         settings (2**15, 2000, 2, 1 by default).
     """
@@ -133,6 +145,12 @@ class Plan:
         "one memory, so the device bytes it saves show on a GPU only)",
         choices=sharding_lib.MEMORY_KINDS,
     )
+    input_dtype: str = _flag(
+        "float32",
+        "how batches store images: float32 (normalised by the data pipeline) or uint8 (raw "
+        "pixels, 4x smaller; the model normalises each microbatch inside the step)",
+        choices=INPUT_DTYPES,
+    )
     remat_blocks: tuple[str, ...] = ()
     sparsity: sparsity_lib.SparseConfig | None = None
     factorize: factorization_lib.FactorConfig | None = None
@@ -173,6 +191,10 @@ class Plan:
         if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 0:
             raise ValueError(f"devices must be an int >= 0 (0: all visible), got {self.devices!r}")
         sharding_lib.check_memory_kind(self.optimizer_memory, "optimizer_memory")
+        if self.input_dtype not in INPUT_DTYPES:
+            raise ValueError(
+                f"Unknown input_dtype={self.input_dtype!r}; allowed values: {list(INPUT_DTYPES)}"
+            )
         loss_scale_lib.check_settings(
             self.loss_scale_kind,
             initial_scale=self.initial_loss_scale,
@@ -315,13 +337,16 @@ class Plan:
         return remat_lib.compiler_options(self.remat)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able description: every field, ``loss_scale`` resolved; ``sparsity`` as
+        """A JSON-able description: every field (``remat_blocks`` and ``input_dtype`` only when
+        set), ``loss_scale`` resolved; ``sparsity`` as
         :meth:`SparseConfig.describe` and ``factorize`` as :meth:`FactorConfig.describe`, each
         left out when unset."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["loss_scale"] = self.loss_scale_kind
         if not self.remat_blocks:
             del out["remat_blocks"]
+        if self.input_dtype == "float32":  # the default, as every earlier record has it
+            del out["input_dtype"]
         del out["sparsity"], out["factorize"]  # last, when set
         if self.sparsity is not None:
             out["sparsity"] = self.sparsity.describe()

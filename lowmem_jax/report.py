@@ -43,6 +43,7 @@ __all__ = [
     "ENVELOPE",
     "in_envelope",
     "standard_grid",
+    "model_grid",
     "run_report",
     "write_report",
     "to_markdown",
@@ -66,7 +67,9 @@ def divisor_at_most(batch_size: int, target: float) -> int:
     return max(d for d in range(1, batch_size + 1) if batch_size % d == 0 and d <= max(target, 1))
 
 
-def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
+def standard_grid(
+    batch_size: int, saved_name: str = CONV_OUT, *, images: bool = True
+) -> list[GridRow]:
     """``(name, group, plan)`` for ``plain`` (plan ``None``), the baseline, single techniques
     and combinations.
 
@@ -74,6 +77,7 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
     becomes the largest divisor of ``batch_size`` below it (100: 50, 25, 10, 5, 2), so every
     row splits the batch evenly. ``saved_name``: the ``checkpoint_name`` the ``save:`` remat row
     keeps (``conv_out`` in the WideResNet, ``dot_out`` in the DynamicConv Transformer).
+    ``images``: the batch holds images, so the ``uint8 input`` rows apply (``input_dtype``).
     """
 
     def micro(target: int) -> int:
@@ -94,6 +98,9 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
         )
     for fmt in ("bf16", "int8", "int4"):
         grid.append((f"state {fmt}", "optimizer state", Plan(optimizer_state=fmt)))
+    uint8 = {"input_dtype": "uint8"} if images else None
+    if uint8:
+        grid.append(("uint8 input", "input", Plan(**uint8)))
     for fmt in ("bf16", "int8", "int4"):
         plan = Plan(optimizer_state=fmt, sparsity=report_sparsity(0.9))
         grid.append((f"sparse 90% dsr + state {fmt}", "optimizer state", plan))
@@ -122,7 +129,10 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
         plan = Plan(precision="mixed_fp16", microbatches=batch_size // size, remat="full")
         grid.append((f"mixed_fp16 + mb {size} + remat full", "combined", plan))
         plan = dataclasses.replace(plan, sparsity=report_sparsity(0.7))
-        grid.append((f"mixed_fp16 + mb {size} + remat full + sparse 70%", "combined", plan))
+        name = f"mixed_fp16 + mb {size} + remat full + sparse 70%"
+        grid.append((name, "combined", plan))
+        if uint8:
+            grid.append((f"{name} + uint8 input", "combined", dataclasses.replace(plan, **uint8)))
     size = micro(2)
     if 1 < size < batch_size:
         plan = Plan(
@@ -131,10 +141,21 @@ def standard_grid(batch_size: int, saved_name: str = CONV_OUT) -> list[GridRow]:
             remat="full",
             sparsity=report_sparsity(0.9),
         )
-        grid.append((f"fp16 + mb {size} + remat full + sparse 90%", "combined", plan))
+        name = f"fp16 + mb {size} + remat full + sparse 90%"
+        grid.append((name, "combined", plan))
+        if uint8:
+            grid.append((f"{name} + uint8 input", "combined", dataclasses.replace(plan, **uint8)))
         plan = dataclasses.replace(plan, optimizer_state="int4")
         grid.append((f"fp16 + mb {size} + remat full + sparse 90% + state int4", "combined", plan))
     return grid
+
+
+def model_grid(model: str, batch_size: int) -> list[GridRow]:
+    """:func:`standard_grid` for a named model: the remat row saves its tagged outputs
+    (``dot_out`` in the DynamicConv Transformer, else ``conv_out``); ``uint8 input`` rows for
+    image models."""
+    images = not model.startswith("dynamicconv")
+    return standard_grid(batch_size, CONV_OUT if images else DOT_OUT, images=images)
 
 
 def in_envelope(config: dict[str, Any]) -> bool:
@@ -163,7 +184,7 @@ def run_report(
     """
     check_shard_devices(batch_size, shard_devices)
     if grid is None:
-        grid = standard_grid(batch_size, DOT_OUT if model.startswith("dynamicconv") else CONV_OUT)
+        grid = model_grid(model, batch_size)
     rows, seconds = [], []
     start = time.perf_counter()
     for i, (name, group, plan) in enumerate(grid, 1):

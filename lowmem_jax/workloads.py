@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from lowmem_jax import losses, memory, models, precision, remat, sparsity
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer
+from lowmem_jax.data import cifar10
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.train import TrainState, make_plain_train_step, make_train_step, state_shardings
@@ -53,6 +54,7 @@ __all__ = [
 MODEL_NAMES = "wrn-D-K (e.g. wrn-28-2), dynamicconv-small, dynamicconv-iwslt"
 TASKS = ("classification", "translation")
 
+CIFAR10_PIXEL_STATS = {"pixel_mean": cifar10.PIXEL_MEAN, "pixel_std": cifar10.PIXEL_STD}
 WRN_RECIPE = Recipe("sgd_nesterov", 0.1, "cosine", weight_decay=5e-4, momentum=0.9)
 DYNAMICCONV_RECIPES = {
     "dynamicconv-iwslt": Recipe(
@@ -114,6 +116,27 @@ class Workload:
 
         return dataclasses.replace(self, batch={k: shape(v) for k, v in batch.items()})
 
+    def with_input_dtype(self, input_dtype: str) -> Workload:
+        """This workload with its images stored as ``input_dtype`` (``Plan.input_dtype``:
+        ``float32`` normalised, ``uint8`` raw pixels the model normalises).
+
+        Raises:
+          ValueError: ``uint8`` for a workload without images.
+        """
+        dtype = jnp.dtype(input_dtype)
+        if "image" not in self.batch:
+            if input_dtype != "float32":
+                raise ValueError(
+                    f"input_dtype={input_dtype!r} applies to image batches; {self.name}'s batch "
+                    f"has {sorted(self.batch)} (allowed here: 'float32')"
+                )
+            return self
+        image = self.batch["image"]
+        if image.dtype == dtype:
+            return self
+        batch = {**self.batch, "image": jax.ShapeDtypeStruct(image.shape, dtype)}
+        return dataclasses.replace(self, batch=batch)
+
     def loss_fn(self, model: nn.Module, label_smoothing: float) -> LossFn:
         """The task's loss for ``model`` (configured by a plan)."""
         if self.task == "translation":
@@ -161,7 +184,8 @@ def workload(
     if not match:
         raise ValueError(f"Unknown model={name!r}; allowed values: {MODEL_NAMES}")
     depth, width = map(int, match.groups())
-    overrides = {"num_classes": 10, **model_overrides}
+    # CIFAR-10's statistics in pixel units, for uint8 batches (Plan.input_dtype).
+    overrides = {"num_classes": 10, **CIFAR10_PIXEL_STATS, **model_overrides}
     model = models.WideResNet(depth=depth, width=width, **overrides)
     b = batch_size or 128
     batch = {
@@ -267,13 +291,16 @@ class Setup:
         )
 
     def example_batch(self, seed: int = 0) -> dict[str, jax.Array]:
-        """A random batch of the workload's shapes: images ~ N(0, 1), labels in [0, 10),
+        """A random batch of the workload's shapes: float images ~ N(0, 1) (uint8 ones uniform
+        in [0, 256)), labels in [0, 10),
         tokens in [4, 1000) (no padding, no special ids)."""
         keys = jax.random.split(jax.random.PRNGKey(seed), len(self.workload.batch))
         out = {}
         for key, (name, leaf) in zip(keys, sorted(self.workload.batch.items()), strict=True):
             if jnp.issubdtype(leaf.dtype, jnp.floating):
                 out[name] = jax.random.normal(key, leaf.shape, leaf.dtype)
+            elif name == "image":  # raw pixels
+                out[name] = jax.random.randint(key, leaf.shape, 0, 256).astype(leaf.dtype)
             elif name == "label":
                 out[name] = jax.random.randint(key, leaf.shape, 0, 10, leaf.dtype)
             else:
@@ -334,6 +361,7 @@ def build(
             f" x devices={mesh.size} (shard={plan.shard!r}: each device takes its share of "
             "every microbatch)"
         )
+    work = work.with_input_dtype(plan.input_dtype)
     config = {"model": work.name, "batch_size": work.batch_size, **plan.to_dict()}
     sparse = plan.sparsity
     if sparse is not None:

@@ -65,6 +65,11 @@ def _one_line_error(argv, capsys, prog="lowmem train"):
         (["--dataset", "synthetic-copy", "--model", "dynamicconv-small", "--beam-size", "0"],
          "beam_size must be >= 1"),
         (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+        (["--fold", "5"], "fold must be in [0, 5) (folds=5), got 5"),
+        (["--folds", "1"], "folds must be >= 2, got 1"),
+        (["--input-dtype", "float16"], "argument --input-dtype: invalid choice: 'float16'"),
+        (["--dataset", "synthetic-copy", "--model", "dynamicconv-small", "--input-dtype",
+          "uint8"], "input_dtype='uint8' applies to image datasets"),
     ],
 )  # fmt: skip
 def test_bad_train_input_is_one_line_before_compiling(argv, match, capsys, nothing_compiles):
@@ -111,6 +116,8 @@ def test_missing_datasets_are_one_line_with_how_to_prepare_them(tmp_path, capsys
         (["analyze", "--plain", "--remat", "full", "--microbatches", "2"],
          "--plain is the step without any technique; it takes no --microbatches, --remat"),
         (["analyze", "--plain", "--sparsity", "0.5"], "it takes no --sparsity"),
+        (["analyze", "--model", "dynamicconv-small", "--input-dtype", "uint8"],
+         "input_dtype='uint8' applies to image batches"),
         (["report", "--model", "foo", "--shard-devices", "none"], "Unknown model='foo'"),
         (["report", "--shard-devices", "1,2"], "'1,2': give auto, none or comma-separated"),
         (["report", "--shard-devices", "x"], "argument --shard-devices: 'x': give auto"),

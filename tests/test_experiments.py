@@ -45,6 +45,49 @@ def test_summarize_pairs_each_variant_with_the_baseline_of_the_same_seed():
     assert rows["baseline"]["delta_vs_baseline"]["mean"] == 0.0
 
 
+def test_corrected_t_interval_widens_the_naive_one_for_overlapping_training_sets():
+    from scipy import stats
+
+    deltas = [0.01, -0.02, 0.0, 0.005, -0.01, 0.02, -0.005, 0.0, 0.01, -0.015]
+    low, high = study.corrected_t_interval(deltas, test_fraction=0.2)
+    mean, sd, n = sum(deltas) / 10, stats.tstd(deltas), 10
+    half = stats.t.ppf(0.975, n - 1) * sd * (1 / n + 0.2 / 0.8) ** 0.5
+    assert (low, high) == pytest.approx((mean - half, mean + half))
+    naive = stats.t.interval(0.95, n - 1, loc=mean, scale=stats.sem(deltas))
+    assert low < naive[0] and high > naive[1]
+    with pytest.raises(ValueError, match="at least 2"):
+        study.corrected_t_interval([0.1], 0.2)
+
+
+def test_summarize_cv_pools_each_seeds_folds_and_pairs_each_split():
+    def rec(name, seed, fold, correct, n=100):
+        r = _record(name, seed, correct / n, "baseline" if name == "baseline" else "combined")
+        return {**r, "fold": fold, "folds": 2, "test_examples": n}
+
+    records = {
+        study.run_key(r["name"], r["seed"], r["fold"]): r
+        for r in [
+            rec("baseline", 0, 0, 90),
+            rec("baseline", 0, 1, 47, n=50),
+            rec("baseline", 1, 0, 80),
+            rec("baseline", 1, 1, 85),
+            rec("x", 0, 0, 89),
+            rec("x", 0, 1, 45, n=50),
+            rec("x", 1, 0, 82),  # seed 1 fold 1 missing: no pooled figure, 3 pairs
+        ]
+    }
+    rows = {r["name"]: r for r in study.summarize_cv(records)}
+    assert rows["baseline"]["pooled_by_seed"] == {0: pytest.approx((90 + 47) / 150), 1: 0.825}
+    assert rows["baseline"]["delta_vs_baseline"] is None
+    x = rows["x"]
+    assert x["pooled_by_seed"] == {0: pytest.approx((89 + 45) / 150), 1: None}
+    d = x["delta_vs_baseline"]
+    assert d["pairs"] == 3 and d["mean"] == pytest.approx((-0.01 - 0.04 + 0.02) / 3)
+    low, high = study.corrected_t_interval([-0.01, -0.04, 0.02], 0.5)
+    assert d["ci95"] == [pytest.approx(low), pytest.approx(high)]
+    assert study.run_key("x", 1, 0) == "x_seed1_fold0" and study.run_key("x", 1) == "x_seed1"
+
+
 @pytest.mark.slow
 def test_run_variants_trains_once_and_resumes(tmp_path, monkeypatch):
     tiny = TrainConfig(model="wrn-10-1", image_size=8, epochs=1, batch_size=64, progress=False)

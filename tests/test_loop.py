@@ -23,7 +23,7 @@ TASKS = {
             "dataset": "digits", "model": "wrn-10-1", "image_size": 8, "batch_size": 32,
         },
         "tests": {"test_accuracy"},
-        "summary": {"batch_size", "epochs", "test_accuracy"},
+        "summary": {"batch_size", "epochs", "test_accuracy", "test_examples"},
     },
     "translation": {
         "config": {

@@ -67,6 +67,20 @@ def test_config_validation_errors():
     assert config.keep == 5 and config.model_name == "dynamicconv-small"
 
 
+def test_synthetic_reverse_long_is_the_longer_larger_vocabulary_reversal():
+    from lowmem_jax.tasks.translation import load_translation_data
+
+    config = TrainConfig(dataset="synthetic-reverse-long", model="dynamicconv-small", steps=1)
+    train, test, tokenizer = load_translation_data(config)
+    assert tokenizer is None and len(train["src"]) == 4096 and len(test["src"]) == 256
+    lengths = [len(s) for s in train["src"]]
+    assert min(lengths) == 4 and max(lengths) == 16
+    assert max(max(s) for s in train["src"]) == 31 and min(min(s) for s in train["src"]) == 3
+    assert all(t == s[::-1] for s, t in zip(train["src"], train["tgt"], strict=True))
+    short, _, _ = load_translation_data(dataclasses.replace(config, dataset="synthetic-reverse"))
+    assert max(len(s) for s in short["src"]) == 8  # the original task is unchanged
+
+
 def test_inverse_sqrt_schedule_matches_fairseq():
     lr = inverse_sqrt_schedule(5e-4, 4000)
     assert float(lr(0)) == pytest.approx(1e-7)

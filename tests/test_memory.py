@@ -10,7 +10,7 @@ import lowmem_jax as lm
 from lowmem_jax import cli, memory
 from lowmem_jax.flops import count_flops
 from lowmem_jax.plan_flags import plan_from_args
-from lowmem_jax.report import run_report, standard_grid, write_report
+from lowmem_jax.report import model_grid, run_report, standard_grid, write_report
 from lowmem_jax.workloads import analyze_model
 
 B, D, H, OUT = 16, 12, 32, 5
@@ -238,7 +238,18 @@ def test_the_envelope_is_the_technical_reports_safe_region():
     assert {
         "mixed_fp16 + mb 8 + remat full",
         "mixed_fp16 + mb 8 + remat full + sparse 70%",
+        "mixed_fp16 + mb 8 + remat full + sparse 70% + uint8 input",
+        "fp16 + mb 2 + remat full + sparse 90% + uint8 input",
+        "uint8 input",
     } <= names
+    grid = {name: plan for name, _, plan in model_grid("wrn-28-2", 128)}
+    uint8 = grid["fp16 + mb 2 + remat full + sparse 90% + uint8 input"]
+    assert uint8 == dataclasses.replace(
+        grid["fp16 + mb 2 + remat full + sparse 90%"], input_dtype="uint8"
+    )
+    assert in_envelope({"batch_size": 128, **grid["uint8 input"].to_dict()})
+    tokens = [name for name, _, _ in model_grid("dynamicconv-iwslt", 100)]  # no images
+    assert not [name for name in tokens if "uint8" in name] and "baseline" in tokens
 
 
 def test_count_flops_counts_matmuls_and_loop_trips():

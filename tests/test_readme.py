@@ -61,3 +61,13 @@ def test_readme_memory_tables_are_the_committed_reports():
         names = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
         expected = summary_table(report, names)
         assert table == expected, f"stale numbers in the README; from {path}:\n{expected}"
+
+
+def test_readme_headline_table_is_the_committed_results():
+    """The README's first table equals what the committed reports and accuracy give."""
+    from experiments.envelope_accuracy import headline_table
+
+    text = README.read_text()
+    block = re.search(r"<!-- headline_table[^>]*-->\n(.*?)<!-- /headline_table -->", text, re.S)
+    assert block, "the README lost its headline table"
+    assert block.group(1) == headline_table(), "stale headline; regenerate it"

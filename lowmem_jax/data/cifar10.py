@@ -4,7 +4,7 @@ Reading uses ``tfds.data_source`` (random-access ArrayRecord files; TensorFlow i
 read). Nothing is downloaded here: the data must have been prepared once (README, "Datasets").
 
 * images: float32 ``[N, 32, 32, 3]``, scaled to [0, 1] and normalised per channel with the
-  CIFAR-10 training mean and standard deviation;
+  CIFAR-10 training mean and standard deviation (or uint8 raw pixels, ``input_dtype``);
 * labels: int32 ``[N]``;
 * training augmentation (per batch, deterministic per seed): 4-pixel reflect padding, a random
   32x32 crop, and a horizontal flip with probability 1/2, as in the WRN/DSR reference code.
@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["load_cifar10", "augment", "MEAN", "STD"]
+__all__ = ["load_cifar10", "augment", "MEAN", "STD", "PIXEL_MEAN", "PIXEL_STD"]
 
-MEAN = np.array([0.4914, 0.4822, 0.4465], np.float32)
-STD = np.array([0.2470, 0.2435, 0.2616], np.float32)
+_MEAN, _STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+MEAN, STD = np.array(_MEAN, np.float32), np.array(_STD, np.float32)
+# The same in pixel units (0..255), for uint8 batches the model normalises.
+PIXEL_MEAN = tuple(round(255 * m, 6) for m in _MEAN)
+PIXEL_STD = tuple(round(255 * s, 6) for s in _STD)
 
 
-def load_cifar10(split: str, data_dir: str | None = None) -> dict[str, np.ndarray]:
-    """Loads a CIFAR-10 split (``"train"`` / ``"test"``) into memory, normalised.
+def load_cifar10(
+    split: str, data_dir: str | None = None, input_dtype: str = "float32"
+) -> dict[str, np.ndarray]:
+    """Loads a CIFAR-10 split (``"train"`` / ``"test"``) into memory: images float32
+    normalised, or with ``input_dtype="uint8"`` the raw pixels (normalise with
+    :data:`PIXEL_MEAN` / :data:`PIXEL_STD`).
 
     Raises:
       FileNotFoundError: if the dataset has not been prepared in ``data_dir`` (or TFDS's
@@ -44,7 +51,9 @@ def load_cifar10(split: str, data_dir: str | None = None) -> dict[str, np.ndarra
     for i in range(n):
         example = source[i]
         images[i], labels[i] = example["image"], example["label"]
-    return {"image": normalize(images), "label": labels}
+    if input_dtype not in ("float32", "uint8"):
+        raise ValueError(f"input_dtype must be 'float32' or 'uint8', got {input_dtype!r}")
+    return {"image": images if input_dtype == "uint8" else normalize(images), "label": labels}
 
 
 def normalize(images_uint8: np.ndarray) -> np.ndarray:

@@ -5,13 +5,17 @@ ten classes. Loaded from scikit-learn's bundled copy: nothing is downloaded.
 
 Images are upsampled by pixel repetition to ``[image_size, image_size, 1]`` float32 (32 by
 default: 4x, CIFAR's size; 8 keeps the original pixels and trains 16x cheaper), scaled to [0, 1] and
-normalised with the training split's mean and standard deviation. The split is a stratified
-80/20 train/test split, deterministic per ``seed``.
+normalised with the training split's mean and standard deviation; or, with ``input_dtype="uint8"``,
+kept as the raw pixel values 0..16 with those statistics in pixel units beside them (the model
+normalises). The split is a stratified 80/20 train/test split, deterministic per ``seed``; or,
+with ``fold``, the ``fold``-th test fold of a stratified ``folds``-fold partition shuffled by
+``seed`` (cross-validation: over the folds every image is a test image once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -22,31 +26,60 @@ IMAGE_SIZES = (8, 16, 32)
 
 
 def load_digits(
-    seed: int = 0, test_fraction: float = 0.2, image_size: int = 32
-) -> dict[str, dict[str, np.ndarray]]:
-    """Returns ``{"train": {"image", "label"}, "test": {...}}`` as NumPy arrays.
+    seed: int = 0,
+    test_fraction: float = 0.2,
+    image_size: int = 32,
+    *,
+    input_dtype: str = "float32",
+    fold: int | None = None,
+    folds: int = 5,
+) -> dict[str, Any]:
+    """Returns ``{"train": {"image", "label"}, "test": {...}, "pixel_mean", "pixel_std"}``.
 
-    ``image``: float32 ``[N, image_size, image_size, 1]``; ``label``: int32 ``[N]``.
+    ``image``: ``[N, image_size, image_size, 1]``, float32 normalised, or uint8 pixel values
+    0..16 (``input_dtype="uint8"``); ``label``: int32 ``[N]``. ``pixel_mean`` / ``pixel_std``:
+    the training split's statistics in pixel units (1-tuples), which normalise the uint8 images
+    as the float32 ones are. ``fold`` (in ``[0, folds)``) replaces the ``test_fraction`` split by
+    a stratified K-fold one (``test_fraction`` is then unused).
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     if image_size not in IMAGE_SIZES:
         raise ValueError(f"image_size must be one of {list(IMAGE_SIZES)}, got {image_size}")
+    if input_dtype not in ("float32", "uint8"):
+        raise ValueError(f"input_dtype must be 'float32' or 'uint8', got {input_dtype!r}")
+    if folds < 2:
+        raise ValueError(f"folds must be >= 2, got {folds}")
+    if fold is not None and not 0 <= fold < folds:
+        raise ValueError(f"fold must be in [0, {folds}) or None, got {fold}")
     from sklearn.datasets import load_digits as sk_load_digits
-    from sklearn.model_selection import train_test_split
+    from sklearn.model_selection import StratifiedKFold, train_test_split
 
     digits = sk_load_digits()
-    images = digits.images.astype(np.float32) / 16.0  # [N, 8, 8]
     factor = image_size // 8
-    images = images.repeat(factor, axis=1).repeat(factor, axis=2)[..., None]  # [N, S, S, 1]
+    pixels = digits.images.astype(np.uint8)  # [N, 8, 8], values 0..16
+    pixels = pixels.repeat(factor, axis=1).repeat(factor, axis=2)[..., None]  # [N, S, S, 1]
     labels = digits.target.astype(np.int32)
-    x_train, x_test, y_train, y_test = train_test_split(
-        images, labels, test_size=test_fraction, random_state=seed, stratify=labels
-    )
-    mean, std = x_train.mean(), x_train.std()
+    if fold is None:
+        train, test = train_test_split(
+            np.arange(len(labels)), test_size=test_fraction, random_state=seed, stratify=labels
+        )
+    else:
+        splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
+        train, test = list(splitter.split(pixels, labels))[fold]
+    scaled = pixels[train].astype(np.float32) / 16.0
+    mean, std = scaled.mean(), scaled.std()
+
+    def images(idx: np.ndarray) -> np.ndarray:
+        if input_dtype == "uint8":
+            return pixels[idx]
+        return (pixels[idx].astype(np.float32) / 16.0 - mean) / std
+
     return {
-        "train": {"image": (x_train - mean) / std, "label": y_train},
-        "test": {"image": (x_test - mean) / std, "label": y_test},
+        "train": {"image": images(train), "label": labels[train]},
+        "test": {"image": images(test), "label": labels[test]},
+        "pixel_mean": (16.0 * float(mean),),
+        "pixel_std": (16.0 * float(std),),
     }
 
 

@@ -103,6 +103,11 @@ class WideResNet(nn.Module):
         (and, unless ``keep_first_last``, the stem and the classifier) are factorized.
       param_layout: applied to each block's parameters inside its stack's loop
         (:class:`~lowmem_jax.remat.ScannedBlocks`; ZeRO-3 gathers them there).
+      pixel_mean, pixel_std: per-channel statistics (one value, or one per channel) of integer
+        images: an integer batch (raw pixels, e.g. uint8 ``[B, H, W, C]``) is normalised first,
+        ``(x - pixel_mean) / pixel_std`` in float32, then cast to ``dtype``, so the batch is
+        stored in 1 byte per pixel and only a microbatch's float copy exists at a time
+        (``Plan(input_dtype="uint8")``). Floating images are taken as already normalised.
     """
 
     depth: int = 28
@@ -115,6 +120,8 @@ class WideResNet(nn.Module):
     bn_momentum: float = 0.9
     factorize: FactorConfig | None = None
     param_layout: Callable[[Any], Any] | None = None
+    pixel_mean: tuple[float, ...] | None = None
+    pixel_std: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.depth < 10 or (self.depth - 4) % 6:
@@ -123,7 +130,25 @@ class WideResNet(nn.Module):
             )
         if self.width < 1:
             raise ValueError(f"width must be >= 1, got {self.width}")
+        if (self.pixel_mean is None) != (self.pixel_std is None):
+            raise ValueError("pixel_mean and pixel_std go together: give both or neither")
+        if self.pixel_std is not None and min(self.pixel_std) <= 0:
+            raise ValueError(f"pixel_std must be > 0, got {self.pixel_std}")
         super().__post_init__()
+
+    def normalize(self, images: jax.Array) -> jax.Array:
+        """Integer ``images`` -> ``(images - pixel_mean) / pixel_std`` (float32 arithmetic,
+        the result in ``dtype``); floating ones unchanged."""
+        if not jnp.issubdtype(images.dtype, jnp.integer):
+            return images
+        if self.pixel_mean is None:
+            raise ValueError(
+                f"images of dtype {images.dtype} need pixel_mean and pixel_std on the model "
+                "(the raw pixels' statistics); or feed float images already normalised"
+            )
+        mean = jnp.asarray(self.pixel_mean, jnp.float32)
+        std = jnp.asarray(self.pixel_std, jnp.float32)
+        return ((images.astype(jnp.float32) - mean) / std).astype(self.dtype or jnp.float32)
 
     @nn.compact
     def __call__(self, images: jax.Array, train: bool) -> jax.Array:
@@ -144,7 +169,7 @@ class WideResNet(nn.Module):
             dtype=self.dtype,
             impl=self.conv_impl,
             name="stem",
-        )(images)
+        )(self.normalize(images))
         for g, (features, strides) in enumerate(zip((16, 32, 64), (1, 2, 2), strict=True)):
             features *= self.width
             first = functools.partial(block, features=features, strides=strides)

@@ -37,6 +37,8 @@ def check_config(config: TrainConfig) -> None:
     """Raises ValueError for settings this task cannot run."""
     if config.dataset != "digits" and config.image_size != 32:
         raise ValueError(f"image_size={config.image_size} applies to dataset='digits' only")
+    if config.dataset != "digits" and config.fold is not None:
+        raise ValueError(f"fold={config.fold} applies to dataset='digits' only")
     sizes = data_lib.digits.IMAGE_SIZES
     if config.dataset == "digits" and config.image_size not in sizes:
         raise ValueError(f"image_size must be one of {list(sizes)}, got {config.image_size}")
@@ -56,15 +58,24 @@ class Task:
 
     def __init__(self, config: TrainConfig):
         self.config = config
+        input_dtype = config.plan.input_dtype
         if config.dataset == "digits":
-            splits = data_lib.load_digits(seed=config.seed, image_size=config.image_size)
+            splits = data_lib.load_digits(
+                seed=config.seed,
+                image_size=config.image_size,
+                input_dtype=input_dtype,
+                fold=config.fold,
+                folds=config.folds,
+            )
             self.train, self.test, self.augment = splits["train"], splits["test"], False
+            self.pixel_stats = {k: splits[k] for k in ("pixel_mean", "pixel_std")}
         else:
-            from lowmem_jax.data.cifar10 import load_cifar10
+            from lowmem_jax.data import cifar10
 
-            self.train = load_cifar10("train", config.data_dir)
-            self.test = load_cifar10("test", config.data_dir)
+            self.train = cifar10.load_cifar10("train", config.data_dir, input_dtype)
+            self.test = cifar10.load_cifar10("test", config.data_dir, input_dtype)
             self.augment = True
+            self.pixel_stats = {"pixel_mean": cifar10.PIXEL_MEAN, "pixel_std": cifar10.PIXEL_STD}
         self.steps_per_epoch = len(self.train["label"]) // config.batch_size
         if not self.steps_per_epoch:
             raise ValueError(
@@ -79,8 +90,10 @@ class Task:
         self.eval_every = config.eval_every or self.steps_per_epoch
 
     def workload(self, config: TrainConfig) -> Workload:
-        """The registry's model with this data's image shape."""
-        return workload(config.model_name).with_batch(self.example_batch(), config.batch_size)
+        """The registry's model with this data's image shape (and pixel statistics, which
+        normalise uint8 images inside the step)."""
+        work = workload(config.model_name, **self.pixel_stats)
+        return work.with_batch(self.example_batch(), config.batch_size)
 
     def example_batch(self) -> dict[str, np.ndarray]:
         return {k: v[:2] for k, v in self.train.items()}
@@ -121,6 +134,7 @@ class Task:
             "batch_size": self.config.batch_size,
             "epochs": self.epochs,
             "test_accuracy": accuracy,
+            "test_examples": len(self.test["label"]),
         }
 
 

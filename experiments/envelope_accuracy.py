@@ -1,0 +1,322 @@
+"""Accuracy of the memory reports' best rows, with intervals (issue 15, items 3 and 4).
+
+The headline quotes, per benchmark, the best reduction inside the technical report's envelope
+and outside it (``report.json``'s ``best_in_envelope`` and ``best``). This trains those plans on
+the CPU stand-in tasks next to the dense fp32 baseline:
+
+* ``digits`` (for WRN-28-2): WideResNet-16-2 on the 8x8 digits, batch 128, 10 epochs, the
+  exact plans (microbatches of 8 and 2 examples), with stratified 5-fold cross-validation x 3
+  seeds: every image is a test image once per seed, and each (seed, fold) pairs a variant
+  with the baseline trained on the same split. Interval: the corrected resampled t-test's
+  (Nadeau & Bengio 2003) over the 15 paired differences.
+* ``translation`` (for the IWSLT DynamicConv Transformer): the small DynamicConv Transformer on
+  ``synthetic-reverse-long`` (vocabulary 32, lengths 4-16: unsaturated, baseline BLEU ~65 at
+  400 Adam steps), 3 seeds, paired t interval. The plans' precision, remat and DSR are the
+  rows'; microbatches are 8 per batch (the model has no batch statistics, so the microbatch
+  size changes only the summation order; the token batches hold ~40 rows, not 100).
+
+    python experiments/envelope_accuracy.py [--task digits|translation|all] [--seeds 0,1,2]
+
+Runs are kept one file each in ``results/envelope_accuracy/<task>/runs`` (a cut-short
+invocation resumes); ``results/envelope_accuracy/accuracy.{json,md,png}`` are rewritten from
+every task's runs. About 4 minutes per (seed, fold) of digits and 5 per seed of translation on
+2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import study  # noqa: E402
+from experiments.memory_reports import load_or_run_report  # noqa: E402
+from lowmem_jax.plan import Plan  # noqa: E402
+
+OUT = os.path.join(study.RESULTS, "envelope_accuracy")
+# The digits study's DSR (``study.single_variants``: N_p 20,000, rewired every 20 steps).
+TARGET_PRUNED = 20_000
+TASKS = {  # task -> (memory report's model, cross-validation folds, TrainConfig fields)
+    "digits": ("wrn-28-2", 5, {}),
+    "translation": ("dynamicconv-iwslt", None, {"dataset": "synthetic-reverse-long"}),
+}
+
+
+def variants(task: str) -> list[tuple[study.Variant, str | None]]:
+    """``(variant, the memory report's row)``: the baseline, then the in-envelope best and the
+    best, as plans of ``task``."""
+    digits = task == "digits"
+    target = TARGET_PRUNED if digits else None
+    inside_mb, best_mb = (128 // 8, 128 // 2) if digits else (8, 8)
+    image = {"input_dtype": "uint8"} if digits else {}
+    inside = Plan(
+        precision="mixed_fp16",
+        microbatches=inside_mb,
+        remat="full",
+        sparsity=study.dsr(0.7, target_pruned=target),
+        **image,
+    )
+    best = Plan(
+        precision="fp16",
+        microbatches=best_mb,
+        remat="full",
+        sparsity=study.dsr(0.9, target_pruned=target),
+        **image,
+    )
+    suffix = " + uint8 input" if digits else ""
+    rows = (  # the full-size rows: microbatches of 8 and 2 examples (sentences)
+        f"mixed_fp16 + mb {8 if digits else 10} + remat full + sparse 70%{suffix}",
+        f"fp16 + mb 2 + remat full + sparse 90%{suffix}",
+    )
+    mb = ("8", "2") if digits else ("8 per batch", "8 per batch")
+    out = [
+        (study.Variant("baseline", "baseline", "fp32, no technique"), "plain"),
+        (
+            study.Variant(
+                "in_envelope",
+                "combined",
+                f"mixed_fp16 + mb {mb[0]} + remat full + DSR 70%{suffix}",
+                inside,
+            ),
+            rows[0],
+        ),
+        (
+            study.Variant(
+                "best", "combined", f"fp16 + mb {mb[1]} + remat full + DSR 90%{suffix}", best
+            ),
+            rows[1],
+        ),
+    ]
+    if not digits:  # which part of the best row costs the accuracy: each half alone
+        dense = dataclasses.replace(best, sparsity=None)
+        mixed = dataclasses.replace(best, precision="mixed_fp16")
+        out += [
+            (
+                study.Variant(
+                    "best_dense", "combined", "fp16 + mb 8 per batch + remat full (no DSR)", dense
+                ),
+                "fp16 + mb 2 + remat full",
+            ),
+            (
+                study.Variant(
+                    "best_mixed",
+                    "combined",
+                    "mixed_fp16 + mb 8 per batch + remat full + DSR 90%",
+                    mixed,
+                ),
+                None,
+            ),
+        ]
+    return out
+
+
+SCALE = {"digits": 100.0, "translation": 1.0}  # accuracy in points; BLEU as is
+UNIT = {"digits": "points of test accuracy", "translation": "greedy BLEU"}
+
+
+def summary(task: str, records: dict[str, dict], report: dict) -> list[dict]:
+    """One row per variant: the metric per seed, the paired delta with its 95% interval, and
+    its memory row's XLA:CPU total and reduction against the plain step."""
+    folds = TASKS[task][1]
+    if folds:
+        rows = {r["name"]: r for r in study.summarize_cv(records)}
+    else:
+        rows = {r["name"]: r for r in study.summarize(records)}
+    memory = {r["name"]: r for r in report["configs"]}
+    out = []
+    for variant, row_name in variants(task):
+        if variant.name not in rows:
+            continue
+        r = rows[variant.name]
+        mem = memory.get(row_name)
+        if folds:
+            per_seed, runs, skipped = r["pooled_by_seed"], r["runs"], r["skipped_steps"]
+        else:
+            by_seed = {x["seed"]: x["value"] for x in records.values() if x["name"] == r["name"]}
+            per_seed, runs = {s: by_seed[s] for s in r["seeds"]}, len(r["seeds"])
+            skipped = sum(x or 0 for x in r["skipped_steps"])
+        out.append(
+            {
+                "name": variant.name,
+                "setting": variant.setting,
+                "runs": runs,
+                "folds": folds,
+                "by_seed": {str(k): v for k, v in per_seed.items()},
+                "delta_vs_baseline": r["delta_vs_baseline"],
+                "skipped_steps": skipped,
+                "memory_row": row_name,
+                "xla_total_mib": None if mem is None else mem["xla"]["total_bytes"] / 2**20,
+                "reduction_xla_vs_plain": None
+                if mem is None
+                else mem.get("reduction_xla_vs_plain"),
+            }
+        )
+    return out
+
+
+def _signed(x: float, task: str) -> str:
+    return f"{SCALE[task] * x:+.2f}"
+
+
+def delta_text(row: dict, task: str) -> str:
+    """``mean [low, high]`` of a row's paired delta, in the task's unit."""
+    d = row["delta_vs_baseline"]
+    low, high = d["ci95"]
+    return f"{_signed(d['mean'], task)} [{_signed(low, task)}, {_signed(high, task)}]"
+
+
+def to_markdown(result: dict) -> str:
+    lines = [
+        "# The memory reports' best rows: accuracy with intervals",
+        "",
+        f"`{result['command']}` (the protocol: the script's docstring). "
+        "Paired delta: the variant minus the dense fp32 baseline of the same seed (and fold), "
+        "mean [95% interval]. Memory: the report row's XLA:CPU compiled total at full size "
+        "(WRN-28-2 batch 128; DynamicConv IWSLT 100 x 40 tokens) and its reduction against "
+        "the plain Flax/Optax step.",
+    ]
+    for task, rows in result["tasks"].items():
+        folds = TASKS[task][1]
+        protocol = (
+            f"stratified {folds}-fold cross-validation x seeds, metric pooled over the folds "
+            "per seed, interval by the corrected resampled t-test"
+            if folds
+            else "seeds, paired t interval"
+        )
+        lines += [
+            "",
+            f"## {task} ({UNIT[task]}; {protocol})",
+            "",
+            "| config | runs | per seed | paired delta, mean [95% interval] | min..max | "
+            "skipped steps | memory row | XLA:CPU MiB | reduction vs plain |",
+            "|---|---:|---|---|---|---:|---|---:|---:|",
+        ]
+        for r in rows:
+            per_seed = ", ".join(
+                "-" if v is None else f"{SCALE[task] * v:.2f}" for v in r["by_seed"].values()
+            )
+            d = r["delta_vs_baseline"]
+            delta, span = "-", "-"
+            if d is not None and "ci95" in d:
+                delta = delta_text(r, task)
+                span = f"{_signed(d['min'], task)}..{_signed(d['max'], task)}"
+            mib = "-" if r["xla_total_mib"] is None else f"{r['xla_total_mib']:.2f}"
+            red = r["reduction_xla_vs_plain"]
+            lines.append(
+                f"| {r['setting']} | {r['runs']} | {per_seed} | {delta} | {span} | "
+                f"{r['skipped_steps']} | {r['memory_row'] or '-'} | {mib} | "
+                f"{'-' if red is None else f'{red:.1f}x'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(result["tasks"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 2.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        rows = [r for r in result["tasks"][task] if (r["delta_vs_baseline"] or {}).get("ci95")]
+        scale = SCALE[task]
+        for i, r in enumerate(rows):
+            d = r["delta_vs_baseline"]
+            low, high = (scale * x for x in d["ci95"])
+            ax.plot([low, high], [i, i], color="k", lw=2)
+            ax.plot(scale * d["mean"], i, "o", color="C0")
+            red = r["reduction_xla_vs_plain"]
+            label = r["setting"] + ("" if red is None else f"\n{red:.1f}x less memory (XLA:CPU)")
+            ax.text(high, i, "  " + label, va="center", fontsize=7.5)
+        ax.axvline(0, color="k", lw=0.8)
+        tolerance = -0.5 if task == "digits" else -1.0
+        ax.axvline(tolerance, color="C3", lw=0.8, ls="--", label=f"{tolerance:+g} (issue 15 goal)")
+        ax.set_yticks([])
+        ax.set_ylim(-0.7, len(rows) - 0.3)
+        ax.set_xlabel(f"{UNIT[task]} minus dense fp32 (mean, 95% interval)")
+        ax.legend(fontsize=7.5, loc="lower left")
+        ax.set_title(task, fontsize=9)
+    fig.suptitle("Accuracy of the memory reports' best rows (CPU stand-in tasks)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+REPORTS = {  # task -> the benchmark its memory rows are of
+    "digits": "WideResNet-28-2, CIFAR-10 shapes, batch 128",
+    "translation": "DynamicConv Transformer (IWSLT'14), 100 x 40 tokens",
+}
+
+
+def headline_table(results: str = study.RESULTS) -> str:
+    """The README's first table: each benchmark's best row inside the technical report's
+    envelope and outside it, measured (XLA:CPU) and analytic against the plain step, with the
+    accuracy of that plan on the CPU stand-in task (``accuracy.json``)."""
+    with open(os.path.join(results, "envelope_accuracy", "accuracy.json")) as f:
+        accuracy = json.load(f)["tasks"]
+    lines = [
+        "| benchmark | envelope | configuration | XLA:CPU MiB (plain) | reduction vs plain, "
+        "measured (XLA:CPU) | reduction vs plain, analytic | accuracy vs dense fp32 on the "
+        "CPU stand-in: mean [95% interval] |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    for task, bench in REPORTS.items():
+        report = load_or_run_report(TASKS[task][0])
+        rows = {r["name"]: r for r in report["configs"]}
+        evidence = {r["memory_row"]: r for r in accuracy.get(task, [])}
+        plain_mib = rows["plain"]["xla"]["total_bytes"] / 2**20
+        for key, label in (("best_in_envelope", "the report's"), ("best", "any")):
+            best = report[key]
+            acc = evidence.get(best["name"])
+            text = "not measured for this plan yet"
+            if acc is not None and (acc["delta_vs_baseline"] or {}).get("ci95"):
+                protocol = f"{acc['folds']}-fold CV x 3 seeds" if acc["folds"] else "3 seeds"
+                text = f"{delta_text(acc, task)} {UNIT[task]} ({protocol})"
+            lines.append(
+                f"| {bench} | {label} | `{best['name']}` | "
+                f"{rows[best['name']]['xla']['total_bytes'] / 2**20:.1f} ({plain_mib:.1f}) | "
+                f"**{best['reduction_xla_vs_plain']:.1f}x** | "
+                f"{best['reduction_analytic_vs_plain']:.1f}x | {text} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="all", choices=[*TASKS, "all"])
+    parser.add_argument("--seeds", default="0,1,2", help="Default: %(default)s")
+    args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for task in TASKS if args.task == "all" else [args.task]:
+        _, folds, config = TASKS[task]
+        study_task = "digits" if task == "digits" else "translation"
+        study.run_variants(
+            study_task,
+            [v for v, _ in variants(task)],
+            seeds,
+            os.path.join(OUT, task),
+            folds=folds,
+            config=config,
+        )
+    result = {"command": "python experiments/envelope_accuracy.py", "tasks": {}}
+    for task, (model, _, _) in TASKS.items():
+        records = study.load_runs(os.path.join(OUT, task))
+        if records:
+            result["tasks"][task] = summary(task, records, load_or_run_report(model))
+    result["environment"] = study.environment()
+    with open(os.path.join(OUT, "accuracy.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(OUT, "accuracy.md"), "w") as f:
+        f.write(to_markdown(result))
+    plot(result, os.path.join(OUT, "accuracy.png"))
+    print(to_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
