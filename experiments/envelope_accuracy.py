@@ -221,27 +221,29 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     tasks = list(result["tasks"])
-    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 2.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(9, 1.9 * len(tasks) + 0.8), squeeze=False)
+    for ax, task in zip(axes[:, 0], tasks, strict=True):
         rows = [r for r in result["tasks"][task] if (r["delta_vs_baseline"] or {}).get("ci95")]
         scale = SCALE[task]
+        labels = []
         for i, r in enumerate(rows):
             d = r["delta_vs_baseline"]
             low, high = (scale * x for x in d["ci95"])
             ax.plot([low, high], [i, i], color="k", lw=2)
             ax.plot(scale * d["mean"], i, "o", color="C0")
             red = r["reduction_xla_vs_plain"]
-            label = r["setting"] + ("" if red is None else f"\n{red:.1f}x less memory (XLA:CPU)")
-            ax.text(high, i, "  " + label, va="center", fontsize=7.5)
+            labels.append(r["setting"] + ("" if red is None else f"\n{red:.1f}x less memory"))
         ax.axvline(0, color="k", lw=0.8)
         tolerance = -0.5 if task == "digits" else -1.0
         ax.axvline(tolerance, color="C3", lw=0.8, ls="--", label=f"{tolerance:+g} (issue 15 goal)")
-        ax.set_yticks([])
-        ax.set_ylim(-0.7, len(rows) - 0.3)
-        ax.set_xlabel(f"{UNIT[task]} minus dense fp32 (mean, 95% interval)")
-        ax.legend(fontsize=7.5, loc="lower left")
-        ax.set_title(task, fontsize=9)
-    fig.suptitle("Accuracy of the memory reports' best rows (CPU stand-in tasks)", fontsize=10)
+        ax.set_yticks(range(len(rows)), labels, fontsize=7)
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.set_xlabel(f"{task}: {UNIT[task]} minus dense fp32 (mean, 95% interval)", fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(
+        "Accuracy of the memory reports' best rows (CPU stand-in tasks; memory: XLA:CPU vs plain)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
