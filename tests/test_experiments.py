@@ -211,3 +211,26 @@ def test_greedy_search_adds_what_lowers_xla_memory_and_stops(tmp_path, monkeypat
     assert result["full_size"]["reduction_xla"] == pytest.approx(500 / (500 * 0.8 * 0.2 * 0.5))
     assert result["full_size"]["sparse"] is None
     assert os.path.basename(rq4_search.OUT) == "rq4"
+
+
+def test_envelope_accuracy_trains_the_plans_of_the_memory_rows_it_quotes():
+    from experiments import envelope_accuracy
+    from lowmem_jax.report import model_grid
+
+    for task, (model, _, _) in envelope_accuracy.TASKS.items():
+        batch = 128 if task == "digits" else 100
+        grid = {name: plan for name, _, plan in model_grid(model, batch)}
+        for variant, row in envelope_accuracy.variants(task):
+            if row is None or row == "plain":
+                assert row is None or variant.plan == Plan()
+                continue
+            full, cpu = grid[row], variant.plan  # the row exists and its settings are trained
+            same = ("precision", "remat", "input_dtype", "optimizer_state")
+            assert [getattr(cpu, f) for f in same] == [getattr(full, f) for f in same], row
+            assert (cpu.sparsity is None) == (full.sparsity is None), row
+            if full.sparsity is not None:
+                assert cpu.sparsity.algorithm == full.sparsity.algorithm == "dsr"
+                assert cpu.sparsity.density == pytest.approx(full.sparsity.density)
+                assert cpu.sparsity.compressed and cpu.sparsity.distribution == "uniform"
+            if task == "digits":  # the same batch, so the same microbatch size
+                assert cpu.microbatches == full.microbatches, row
