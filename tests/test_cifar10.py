@@ -16,6 +16,18 @@ def test_loads_normalised_arrays_from_tfds():
     assert split["image"].max() <= (1 - MEAN.min()) / STD.min() + 1e-5
 
 
+def test_uint8_pixels_normalise_with_the_pixel_statistics_to_the_float_images():
+    from lowmem_jax.data.cifar10 import PIXEL_MEAN, PIXEL_STD, normalize
+
+    with tfds.testing.mock_data(num_examples=12):
+        raw = load_cifar10("train", input_dtype="uint8")
+    assert raw["image"].dtype == np.uint8 and raw["image"].shape == (12, 32, 32, 3)
+    x = (raw["image"].astype(np.float32) - np.array(PIXEL_MEAN)) / np.array(PIXEL_STD)
+    np.testing.assert_allclose(x, normalize(raw["image"]), rtol=1e-5, atol=1e-5)  # the float path
+    with pytest.raises(ValueError, match="input_dtype"):
+        load_cifar10("train", input_dtype="int8")
+
+
 def test_missing_data_is_an_error_that_says_how_to_prepare(tmp_path):
     with pytest.raises(FileNotFoundError, match="download_and_prepare"):
         load_cifar10("train", data_dir=str(tmp_path))

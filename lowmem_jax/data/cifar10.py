@@ -34,6 +34,8 @@ def load_cifar10(
       FileNotFoundError: if the dataset has not been prepared in ``data_dir`` (or TFDS's
         default directory); the message says how to prepare it.
     """
+    if input_dtype not in ("float32", "uint8"):
+        raise ValueError(f"input_dtype must be 'float32' or 'uint8', got {input_dtype!r}")
     import tensorflow_datasets as tfds
 
     try:
@@ -51,8 +53,6 @@ def load_cifar10(
     for i in range(n):
         example = source[i]
         images[i], labels[i] = example["image"], example["label"]
-    if input_dtype not in ("float32", "uint8"):
-        raise ValueError(f"input_dtype must be 'float32' or 'uint8', got {input_dtype!r}")
     return {"image": images if input_dtype == "uint8" else normalize(images), "label": labels}
 
 
