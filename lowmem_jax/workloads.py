@@ -12,7 +12,9 @@ to the same step::
 Names (:data:`MODEL_NAMES`):
 
 * ``wrn-D-K``: WideResNet-D-K, 10 classes; batch ``{"image": [B, S, S, 3] float32, "label":
-  [B] int32}`` (``S = image_size``, 32); default batch 128; the SGD Nesterov recipe.
+  [B] int32}`` (``S = image_size``, 32; the image uint8 raw pixels under
+  ``Plan(input_dtype="uint8")``, normalised by the model with CIFAR-10's statistics unless
+  ``pixel_mean`` / ``pixel_std`` are given); default batch 128; the SGD Nesterov recipe.
 * ``dynamicconv-iwslt``: fairseq's ``lightconv_iwslt_de_en`` (vocabularies 8,848 / 6,632);
   ``dynamicconv-small``: the CPU-sized preset (C = 64; vocabularies 32). Batch ``{"src",
   "tgt_in", "tgt_out": [B, T] int32}``; default 100 sentences x 40 tokens (the recipe's 4,000
