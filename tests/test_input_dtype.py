@@ -43,11 +43,8 @@ def test_uint8_batch_shrinks_the_steps_arguments_by_three_bytes_per_pixel():
     assert flt.analytic["input_bytes"] - raw.analytic["input_bytes"] == 3 * pixels
     assert raw.config["input_dtype"] == "uint8" and "input_dtype" not in flt.config
     with pytest.raises(ValueError, match="applies to image batches"):
-        workloads.build(workloads.workload("dynamicconv-small", 4, seq_len=8), raw_plan())
-
-
-def raw_plan() -> lm.Plan:
-    return lm.Plan(input_dtype="uint8")
+        tokens = workloads.workload("dynamicconv-small", 4, seq_len=8)
+        workloads.build(tokens, lm.Plan(input_dtype="uint8"))
 
 
 def test_training_on_uint8_digits_follows_the_float_run():
