@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import sys
 import warnings
 
@@ -292,7 +293,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     x = result.xla
     print(
-        f"plan: lowmem analyze {' '.join(result.argv)}\n"
+        f"plan: lowmem analyze {shlex.join(result.argv)}\n"
         f"  {x['source']} total {x['total_bytes'] / MIB:.1f} MiB (budget {budget / MIB:.1f}), "
         f"analytic {result.analytic_total_bytes / MIB:.1f} MiB, FLOPs {result.flops:.4g} "
         f"({result.flops_overhead:.3f} of the fp32 step), {result.seconds:.0f} s"

@@ -122,7 +122,8 @@ class Plan:
         "rematerialization policy per block: none, full (save block inputs), dots (save "
         "conv/matmul outputs), save:NAME[,NAME] (save tagged activations, e.g. save:conv_out), "
         "offload:NAME[,NAME] (keep them in host memory instead), every:K (checkpoint segments "
-        "of K blocks), sqrt",
+        "of K blocks), sqrt, blocks:P*K,... (one of none/dots/full per block, in the order the "
+        "model runs them, e.g. blocks:full*4,dots*8; what lowmem plan chooses)",
     )
     optimizer_state: str = _flag(
         "auto",

@@ -8,6 +8,14 @@ accuracy envelope (:data:`lowmem_jax.envelope.ENVELOPES`):
   optimizer state's format change where bytes live, not the arithmetic (their FLOPs differ by
   well under 1%). Each class's FLOPs are counted once, on the fp32 one-microbatch step, and the
   classes are visited cheapest first.
+* **Per-block remat.** Besides the named policies, the ``blocks`` entry of the remat axis is
+  every per-block schedule of ``none`` / ``dots`` / ``full`` that a dynamic program over the
+  model's blocks finds least-recomputing for some activation budget
+  (:mod:`lowmem_jax.remat_schedule`: each block's costs measured once by the analytic count at
+  fp32, carried to the other precisions by their uniform schedules' counts; the schedule set
+  and its FLOPs from the fp32 costs). A schedule's activation bytes are the ``none`` step's at
+  that precision and microbatch count plus its blocks' changes divided by the microbatch count
+  (residuals scale with the batch); schedules share one calibration (below).
 * **Inside a class**, candidates go in order of preference: fewer microbatches first (fewer,
   larger kernels run faster), then fewer and milder techniques (the order of each axis in
   :data:`SPACE`). The first candidate whose *compiled* step fits is the answer.
@@ -31,11 +39,12 @@ import dataclasses
 import functools
 import itertools
 import re
+import shlex
 import time
 from collections.abc import Callable
 from typing import Any
 
-from lowmem_jax import memory
+from lowmem_jax import memory, remat_schedule
 from lowmem_jax import precision as precision_lib
 from lowmem_jax.envelope import ENVELOPES, Envelope, report_sparsity
 from lowmem_jax.factorization import FactorConfig
@@ -43,6 +52,7 @@ from lowmem_jax.flops import count_flops
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
 from lowmem_jax.recipes import Recipe
+from lowmem_jax.remat import parse_policy
 from lowmem_jax.workloads import Workload, build, workload
 
 __all__ = [
@@ -59,7 +69,7 @@ MIB = 2.0**20
 
 #: The settings searched on each axis, mildest first (envelopes remove some).
 SPACE = {
-    "remat": ("none", "dots", "full", "sqrt"),
+    "remat": ("none", "dots", "full", "sqrt", "blocks"),
     "factorize": (None, FactorConfig("tucker", 0.25)),
     "precision": ("fp32", "mixed_bf16", "mixed_fp16", "bf16", "fp16"),
     "sparsity": (0.0, 0.5, 0.7, 0.9),
@@ -164,7 +174,7 @@ class _Search:
                 plan.optimizer_state,
                 plan.factorize,
                 plan.microbatches > 1,
-            ) + self._activations(plan.precision, plan.remat, plan.factorize, plan.microbatches)
+            ) + self._activation_bytes(plan)
         # Settings never compiled: XLA's totals have stayed above the analytic count times the
         # least ratio seen at the same precision (XLA:CPU computes bf16 convolutions in
         # float32: its ratios are its own), so ``bound`` uses it to skip what cannot fit.
@@ -173,6 +183,43 @@ class _Search:
             same = [r for k, r in self.calibration.items() if k[2] == plan.precision]
             fallback = min(same, default=1.0)
         return int(self.predicted[plan] * self.calibration.get(_key(plan), fallback))
+
+    def _activation_bytes(self, plan: Plan) -> int:
+        """The analytic activations: traced for a named policy, summed for a schedule."""
+        schedule = parse_policy(plan.remat).schedule
+        base = self._activations(plan.precision, "none" if schedule else plan.remat,
+                                 plan.factorize, plan.microbatches)  # fmt: skip
+        if not schedule:
+            return base
+        costs = self.block_costs(plan.precision, plan.factorize)
+        change = remat_schedule.predict(costs, schedule).bytes - costs.base_bytes
+        return int(base + change / plan.microbatches)
+
+    @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
+    def block_costs(self, precision: str, factorize) -> remat_schedule.BlockCosts:
+        """Each block's costs at one microbatch: measured at fp32
+        (:func:`remat_schedule.measure_block_costs`), carried to another precision by its
+        uniform schedules' counts (:func:`remat_schedule.rescale`)."""
+        if precision == "fp32":
+            return remat_schedule.measure_block_costs(
+                self.work.model.block_stacks(),
+                lambda remat: self._activations("fp32", remat, factorize, 1),
+                lambda remat: self.flops(Plan(remat=remat, factorize=factorize)),
+            )
+        uniform = {p: self._activations(precision, p, factorize, 1) for p in ("dots", "full")}
+        return remat_schedule.rescale(
+            self.block_costs("fp32", factorize),
+            self._activations(precision, "none", factorize, 1),
+            uniform,
+        )
+
+    def schedules(self, factorize) -> list[tuple[float, str]]:
+        """(FLOPs, remat) of the per-block schedules the dynamic program keeps (fp32 costs),
+        those with one policy throughout left out (they are the named classes)."""
+        if not hasattr(self.work.model, "block_stacks"):
+            return []  # a model without scanned stacks has no per-block schedule
+        front = remat_schedule.pareto_schedules(self.block_costs("fp32", factorize))
+        return [(s.flops, s.name) for s in front if len(set(s.policies)) > 1]
 
     @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
     def _stored(self, precision, sparsity, state, factorize, accumulates) -> int:
@@ -207,7 +254,7 @@ class _Search:
             self.calibration[_key(plan)] = ratio
         return self.compiled[plan]
 
-    def note(self, plan: Plan, flops: float, verdict: str) -> None:
+    def note(self, plan: Plan, flops: float, verdict: str, logged: bool = True) -> None:
         xla = self.compiled.get(plan)
         self.considered.append({
             "argv": analyze_argv(self.work.name, self.work.batch_size, plan, self.seq_len()),
@@ -216,7 +263,7 @@ class _Search:
             "xla_total_bytes": None if xla is None else xla["total_bytes"],
             "verdict": verdict,
         })  # fmt: skip
-        if self.log:
+        if self.log and logged:
             got = "" if xla is None else f", XLA {xla['total_bytes'] / MIB:.1f} MiB"
             self.log(f"  {_name(plan)}: {verdict}{got}")
 
@@ -228,8 +275,9 @@ class _Search:
 def _key(plan: Plan) -> tuple:
     """What a calibration is kept for: every setting but the microbatch count (XLA's temp
     bytes for sparse rewiring or quantized state differ from the analytic count in ways that
-    depend on each setting)."""
-    return (plan.remat, plan.factorize, plan.precision, plan.sparsity, plan.optimizer_state)
+    depend on each setting); the per-block schedules as one (``blocks``)."""
+    remat = "blocks" if parse_policy(plan.remat).schedule else plan.remat
+    return (remat, plan.factorize, plan.precision, plan.sparsity, plan.optimizer_state)
 
 
 def _name(plan: Plan) -> str:
@@ -278,14 +326,17 @@ def plan_for_budget(
     axes = _axes(env, work.batch_size)
     search = _Search(work, budget_bytes, env, log, recipe)
     reference = search.flops(Plan())
-    classes = sorted(
-        ((search.flops(Plan(remat=r, factorize=f)), r, f)
-         for r, f in itertools.product(axes["remat"], axes["factorize"])),
-        key=lambda c: c[0],
-    )  # fmt: skip
+    classes = []
+    for remat, factorize in itertools.product(axes["remat"], axes["factorize"]):
+        if remat == "blocks":
+            classes += [(flops, name, factorize) for flops, name in search.schedules(factorize)]
+        else:
+            classes.append((search.flops(Plan(remat=remat, factorize=factorize)), remat, factorize))
+    classes.sort(key=lambda c: c[0])
     most = max(axes["microbatches"])  # the least-memory count: its corners decide a class
     for flops, remat, factorize in classes:
-        if log:
+        named = not parse_policy(remat).schedule  # schedules are many: logged when compiled
+        if log and named:
             log(f"class remat {remat}, factorize {factorize and factorize.method}: "
                 f"FLOPs {flops / reference:.3f} of the fp32 step")  # fmt: skip
         for micro in axes["microbatches"]:
@@ -296,6 +347,7 @@ def plan_for_budget(
                         min(corners, key=search.predict),
                         flops,
                         "the class's least-memory plan is predicted over budget",
+                        logged=named,
                     )
                 continue
             for precision, sparsity, state in _mildest_first(axes):
@@ -368,7 +420,7 @@ def _smallest_message(search: _Search, budget: int, env: Envelope) -> str:
         f"no plan in the {env.name!r} envelope fits {budget / MIB:.1f} MiB: the smallest "
         f"budget that can work is {xla['total_bytes'] / MIB:.1f} MiB ({xla['source']}; the "
         f"least of the {len(search.compiled)} plans compiled, which the prediction ranked "
-        f"least), by `lowmem analyze {' '.join(argv)}`{more}"
+        f"least), by `lowmem analyze {shlex.join(argv)}`{more}"
     )
 
 

@@ -20,6 +20,10 @@ Policy names (:func:`parse_policy`):
                     pass recomputes a segment of K blocks, saving their inputs, then each block
                     (``n/K + K`` block inputs live instead of ``n``; ``every:1`` == ``full``)
 ``sqrt``            ``every:K`` with ``K = ceil(sqrt(n))`` for a stack of ``n`` blocks
+``blocks:P*K,...``  a schedule: one of ``none`` / ``dots`` / ``full`` per block, in the order the
+                    model runs its blocks (``P*K``: ``K`` blocks in a row), e.g.
+                    ``blocks:full*4,dots*8`` for a model of 12 blocks; what the planner's
+                    dynamic program chooses (:mod:`lowmem_jax.remat_schedule`)
 ==================  ============================================================================
 
 Blocks with identical shapes are stacked by :class:`ScannedBlocks`, which stores their
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -64,6 +69,9 @@ __all__ = [
     "ScannedBlocks",
     "STACK",
     "in_stack",
+    "SCHEDULE_POLICIES",
+    "schedule_name",
+    "stack_policies",
 ]
 
 ModuleT = TypeVar("ModuleT", nn.Module, nnx.Module)
@@ -76,7 +84,11 @@ POLICY_NAMES = (
     "offload:NAME[,NAME...]",
     "every:K",
     "sqrt",
+    "blocks:P[*K][,P[*K]...]",
 )
+
+#: The policies a ``blocks:`` schedule may give a block.
+SCHEDULE_POLICIES = ("none", "dots", "full")
 
 # Names the bundled models tag with `jax.ad_checkpoint.checkpoint_name`.
 CONV_OUT = "conv_out"
@@ -91,15 +103,18 @@ class RematSpec:
       name: the policy string it was parsed from.
       policy: the ``jax.checkpoint`` policy applied per block, or ``None`` for no remat.
       segment: blocks per checkpointed segment (``0``: per block; ``-1``: ``ceil(sqrt(n))``).
+      schedule: a ``blocks:`` schedule's policy name per block, expanded (``()`` otherwise; then
+        ``policy`` is ``None``: each block's comes from its entry).
     """
 
     name: str
     policy: Callable[..., bool] | None
     segment: int = 0
+    schedule: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
-        return self.policy is not None
+        return self.policy is not None or any(p != "none" for p in self.schedule)
 
     @property
     def saved_names(self) -> tuple[str, ...]:
@@ -149,11 +164,57 @@ def parse_policy(name: str | RematSpec) -> RematSpec:
                 offload_dst="pinned_host",
             )
             return RematSpec(name, policy)
+    if isinstance(name, str) and name.startswith("blocks:"):
+        schedule = _parse_schedule(name[len("blocks:") :])
+        if schedule:
+            return RematSpec(name, None, schedule=schedule)
     if isinstance(name, str) and name.startswith("every:"):
         k = name[len("every:") :]
         if k.isdigit() and int(k) >= 1:
             return RematSpec(name, cp.nothing_saveable, segment=int(k))
     raise ValueError(f"Unknown remat={name!r}; allowed values: {list(POLICY_NAMES)}")
+
+
+def _parse_schedule(text: str) -> tuple[str, ...]:
+    """``"full*2,none"`` -> ``("full", "full", "none")``; ``()`` when malformed."""
+    out: list[str] = []
+    for entry in text.split(","):
+        policy, _, count = entry.partition("*")
+        if policy not in SCHEDULE_POLICIES or (count and not count.isdigit()):
+            return ()
+        if count and int(count) < 1:
+            return ()
+        out += [policy] * (int(count) if count else 1)
+    return tuple(out)
+
+
+def schedule_name(policies: Sequence[str]) -> str:
+    """The ``blocks:`` name of a per-block list of policies, runs written ``P*K``;
+    ``("full", "full", "none")`` -> ``"blocks:full*2,none"``."""
+    runs = [(p, len(list(g))) for p, g in itertools.groupby(policies)]
+    return "blocks:" + ",".join(p if k == 1 else f"{p}*{k}" for p, k in runs)
+
+
+def stack_policies(
+    remat: str | RematSpec, lengths: Sequence[int], model: str
+) -> list[str | tuple[str, ...]]:
+    """The ``remat`` each of a model's :class:`ScannedBlocks` stacks gets, given the stacks'
+    ``lengths`` in the order the model runs them: the policy itself, or for a ``blocks:``
+    schedule, each stack's slice of it.
+
+    Raises:
+      ValueError: a schedule whose length is not the model's number of blocks.
+    """
+    spec = parse_policy(remat)
+    if not spec.schedule:
+        return [remat] * len(lengths)
+    if len(spec.schedule) != sum(lengths):
+        raise ValueError(
+            f"remat={spec.name!r} schedules {len(spec.schedule)} blocks; {model} runs "
+            f"{sum(lengths)} (stacks of {list(lengths)}): give one policy per block"
+        )
+    starts = list(itertools.accumulate(lengths, initial=0))
+    return [spec.schedule[a:b] for a, b in zip(starts, starts[1:], strict=False)]
 
 
 # Set while a block's call runs under its checkpoint, so that a block inside a block is not
@@ -196,17 +257,17 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
     subclasses; ``module`` is left as it was.
 
     Raises:
-      ValueError: for a segmenting policy (``every:K``, ``sqrt``), which needs a stack of
-        identical blocks (:class:`ScannedBlocks`); for a name in ``blocks`` that is not the
-        class of a submodule the model has (NNX: here) or calls (Linen: when it is called).
+      ValueError: for a segmenting policy (``every:K``, ``sqrt``) or a ``blocks:`` schedule,
+        which need stacks of blocks (:class:`ScannedBlocks`); for a name in ``blocks`` that is
+        not the class of a submodule the model has (NNX: here) or calls (Linen: when it is called).
     """
     spec = parse_policy(remat)
     if not spec.enabled:
         return module
-    if spec.segment:
+    if spec.segment or spec.schedule:
         raise ValueError(
-            f"remat={spec.name!r} checkpoints segments of a scanned block stack; "
-            f"{type(module).__name__} has none (use full, dots or save:NAME)"
+            f"remat={spec.name!r} needs the scanned block stacks of a model with a `remat` "
+            f"attribute; {type(module).__name__} has none (use full, dots or save:NAME)"
         )
     if isinstance(module, nnx.Module):
         return _remat_nnx_module(module, spec.policy, tuple(blocks))
@@ -358,7 +419,9 @@ class ScannedBlocks(nn.Module):
         ``functools.partial(PreActBlock, features=64)``. It is called as
         ``block(x, *context, train=train)``.
       length: number of blocks ``n >= 1``.
-      remat: a policy name or :class:`RematSpec` (module docstring).
+      remat: a policy name or :class:`RematSpec` (module docstring), or one policy name per
+        block (a model's slice of a ``blocks:`` schedule, :func:`stack_policies`): each run of
+        equal names is scanned under its policy.
       unroll: unroll the scan into straight-line code (``lax.scan(unroll=True)``): same
         parameters and results; XLA then schedules the blocks as it would a Python loop.
       param_layout: applied to one block's parameters inside the loop, before the block uses
@@ -375,7 +438,7 @@ class ScannedBlocks(nn.Module):
 
     make_block: Callable[[], nn.Module]
     length: int
-    remat: str | RematSpec = "none"
+    remat: str | RematSpec | tuple[str, ...] = "none"
     unroll: bool = False
     param_layout: Callable[[Any], Any] | None = None
 
@@ -383,7 +446,7 @@ class ScannedBlocks(nn.Module):
     def __call__(self, x: jax.Array, *context: Any, train: bool) -> jax.Array:
         if self.length < 1:
             raise ValueError(f"length must be >= 1, got {self.length}")
-        spec = parse_policy(self.remat)
+        runs = _policy_runs(self.remat, self.length)
         block = self.make_block()
 
         def init_stack(rng):
@@ -411,7 +474,7 @@ class ScannedBlocks(nn.Module):
 
         # Blockwise leaves stay whole (closed over); the loop carries the block index instead.
         leaves, treedef = jax.tree.flatten(params, is_leaf=_is_blockwise)
-        if not spec.enabled:
+        if not any(spec.enabled for spec, _, _ in runs):
             leaves = [x.dense() if _is_blockwise(x) else x for x in leaves]
         blockwise = {i: x for i, x in enumerate(leaves) if _is_blockwise(x)}
         params = [None if i in blockwise else x for i, x in enumerate(leaves)]
@@ -439,22 +502,14 @@ class ScannedBlocks(nn.Module):
             return h, {c: new_state.get(c, state[c]) for c in state}
 
         xs = (params, others, keys, jnp.arange(self.length, dtype=jnp.int32))
-        segment = spec.segment_length(self.length) if spec.segment else 1
-        if self.length == 1:
-            # A lone block may change the shape (stride, width), which a scan carry cannot;
-            # outside a loop, CSE must be prevented explicitly for remat to hold.
-            if spec.enabled:
-                apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=True)
-            x, new_others = apply_block(x, jax.tree.map(lambda a: a[0], xs))
-            new_others = jax.tree.map(lambda a: a[None], new_others)
-        elif segment == 1:
-            if spec.enabled:
-                apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
-            x, new_others = jax.lax.scan(apply_block, x, xs, unroll=self.unroll)
-        else:
-            x, new_others = _segmented_scan(
-                apply_block, x, xs, self.length, segment, spec, self.unroll
-            )
+        outs = []
+        for spec, start, stop in runs:
+            run_xs = jax.tree.map(lambda a, i=start, j=stop: a[i:j], xs) if len(runs) > 1 else xs
+            x, run_others = _scan_run(apply_block, x, run_xs, stop - start, spec, self.unroll)
+            outs.append(run_others)
+        new_others = (
+            outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+        )
 
         if self.is_initializing():
             for c, v in others.items():
@@ -467,6 +522,44 @@ class ScannedBlocks(nn.Module):
 
 def _is_blockwise(x: Any) -> bool:
     return isinstance(x, BlockwiseLeaf)
+
+
+def _policy_runs(remat: str | RematSpec | tuple[str, ...], length: int) -> list[tuple]:
+    """``[(spec, start, stop)]``: the runs of blocks under one policy (one run unless ``remat``
+    is a per-block tuple)."""
+    if not isinstance(remat, tuple):
+        spec = parse_policy(remat)
+        if spec.schedule:
+            raise ValueError(
+                f"remat={spec.name!r} is a model's schedule; a stack takes its slice "
+                "(lowmem_jax.remat.stack_policies)"
+            )
+        return [(spec, 0, length)]
+    if len(remat) != length:
+        raise ValueError(f"remat gives {len(remat)} policies for a stack of {length} blocks")
+    runs, start = [], 0
+    for name, group in itertools.groupby(remat):
+        stop = start + len(list(group))
+        runs.append((parse_policy(name), start, stop))
+        start = stop
+    return runs
+
+
+def _scan_run(apply_block, x, xs, length: int, spec: RematSpec, unroll: bool):
+    """``length`` blocks applied in sequence under ``spec``; ``(x, per-block outputs)``."""
+    segment = spec.segment_length(length) if spec.segment else 1
+    if length == 1:
+        # A lone block may change the shape (stride, width), which a scan carry cannot;
+        # outside a loop, CSE must be prevented explicitly for remat to hold.
+        if spec.enabled:
+            apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=True)
+        x, out = apply_block(x, jax.tree.map(lambda a: a[0], xs))
+        return x, jax.tree.map(lambda a: a[None], out)
+    if segment == 1:
+        if spec.enabled:
+            apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
+        return jax.lax.scan(apply_block, x, xs, unroll=unroll)
+    return _segmented_scan(apply_block, x, xs, length, segment, spec, unroll)
 
 
 def _segmented_scan(apply_block, x, xs, length: int, segment: int, spec: RematSpec, unroll: bool):

@@ -126,3 +126,21 @@ def test_train_with_a_memory_budget_trains_the_planned_step(capsys):
     assert "memory budget 1024.0 MiB: no technique" in out.err
     assert summary["plan"]["precision"] == "fp32" and summary["plan"]["microbatches"] == 1
     assert summary["plan"]["remat"] == "none" and summary["steps"] > 0
+
+
+def test_a_budget_between_remat_none_and_full_gets_a_per_block_schedule(monkeypatch):
+    """WRN-10-1 batch 8 (one microbatch in the report envelope), fp32 only: halfway between
+    the compiled totals of remat none and full, the answer is a ``blocks:`` schedule of the
+    dynamic program, its compiled step fits, and it recomputes less than ``full``."""
+    space = {"remat": ("none", "full", "blocks"), "factorize": (None,), "precision": ("fp32",),
+             "sparsity": (0.0,), "optimizer_state": ("auto",)}  # fmt: skip
+    monkeypatch.setattr(planner, "SPACE", space)
+    none = analyze_model(MODEL, 8, lm.Plan()).xla["total_bytes"]
+    full = analyze_model(MODEL, 8, lm.Plan(remat="full"))
+    budget = (none + full.xla["total_bytes"]) // 2
+    result = planner.plan_for_model(MODEL, 8, budget)
+    assert result.plan.remat.startswith("blocks:"), result.plan.remat
+    assert result.xla["total_bytes"] <= budget
+    assert 1.0 < result.flops_overhead < full.flops / result.reference_flops
+    out = analyze_model(MODEL, 8, lm.Plan(remat=result.plan.remat))
+    assert out.xla["total_bytes"] == result.xla["total_bytes"]

@@ -8,7 +8,10 @@ import pytest
 
 import lowmem_jax as lm
 
-POLICIES = ["full", "dots", "save:conv_out", "offload:conv_out", "every:2", "every:3", "sqrt"]
+# The last: a per-block schedule of WRN-28-1's 12 blocks (stacks of 1, 3, 1, 3, 1, 3), with
+# runs of different policies inside a stack.
+POLICIES = ["full", "dots", "save:conv_out", "offload:conv_out", "every:2", "every:3", "sqrt",
+            "blocks:full,dots*2,none,full*4,none*2,dots,none"]  # fmt: skip
 
 
 def _wrn_grads(remat, depth=28, batch=4, size=8):
@@ -71,6 +74,46 @@ def _stack_temp_bytes(remat, length=16, batch=1024, options=None):
 def test_temp_bytes_fall_as_remat_saves_less():
     temps = {p: _stack_temp_bytes(p) for p in ["none", "dots", "full", "every:4"]}
     assert temps["none"] > temps["dots"] > temps["full"] > temps["every:4"], temps
+    # A stack given one policy per block: half the blocks checkpointed, between the two.
+    half = _stack_temp_bytes(("full",) * 8 + ("none",) * 8, options=lm.compiler_options("full"))
+    assert temps["none"] > half > temps["full"], (half, temps)
+
+
+@pytest.mark.parametrize(
+    "name, policies",
+    [
+        ("blocks:full", ("full",)),
+        ("blocks:full*2,none,dots*3", ("full",) * 2 + ("none",) + ("dots",) * 3),
+    ],
+)
+def test_a_schedule_parses_to_one_policy_per_block(name, policies):
+    spec = lm.parse_policy(name)
+    assert spec.schedule == policies and spec.enabled
+    assert lm.remat.schedule_name(policies) == name
+    assert not lm.parse_policy("blocks:none*3").enabled
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["blocks:", "blocks:full*0", "blocks:every:2", "blocks:full*x", "blocks:sqrt", "blocks:,"],
+)
+def test_a_malformed_schedule_is_refused_naming_remat(name):
+    with pytest.raises(ValueError, match=r"Unknown remat=.*blocks:P\[\*K\]"):
+        lm.parse_policy(name)
+
+
+def test_a_schedule_must_give_every_block_of_the_model_a_policy():
+    assert lm.remat.stack_policies("blocks:full*2,none", [1, 2], "M") == [
+        ("full",),
+        ("full", "none"),
+    ]
+    assert lm.remat.stack_policies("dots", [1, 2], "M") == ["dots", "dots"]
+    with pytest.raises(ValueError, match=r"schedules 2 blocks; WRN-16 runs 6"):
+        _wrn_grads("blocks:full*2", depth=16)
+    with pytest.raises(ValueError, match="needs the scanned block stacks"):
+        lm.remat.remat_module(Block(), "blocks:full")
+    with pytest.raises(ValueError, match="a stack takes its slice"):
+        _stack_temp_bytes("blocks:full*16")
 
 
 class Chain(nn.Module):

@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax.factorization import FactorConfig, conv_layer, dense_layer
 from lowmem_jax.models.layers import BatchNorm
-from lowmem_jax.remat import CONV_OUT, ScannedBlocks
+from lowmem_jax.remat import CONV_OUT, ScannedBlocks, stack_policies
 
 __all__ = ["WideResNet", "PreActBlock"]
 
@@ -95,7 +95,8 @@ class WideResNet(nn.Module):
       width: the widening factor ``k``.
       num_classes: size of the output layer.
       dtype: computation dtype (``None``: follow inputs and parameters).
-      remat: remat policy name applied per block (see :mod:`lowmem_jax.remat`).
+      remat: remat policy name applied per block (see :mod:`lowmem_jax.remat`), or a
+        ``blocks:`` schedule of ``3 * (depth - 4) // 6`` blocks, the groups in order.
       conv_impl: ``"auto" | "xla" | "loop_friendly"`` (see :mod:`lowmem_jax.ops.conv`).
       unroll: run the stacks of identical blocks as straight-line code instead of a loop (same
         parameters and results; ``conv_impl="xla", unroll=True`` is the plain Flax baseline).
@@ -150,6 +151,12 @@ class WideResNet(nn.Module):
         std = jnp.asarray(self.pixel_std, jnp.float32)
         return ((images.astype(jnp.float32) - mean) / std).astype(self.dtype or jnp.float32)
 
+    def block_stacks(self) -> list[int]:
+        """The blocks of each scanned stack, in the order they run (a group's first block, then
+        its other ``n - 1``): a ``blocks:`` remat schedule gives one policy per block."""
+        n = (self.depth - 4) // 6
+        return [1, n - 1] * 3 if n > 1 else [1] * 3
+
     @nn.compact
     def __call__(self, images: jax.Array, train: bool) -> jax.Array:
         n = (self.depth - 4) // 6
@@ -170,16 +177,17 @@ class WideResNet(nn.Module):
             impl=self.conv_impl,
             name="stem",
         )(self.normalize(images))
+        policies = iter(stack_policies(self.remat, self.block_stacks(), f"WRN-{self.depth}"))
         for g, (features, strides) in enumerate(zip((16, 32, 64), (1, 2, 2), strict=True)):
             features *= self.width
             first = functools.partial(block, features=features, strides=strides)
             stack = functools.partial(
-                ScannedBlocks, remat=self.remat, unroll=self.unroll, param_layout=self.param_layout
+                ScannedBlocks, unroll=self.unroll, param_layout=self.param_layout
             )
-            x = stack(first, 1, name=f"group{g}_first")(x, train=train)
+            x = stack(first, 1, next(policies), name=f"group{g}_first")(x, train=train)
             if n > 1:
                 rest = functools.partial(block, features=features)
-                x = stack(rest, n - 1, name=f"group{g}_rest")(x, train=train)
+                x = stack(rest, n - 1, next(policies), name=f"group{g}_rest")(x, train=train)
         x = BatchNorm(
             use_running_average=not train,
             momentum=self.bn_momentum,

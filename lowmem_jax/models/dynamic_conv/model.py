@@ -39,7 +39,7 @@ from lowmem_jax.models.dynamic_conv.layers import (
     _sinusoid,
     sinusoidal_positions,
 )
-from lowmem_jax.remat import ScannedBlocks, parse_policy
+from lowmem_jax.remat import ScannedBlocks, parse_policy, stack_policies
 
 __all__ = ["DynamicConvTransformer"]
 
@@ -78,7 +78,8 @@ class DynamicConvTransformer(nn.Module):
       share_decoder_embeddings: tie the output projection to the decoder input embedding.
       pad_id: the padding token id (both vocabularies).
       dtype: computation dtype (``None``: follow the parameters).
-      remat: a :mod:`lowmem_jax.remat` policy name, applied per layer.
+      remat: a :mod:`lowmem_jax.remat` policy name, applied per layer, or a ``blocks:``
+        schedule of one policy per layer, the encoder's then the decoder's.
       unroll: unroll the scans over identical layers (same parameters and results).
       factorize: a :class:`~lowmem_jax.factorization.FactorConfig`: the layers' Linear
         projections (attention, conv block, FFN) are low-rank; the embeddings, the output
@@ -185,16 +186,23 @@ class DynamicConvTransformer(nn.Module):
             "dtype": self.dtype,
             "factorize": self.factorize,
         }
+        encoder_runs = _runs(self.encoder_kernel_sizes)
+        decoder_runs = _runs(self.decoder_kernel_sizes)
+        policies = iter(
+            stack_policies(
+                self.remat, self.block_stacks(), "DynamicConvTransformer (encoder, then decoder)"
+            )
+        )
         self.encoder_stacks = [
             ScannedBlocks(
                 functools.partial(EncoderLayer, kernel_size=k, **common),
                 n,
-                self.remat,
+                next(policies),
                 self.unroll,
                 self.param_layout,
                 name=f"encoder_k{k}_{i}",
             )
-            for i, (k, n) in enumerate(_runs(self.encoder_kernel_sizes))
+            for i, (k, n) in enumerate(encoder_runs)
         ]
         self.decoder_stacks = [
             ScannedBlocks(
@@ -205,14 +213,21 @@ class DynamicConvTransformer(nn.Module):
                     **common,
                 ),
                 n,
-                self.remat,
+                next(policies),
                 self.unroll,
                 self.param_layout,
                 name=f"decoder_k{k}_{i}",
             )
-            for i, (k, n) in enumerate(_runs(self.decoder_kernel_sizes))
+            for i, (k, n) in enumerate(decoder_runs)
         ]
         self.embed_dropout = nn.Dropout(self.dropout)
+
+    def block_stacks(self) -> list[int]:
+        """The layers of each scanned stack, in the order they run (the encoder's runs of equal
+        kernel sizes, then the decoder's): a ``blocks:`` remat schedule gives one policy per
+        layer."""
+        runs = _runs(self.encoder_kernel_sizes) + _runs(self.decoder_kernel_sizes)
+        return [n for _, n in runs]
 
     def _embed(self, embed: nn.Embed, tokens: jax.Array, train: bool) -> jax.Array:
         x = embed(tokens) * math.sqrt(self.embed_dim)

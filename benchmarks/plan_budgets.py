@@ -1,0 +1,92 @@
+"""`lowmem plan` at several budgets, each as a user runs it: one fresh process per budget.
+
+    python benchmarks/plan_budgets.py --model wrn-28-2 --batch-size 128 \\
+        --budgets 320MiB 128MiB 32MiB --out-dir benchmarks/results
+
+Writes ``plan_<model>_b<B>_<budget>_<backend>.{json,png}`` (the command's ``--json`` output and
+``--plot``) and ``plan_<model>_b<B>_<backend>.md``: per budget the answer's flags, its compiled
+total, the analytic count, the FLOPs overhead, the plans compiled and the wall time of the
+command (no compilation cache: ``--cache-dir ''``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+
+MIB = 2.0**20
+
+
+def run_budget(model: str, batch: int, budget: str, envelope: str, out: str) -> dict:
+    """One `lowmem plan` process; its JSON with the wall time added."""
+    cmd = [sys.executable, "-m", "lowmem_jax.cli", "plan", "--model", model,
+           "--batch-size", str(batch), "--budget", budget, "--envelope", envelope,
+           "--cache-dir", "", "--json", "--plot", f"{out}.png"]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - start
+    result = json.loads(done.stdout)
+    result["wall_seconds"] = wall
+    result["command"] = "lowmem " + " ".join(cmd[3:])
+    with open(f"{out}.json", "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def table(model: str, batch: int, results: dict[str, dict], backend: str) -> str:
+    source = f"XLA:{backend.upper()}"
+    lines = [
+        f"# `lowmem plan` on {model}, batch {batch} ({source})",
+        "",
+        f"Command: `python benchmarks/plan_budgets.py --model {model} --batch-size {batch} "
+        f"--budgets {' '.join(results)}` (one `lowmem plan --json` process per budget, no "
+        "compilation cache; wall time of the process on this machine, 2 CPU cores). The JSON "
+        "next to this file lists every plan considered with its verdict; the PNG plots those "
+        "compiled.",
+        "",
+        f"| budget | answer (`lowmem analyze` flags) | {source} MiB | analytic MiB | "
+        "FLOPs / fp32 step | compiles | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for budget, r in results.items():
+        flags = " ".join(r["argv"][4:]) or "(no technique)"
+        compiles = sum(c["xla_total_bytes"] is not None for c in r["considered"])
+        lines.append(
+            f"| {budget} | `{flags}` | {r['xla']['total_bytes'] / MIB:.1f} | "
+            f"{r['analytic_total_bytes'] / MIB:.1f} | {r['flops_overhead']:.3f} | {compiles} | "
+            f"{r['wall_seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="wrn-28-2")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--budgets", nargs="+", default=["320MiB", "128MiB", "32MiB"])
+    parser.add_argument("--envelope", default="report")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    backend = jax.default_backend()
+    stem = os.path.join(args.out_dir, f"plan_{args.model}_b{args.batch_size}")
+    results = {}
+    for budget in args.budgets:
+        results[budget] = run_budget(
+            args.model, args.batch_size, budget, args.envelope, f"{stem}_{budget}_{backend}"
+        )
+        print(f"{budget}: {' '.join(results[budget]['argv'][4:])} "
+              f"({results[budget]['wall_seconds']:.0f} s)", flush=True)  # fmt: skip
+    with open(f"{stem}_{backend}.md", "w") as f:
+        f.write(table(args.model, args.batch_size, results, backend))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
