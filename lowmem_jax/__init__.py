@@ -23,6 +23,7 @@ from lowmem_jax import (
     recipes,
     remat,
     remat_schedule,
+    scanned_blocks,
     sharding,
     skip_guard,
     sparsity,
@@ -46,7 +47,8 @@ from lowmem_jax.optimizer_state import QuantizedState, quantized_state
 from lowmem_jax.plan import Plan
 from lowmem_jax.planner import BudgetPlan, NoPlanFits, plan_for_budget
 from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
-from lowmem_jax.remat import ScannedBlocks, compiler_options, parse_policy
+from lowmem_jax.remat import compiler_options, parse_policy
+from lowmem_jax.scanned_blocks import ScannedBlocks
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
 from lowmem_jax.train import (
     TrainState,
@@ -117,6 +119,7 @@ __all__ = [
     "recipes",
     "remat",
     "remat_schedule",
+    "scanned_blocks",
     "sharding",
     "skip_guard",
     "sparsity",

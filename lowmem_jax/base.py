@@ -43,7 +43,7 @@ __all__ = [
 class BlockwiseLeaf:
     """A parameter of a stack of ``L`` identical blocks (leading axis: the block) held in a form
     other than its dense ``[L, *block_shape]`` array, which the block loop densifies one block
-    at a time (:class:`lowmem_jax.remat.ScannedBlocks`): inside the block's remat, so only one
+    at a time (:class:`~lowmem_jax.ScannedBlocks`): inside the block's remat, so only one
     block's dense weights exist at a time, in the forward pass and again in the backward.
 
     Subclasses are pytrees (their arrays are children, so casts and gradients reach them) and

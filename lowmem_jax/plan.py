@@ -43,6 +43,7 @@ from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import optimizer_state as optimizer_state_lib
 from lowmem_jax import precision as precision_lib
 from lowmem_jax import remat as remat_lib
+from lowmem_jax import scanned_blocks
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax import sparsity as sparsity_lib
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer
@@ -289,9 +290,10 @@ class Plan:
         parameters' shapes, so sparse training resets them itself, and the rewiring reads the
         stored parameters and gradients without float32 copies. ``int8`` / ``int4`` wrap the
         sparse optimizer: its reset of regrown weights' slots runs on the decoded float32 state.
-        Sparse training is told which leaves belong to scanned stacks (:func:`remat.in_stack`):
-        in compressed storage the step hands those to the model compressed, and each block
-        densifies its own weights inside its remat (:class:`~lowmem_jax.base.BlockwiseLeaf`).
+        Sparse training is told which leaves belong to scanned stacks
+        (:func:`scanned_blocks.in_stack`): in compressed storage the step hands those to the
+        model compressed, and each block densifies its own weights inside its remat
+        (:class:`~lowmem_jax.base.BlockwiseLeaf`).
 
         ``params``: the model's parameters, arrays or shapes (``jax.eval_shape``); needed when
         the plan is sparse (which leaves, their budgets). The result is what
@@ -312,7 +314,7 @@ class Plan:
         opt = as_optimizer(tx)
         if self.sparsity is not None:
             opt = sparsity_lib.sparse_training(
-                tx, self.sparsity, params, stacked=remat_lib.in_stack
+                tx, self.sparsity, params, stacked=scanned_blocks.in_stack
             )
         if stored and quantized:
             opt = optimizer_state_lib.quantized_state(opt, fmt)

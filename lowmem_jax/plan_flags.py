@@ -12,7 +12,13 @@ from lowmem_jax.plan import Plan
 from lowmem_jax.sparsity import ALGORITHMS, DISTRIBUTIONS, INITS, REGROW_POOLS, SparseConfig
 from lowmem_jax.workloads import MODEL_NAMES
 
-__all__ = ["add_workload_flags", "add_plan_flags", "plan_from_args", "analyze_argv"]
+__all__ = [
+    "add_workload_flags",
+    "add_plan_flags",
+    "plan_from_args",
+    "analyze_argv",
+    "given_technique_flags",
+]
 
 
 def add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -192,3 +198,12 @@ def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 
     if plan_from_args(args, Plan()) != plan:
         raise ValueError(f"lowmem analyze has no flags for every setting of {plan}")
     return argv
+
+
+def given_technique_flags(args: argparse.Namespace) -> list[str]:
+    """The technique flags given on the command line (those not left at their default)."""
+    given = [f"--{f.name.replace('_', '-')}" for f in Plan.flag_fields()
+             if getattr(args, f.name) is not None]  # fmt: skip
+    given += ["--sparsity"] if args.sparsity else []
+    given += ["--factorize"] if args.factorize != "none" else []
+    return given

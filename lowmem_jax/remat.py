@@ -26,7 +26,7 @@ Policy names (:func:`parse_policy`):
                     dynamic program chooses (:mod:`lowmem_jax.remat_schedule`)
 ==================  ============================================================================
 
-Blocks with identical shapes are stacked by :class:`ScannedBlocks`, which stores their
+Blocks with identical shapes are stacked by :class:`~lowmem_jax.ScannedBlocks`, which stores their
 parameters with a leading ``[n]`` axis and runs them with ``lax.scan``. Segmenting reshapes the
 stack to ``[n // K, K]`` and nests two scans, checkpointing the outer body, so the parameter
 layout does not depend on the policy: the same parameters work under every policy.
@@ -51,11 +51,8 @@ from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core as jax_core
-
-from lowmem_jax.base import BlockwiseLeaf
 
 __all__ = [
     "RematSpec",
@@ -66,9 +63,6 @@ __all__ = [
     "traced_equations",
     "tagged_names",
     "check_saved_names",
-    "ScannedBlocks",
-    "STACK",
-    "in_stack",
     "SCHEDULE_POLICIES",
     "schedule_name",
     "stack_policies",
@@ -198,9 +192,9 @@ def schedule_name(policies: Sequence[str]) -> str:
 def stack_policies(
     remat: str | RematSpec, lengths: Sequence[int], model: str
 ) -> list[str | tuple[str, ...]]:
-    """The ``remat`` each of a model's :class:`ScannedBlocks` stacks gets, given the stacks'
-    ``lengths`` in the order the model runs them: the policy itself, or for a ``blocks:``
-    schedule, each stack's slice of it.
+    """The ``remat`` each of a model's :class:`~lowmem_jax.ScannedBlocks` stacks gets, given
+    the stacks' ``lengths`` in the order the model runs them: the policy itself, or for a
+    ``blocks:`` schedule, each stack's slice of it.
 
     Raises:
       ValueError: a schedule whose length is not the model's number of blocks.
@@ -258,8 +252,9 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
 
     Raises:
       ValueError: for a segmenting policy (``every:K``, ``sqrt``) or a ``blocks:`` schedule,
-        which need stacks of blocks (:class:`ScannedBlocks`); for a name in ``blocks`` that is
-        not the class of a submodule the model has (NNX: here) or calls (Linen: when it is called).
+        which need stacks of blocks (:class:`~lowmem_jax.ScannedBlocks`); for a name in
+        ``blocks`` that is not the class of a submodule the model has (NNX: here) or calls
+        (Linen: when it is called).
     """
     spec = parse_policy(remat)
     if not spec.enabled:
@@ -392,192 +387,3 @@ def compiler_options(remat: str | RematSpec = "full", backend: str | None = None
     if spec.enabled and backend == "cpu":
         return {"xla_disable_hlo_passes": "cse_barrier_expander"}
     return {}
-
-
-#: The variable name under which :class:`ScannedBlocks` stores its blocks' stacked variables.
-STACK = "stack"
-
-
-def in_stack(names: Sequence[str]) -> bool:
-    """Whether the parameter at path ``names`` belongs to a :class:`ScannedBlocks` stack (its
-    leading axis indexes the blocks)."""
-    return STACK in names
-
-
-class ScannedBlocks(nn.Module):
-    """``length`` blocks of identical shapes, applied in sequence with ``lax.scan`` and remat.
-
-    Each block maps ``x -> block(x, *context, train=train)`` with the same shape and dtype;
-    ``context`` (e.g. an encoder's output and masks) is the same for every block. Variables of
-    the block are
-    stored stacked: every leaf of the block's ``params`` (and of any other collection, such as
-    ``batch_stats``) gets a leading ``[length]`` axis, under ``params/stack`` and
-    ``<collection>/stack`` (:data:`STACK`).
-
-    Attributes:
-      make_block: a zero-argument callable returning a fresh (unbound) block module, e.g.
-        ``functools.partial(PreActBlock, features=64)``. It is called as
-        ``block(x, *context, train=train)``.
-      length: number of blocks ``n >= 1``.
-      remat: a policy name or :class:`RematSpec` (module docstring), or one policy name per
-        block (a model's slice of a ``blocks:`` schedule, :func:`stack_policies`): each run of
-        equal names is scanned under its policy.
-      unroll: unroll the scan into straight-line code (``lax.scan(unroll=True)``): same
-        parameters and results; XLA then schedules the blocks as it would a Python loop.
-      param_layout: applied to one block's parameters inside the loop, before the block uses
-        them (and again when remat recomputes the block), e.g. ZeRO-3's gather of that
-        block's partitioned parameters (:func:`lowmem_jax.sharding.replicate`, set by
-        ``Plan.configure_model``); ``None``: used as stored.
-
-    A stacked parameter given as a :class:`~lowmem_jax.base.BlockwiseLeaf` (compressed sparse
-    weights, see ``Optimizer.materialize(blockwise=True)``) is densified inside the loop, one
-    block at a time, under the block's remat policy: one block's dense weights exist at a time
-    (the backward pass rebuilds them). Without remat the backward pass keeps every block's
-    dense weights anyway, so the stack is densified whole, before the loop.
-    """
-
-    make_block: Callable[[], nn.Module]
-    length: int
-    remat: str | RematSpec | tuple[str, ...] = "none"
-    unroll: bool = False
-    param_layout: Callable[[Any], Any] | None = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array, *context: Any, train: bool) -> jax.Array:
-        if self.length < 1:
-            raise ValueError(f"length must be >= 1, got {self.length}")
-        runs = _policy_runs(self.remat, self.length)
-        block = self.make_block()
-
-        def init_stack(rng):
-            keys = jax.random.split(rng, self.length)
-            return jax.vmap(
-                lambda k: block.init({"params": k, "dropout": k}, x, *context, train=False)
-            )(keys)
-
-        if self.is_initializing():
-            stacked = init_stack(self.make_rng("params"))
-            params = self.param(STACK, lambda _: stacked["params"])
-            others = {c: v for c, v in stacked.items() if c != "params"}
-        else:
-            params = self.get_variable("params", STACK)
-            others = {
-                c: v[STACK] for c, v in self.variables.items() if c != "params" and STACK in v
-            }
-        mutable = [c for c in others if train and self.is_mutable_collection(c)]
-        use_dropout = train and self.has_rng("dropout")
-        keys = (
-            jax.random.split(self.make_rng("dropout"), self.length)
-            if use_dropout
-            else jnp.zeros((self.length,), jnp.uint32)
-        )
-
-        # Blockwise leaves stay whole (closed over); the loop carries the block index instead.
-        leaves, treedef = jax.tree.flatten(params, is_leaf=_is_blockwise)
-        if not any(spec.enabled for spec, _, _ in runs):
-            leaves = [x.dense() if _is_blockwise(x) else x for x in leaves]
-        blockwise = {i: x for i, x in enumerate(leaves) if _is_blockwise(x)}
-        params = [None if i in blockwise else x for i, x in enumerate(leaves)]
-
-        def apply_block(h, xs):
-            p, state, key, index = xs
-            # Tied to the block's input, the stored weights are densified when the block runs:
-            # XLA may not hoist a lone block's dense copy (loop-invariant) out of an enclosing
-            # loop (the microbatches'), where it would stay alive throughout.
-            stored, h = jax.lax.optimization_barrier((blockwise, h))
-            p = [stored[i].block(index) if i in stored else x for i, x in enumerate(p)]
-            p = jax.tree.unflatten(treedef, p)
-            if self.param_layout is not None:
-                p = self.param_layout(p)
-            rngs = {"dropout": key} if use_dropout else {}
-            out = block.apply(
-                {"params": p, **state},
-                h,
-                *context,
-                train=train,
-                rngs=rngs,
-                mutable=mutable or False,
-            )
-            h, new_state = out if mutable else (out, {})
-            return h, {c: new_state.get(c, state[c]) for c in state}
-
-        xs = (params, others, keys, jnp.arange(self.length, dtype=jnp.int32))
-        outs = []
-        for spec, start, stop in runs:
-            run_xs = jax.tree.map(lambda a, i=start, j=stop: a[i:j], xs) if len(runs) > 1 else xs
-            x, run_others = _scan_run(apply_block, x, run_xs, stop - start, spec, self.unroll)
-            outs.append(run_others)
-        new_others = (
-            outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
-        )
-
-        if self.is_initializing():
-            for c, v in others.items():
-                self.variable(c, STACK, lambda v=v: v)
-        elif mutable:
-            for c in mutable:
-                self.put_variable(c, STACK, new_others[c])
-        return x
-
-
-def _is_blockwise(x: Any) -> bool:
-    return isinstance(x, BlockwiseLeaf)
-
-
-def _policy_runs(remat: str | RematSpec | tuple[str, ...], length: int) -> list[tuple]:
-    """``[(spec, start, stop)]``: the runs of blocks under one policy (one run unless ``remat``
-    is a per-block tuple)."""
-    if not isinstance(remat, tuple):
-        spec = parse_policy(remat)
-        if spec.schedule:
-            raise ValueError(
-                f"remat={spec.name!r} is a model's schedule; a stack takes its slice "
-                "(lowmem_jax.remat.stack_policies)"
-            )
-        return [(spec, 0, length)]
-    if len(remat) != length:
-        raise ValueError(f"remat gives {len(remat)} policies for a stack of {length} blocks")
-    runs, start = [], 0
-    for name, group in itertools.groupby(remat):
-        stop = start + len(list(group))
-        runs.append((parse_policy(name), start, stop))
-        start = stop
-    return runs
-
-
-def _scan_run(apply_block, x, xs, length: int, spec: RematSpec, unroll: bool):
-    """``length`` blocks applied in sequence under ``spec``; ``(x, per-block outputs)``."""
-    segment = spec.segment_length(length) if spec.segment else 1
-    if length == 1:
-        # A lone block may change the shape (stride, width), which a scan carry cannot;
-        # outside a loop, CSE must be prevented explicitly for remat to hold.
-        if spec.enabled:
-            apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=True)
-        x, out = apply_block(x, jax.tree.map(lambda a: a[0], xs))
-        return x, jax.tree.map(lambda a: a[None], out)
-    if segment == 1:
-        if spec.enabled:
-            apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
-        return jax.lax.scan(apply_block, x, xs, unroll=unroll)
-    return _segmented_scan(apply_block, x, xs, length, segment, spec, unroll)
-
-
-def _segmented_scan(apply_block, x, xs, length: int, segment: int, spec: RematSpec, unroll: bool):
-    """Scans ``length`` blocks in checkpointed segments of ``segment`` blocks (plus a remainder)."""
-    full = length // segment * segment
-    # Blocks inside a segment are checkpointed too: the backward pass of a segment then holds K
-    # block inputs plus one block's internals, not K blocks' internals (n/K + K inputs overall).
-    apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
-
-    def run_segment(h, seg_xs):
-        return jax.lax.scan(apply_block, h, seg_xs, unroll=unroll)
-
-    run_segment = jax.checkpoint(run_segment, policy=spec.policy, prevent_cse=False)
-    head = jax.tree.map(lambda a: a[:full].reshape((-1, segment) + a.shape[1:]), xs)
-    x, ys = jax.lax.scan(run_segment, x, head, unroll=unroll)
-    ys = jax.tree.map(lambda a: a.reshape((full,) + a.shape[2:]), ys)
-    if full < length:
-        tail = jax.tree.map(lambda a: a[full:], xs)
-        x, tail_ys = run_segment(x, tail)
-        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, tail_ys)
-    return x, ys

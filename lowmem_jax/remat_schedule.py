@@ -1,6 +1,6 @@
 """Per-block remat schedules: the least recomputation for an activation budget.
 
-A model's blocks run in sequence (its :class:`~lowmem_jax.remat.ScannedBlocks` stacks, in the
+A model's blocks run in sequence (its :class:`~lowmem_jax.ScannedBlocks` stacks, in the
 order ``model.block_stacks()`` lists them). Each block may keep every residual (``none``), keep
 its matmul / convolution outputs (``dots``) or only its input (``full``): a ``blocks:`` remat
 schedule (:mod:`lowmem_jax.remat`) gives each block one of them.
@@ -83,16 +83,15 @@ class Schedule:
 def measure_block_costs(
     stacks: Sequence[int],
     activation_bytes: Callable[[str], float],
-    flops: Callable[[str], float] | None = None,
+    flops: Callable[[str], float],
     policies: Sequence[str] = ("dots", "full"),
 ) -> BlockCosts:
     """Per-block costs from ``1 + len(stacks) * len(policies)`` evaluations of
-    ``activation_bytes(remat)`` and ``flops(remat)`` (module docstring); ``flops=None``: zeros
-    (e.g. costs at a second precision, whose FLOPs are those of the first)."""
+    ``activation_bytes(remat)`` and ``flops(remat)`` (module docstring)."""
     stacks = tuple(int(n) for n in stacks)
     total = sum(stacks)
     base_bytes = float(activation_bytes("none"))
-    base_flops = float(flops("none")) if flops else 0.0
+    base_flops = float(flops("none"))
     dbytes: dict[str, tuple[float, ...]] = {"none": (0.0,) * len(stacks)}
     dflops: dict[str, tuple[float, ...]] = {"none": (0.0,) * len(stacks)}
     starts = list(itertools.accumulate(stacks, initial=0))
@@ -103,7 +102,7 @@ def measure_block_costs(
             per_block[starts[s] : starts[s] + n] = [policy] * n
             name = Schedule(tuple(per_block), 0.0, 0.0).name
             db.append((float(activation_bytes(name)) - base_bytes) / n)
-            df.append(((float(flops(name)) - base_flops) / n) if flops else 0.0)
+            df.append((float(flops(name)) - base_flops) / n)
         dbytes[policy], dflops[policy] = tuple(db), tuple(df)
     return BlockCosts(stacks, base_bytes, base_flops, dbytes, dflops)
 

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import precision as precision_lib
-from lowmem_jax import remat as remat_lib
+from lowmem_jax import scanned_blocks
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer, differentiated_loss
 from lowmem_jax.plan import Plan
@@ -157,7 +157,7 @@ def state_shardings(state: TrainState, plan: Plan) -> TrainState | None:
 
 
 def _in_stack(path) -> bool:
-    return remat_lib.in_stack([getattr(key, "key", None) for key in path])
+    return scanned_blocks.in_stack([getattr(key, "key", None) for key in path])
 
 
 def make_train_step(

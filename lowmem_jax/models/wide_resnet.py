@@ -31,7 +31,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax.factorization import FactorConfig, conv_layer, dense_layer
 from lowmem_jax.models.layers import BatchNorm
-from lowmem_jax.remat import CONV_OUT, ScannedBlocks, stack_policies
+from lowmem_jax.remat import CONV_OUT, stack_policies
+from lowmem_jax.scanned_blocks import ScannedBlocks
 
 __all__ = ["WideResNet", "PreActBlock"]
 
@@ -103,7 +104,7 @@ class WideResNet(nn.Module):
       factorize: a :class:`~lowmem_jax.factorization.FactorConfig`: the blocks' convolutions
         (and, unless ``keep_first_last``, the stem and the classifier) are factorized.
       param_layout: applied to each block's parameters inside its stack's loop
-        (:class:`~lowmem_jax.remat.ScannedBlocks`; ZeRO-3 gathers them there).
+        (:class:`~lowmem_jax.ScannedBlocks`; ZeRO-3 gathers them there).
       pixel_mean, pixel_std: per-channel statistics (one value, or one per channel) of integer
         images: an integer batch (raw pixels, e.g. uint8 ``[B, H, W, C]``) is normalised first,
         ``(x - pixel_mean) / pixel_std`` in float32, then cast to ``dtype``, so the batch is

@@ -7,7 +7,7 @@ positions get a zero vector). There is no final LayerNorm (post-norm). Logits ar
 decoder input embedding when ``share_decoder_embeddings``.
 
 Consecutive layers with the same kernel size have identical shapes; they run as one
-:class:`~lowmem_jax.remat.ScannedBlocks` stack (``lax.scan``) under the ``remat`` policy; the
+:class:`~lowmem_jax.ScannedBlocks` stack (``lax.scan``) under the ``remat`` policy; the
 other layers are stacks of length 1 so every layer goes through the same remat mechanism. The
 IWSLT preset (vocabularies 8,848 / 6,632) has 38,685,184 parameters.
 
@@ -39,7 +39,8 @@ from lowmem_jax.models.dynamic_conv.layers import (
     _sinusoid,
     sinusoidal_positions,
 )
-from lowmem_jax.remat import ScannedBlocks, parse_policy, stack_policies
+from lowmem_jax.remat import parse_policy, stack_policies
+from lowmem_jax.scanned_blocks import ScannedBlocks
 
 __all__ = ["DynamicConvTransformer"]
 
@@ -85,7 +86,7 @@ class DynamicConvTransformer(nn.Module):
         projections (attention, conv block, FFN) are low-rank; the embeddings, the output
         projection and DynamicConv's ``weight_linear`` stay dense.
       param_layout: applied to each layer's parameters inside its stack's loop
-        (:class:`~lowmem_jax.remat.ScannedBlocks`; ZeRO-3 gathers them there).
+        (:class:`~lowmem_jax.ScannedBlocks`; ZeRO-3 gathers them there).
     """
 
     src_vocab_size: int
