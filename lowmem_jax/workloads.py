@@ -25,6 +25,7 @@ Names (:data:`MODEL_NAMES`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -272,7 +273,9 @@ class Setup:
     def abstract_state(self) -> TrainState:
         """The state's shapes and dtypes (nothing is computed), with the plan's shardings
         when it has a mesh (``plan.shard``)."""
-        shapes = jax.eval_shape(self._init_state, self.workload.batch, jax.random.PRNGKey(0))
+        shapes = jax.eval_shape(
+            self._init_state, self.workload.batch, jax.random.PRNGKey(0), self.abstract_variables()
+        )
         shardings = state_shardings(shapes, self.plan)
         if shardings is None:
             return shapes
@@ -389,9 +392,20 @@ def build(
 
 def variable_shapes(model: nn.Module, work: Workload) -> PyTree:
     """The shapes and dtypes of ``model``'s variables (``jax.eval_shape`` of ``model.init`` on
-    ``work``'s batch)."""
-    inputs = [work.batch[k] for k in work.init_inputs]
+    ``work``'s batch); kept per (model, input shapes) when the model is hashable, since a
+    search builds the same model many times (treat the result as read-only)."""
+    inputs = tuple(work.batch[k] for k in work.init_inputs)
+    try:
+        return _cached_variable_shapes(model, inputs)
+    except TypeError:  # an unhashable field (a user model's list): trace it each time
+        return _trace_variable_shapes(model, inputs)
+
+
+def _trace_variable_shapes(model: nn.Module, inputs: tuple) -> PyTree:
     return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *inputs)
+
+
+_cached_variable_shapes = functools.lru_cache(maxsize=64)(_trace_variable_shapes)
 
 
 # What a model's author runs: straight-line blocks, XLA's own convolution.

@@ -144,3 +144,28 @@ def test_a_budget_between_remat_none_and_full_gets_a_per_block_schedule(monkeypa
     assert 1.0 < result.flops_overhead < full.flops / result.reference_flops
     out = analyze_model(MODEL, 8, lm.Plan(remat=result.plan.remat))
     assert out.xla["total_bytes"] == result.xla["total_bytes"]
+
+
+def test_a_class_a_borrowed_ratio_rejects_is_probed_by_a_compile(monkeypatch):
+    """XLA's overhead over the analytic count differs between remat policies, so a ratio
+    borrowed from other settings can put a class over budget when it fits: before rejecting
+    it, the planner compiles a corner whose analytic count fits (a probe), which calibrates
+    it. The probe that turns out to be the answer is listed once. Without probes the same
+    search finds nothing."""
+    space = {"remat": ("none",), "factorize": (None,), "precision": ("fp32",),
+             "sparsity": (0.0,), "optimizer_state": ("auto",)}  # fmt: skip
+    work = lm.workload(MODEL, 8)
+    budget = analyze_model(MODEL, 8, lm.Plan()).xla["total_bytes"]
+    init = planner._Search.__init__
+
+    def borrowing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.calibration[("full", None, "fp32", None, "auto")] = 5.0  # as if compiled
+
+    monkeypatch.setattr(planner._Search, "__init__", borrowing)
+    result = planner.plan_for_budget(work, budget, space=space)
+    assert result.plan == lm.Plan() and result.xla["total_bytes"] == budget
+    assert [c["verdict"] for c in result.considered] == ["chosen"]
+    monkeypatch.setattr(planner, "_PROBES", 0)
+    with pytest.raises(planner.NoPlanFits, match="the smallest budget that can work is"):
+        planner.plan_for_budget(work, budget, space=space)

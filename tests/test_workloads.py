@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,3 +266,22 @@ def test_the_plain_step_is_plain_and_agrees_with_the_lowmem_fp32_step():
     )  # fmt: skip
     report = lm.analyze_model("wrn-10-1", 8, None, image_size=8)
     assert report.config["plain"] and report.xla["total_bytes"] > 0
+
+
+def test_variable_shapes_trace_once_per_model_and_inputs():
+    """A search builds one model many times: equal models share one trace; a model with an
+    unhashable field (a list) is traced each time, not refused."""
+    from lowmem_jax.workloads import variable_shapes
+
+    class ListWidths(nn.Module):
+        widths: list
+
+        @nn.compact
+        def __call__(self, images, train):
+            return nn.Dense(self.widths[0])(images.reshape(images.shape[0], -1))
+
+    work = workload("wrn-10-1", 8, image_size=8)
+    assert variable_shapes(work.model, work) is variable_shapes(work.model.clone(), work)
+    listed = variable_shapes(ListWidths([3]), work)
+    assert listed["params"]["Dense_0"]["kernel"].shape == (8 * 8 * 3, 3)
+    assert variable_shapes(ListWidths([3]), work) is not listed

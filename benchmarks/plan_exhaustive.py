@@ -1,0 +1,232 @@
+"""`lowmem plan` against exhaustive search: every plan of a reduced space compiled.
+
+    python benchmarks/plan_exhaustive.py --out-dir benchmarks/results
+
+Per workload (WRN-10-1 and a three-layer DynamicConv transformer, batch 16: three blocks each,
+so all 3^3 per-block remat schedules can be compiled), every plan of :data:`SPACE` (each
+schedule x precision x microbatches x sparsity) is compiled and its FLOPs counted from the
+jaxpr. For budgets from the fp32 step's compiled total down to the least total of the space,
+the exhaustive answer is the plan with the fewest FLOPs whose compiled total fits, and the
+planner's is :func:`lowmem_jax.planner.plan_for_budget` on the same space (the report
+envelope). The transformer's flags name ``dynamicconv-small``: its kernel sizes are set
+here. Writes ``plan_exhaustive_<models>_<backend>.{json,md,png}`` (one process per model
+runs them side by side).
+
+The compiles go through JAX's persistent compilation cache in a temporary directory, so the
+planner's compiles of a plan the exhaustive pass compiled are cache hits (its wall time is not
+the point here; ``plan_budgets.py`` times the planner as a user runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import tempfile
+import time
+
+import jax
+
+from lowmem_jax import memory, planner
+from lowmem_jax.flops import count_flops
+from lowmem_jax.plan_flags import analyze_argv
+from lowmem_jax.remat import schedule_name
+from lowmem_jax.workloads import Workload, build, workload
+
+MIB = 2.0**20
+
+#: The searched settings per model besides the schedules (the planner gets the same, with
+#: ``blocks`` for them). The transformer's sparse steps take ~3x as long to compile on 2 CPU
+#: cores, so its space is dense.
+SPACES = {
+    "wrn-10-1": {
+        "factorize": (None,),
+        "precision": ("fp32", "mixed_fp16"),
+        "microbatches": (1, 2),
+        "sparsity": (0.0, 0.7),
+        "optimizer_state": ("auto",),
+    },
+    "dynamicconv-small-3": {
+        "factorize": (None,),
+        "precision": ("fp32", "mixed_fp16"),
+        "microbatches": (1, 2),
+        "sparsity": (0.0,),
+        "optimizer_state": ("auto",),
+    },
+}
+
+
+def workloads(batch: int) -> dict[str, Workload]:
+    return {
+        "wrn-10-1": workload("wrn-10-1", batch),
+        # dynamicconv-small with one encoder layer fewer and two decoder layers fewer: blocks
+        # [1, 1] + [1] (each run of equal kernel sizes is a stack).
+        "dynamicconv-small-3": workload(
+            "dynamicconv-small", batch, encoder_kernel_sizes=(3, 5), decoder_kernel_sizes=(3,)
+        ),
+    }
+
+
+def every_plan(work: Workload, space: dict[str, tuple]) -> list:
+    """Every plan of ``space``: all per-block schedules (uniform ones by their names)."""
+    blocks = sum(work.model.block_stacks())
+    remats = [
+        p[0] if len(set(p)) == 1 else schedule_name(p)
+        for p in itertools.product(("none", "dots", "full"), repeat=blocks)
+    ]
+    plans = []
+    for remat, precision, micro, sparsity, state in itertools.product(
+        remats, space["precision"], space["microbatches"], space["sparsity"],
+        space["optimizer_state"],
+    ):  # fmt: skip
+        plans.append(planner._plan(remat, None, precision, micro, sparsity, state))
+    return plans
+
+
+def measure(work: Workload, plan) -> dict:
+    setup = build(work, plan)
+    state = setup.abstract_state()
+    xla = memory.xla_memory(setup.step.lower(state, work.batch).compile())
+    flops = count_flops(getattr(setup.step, "__wrapped__", setup.step), state, work.batch)[0]
+    return {"xla_total_bytes": xla["total_bytes"], "flops": flops}
+
+
+def budgets(baseline: int, least: int, count: int) -> list[int]:
+    """``count`` budgets from ``baseline`` down to ``least``, evenly in log space."""
+    ratio = least / baseline
+    return [int(baseline * ratio ** (i / (count - 1))) for i in range(count)]
+
+
+def compare(name: str, work: Workload, count: int, log) -> dict:
+    space = SPACES[name]
+    plans = every_plan(work, space)
+    start = time.perf_counter()
+    rows = []
+    for i, plan in enumerate(plans):
+        rows.append({"plan": plan, "argv": analyze_argv(work.name, work.batch_size, plan, 40),
+                     **measure(work, plan)})  # fmt: skip
+        if i % 20 == 0:
+            log(f"{name}: {i + 1}/{len(plans)} compiled ({time.perf_counter() - start:.0f} s)")
+    exhaustive_seconds = time.perf_counter() - start
+    reference = next(r for r in rows if r["plan"] == planner._plan("none", None, "fp32", 1, 0.0,
+                                                                      "auto"))  # fmt: skip
+    least = min(r["xla_total_bytes"] for r in rows)
+    space = {**space, "remat": ("none", "dots", "full", "blocks")}
+    out = []
+    for budget in budgets(reference["xla_total_bytes"], least, count):
+        fits = [r for r in rows if r["xla_total_bytes"] <= budget]
+        best = min(fits, key=lambda r: r["flops"])
+        t = time.perf_counter()
+        answer = planner.plan_for_budget(work, budget, envelope="report", space=space)
+        seconds = time.perf_counter() - t
+        out.append({
+            "budget_bytes": budget,
+            "plans_that_fit": len(fits),
+            "exhaustive": {k: best[k] for k in ("argv", "xla_total_bytes", "flops")},
+            "planner": {"argv": answer.argv, "xla_total_bytes": answer.xla["total_bytes"],
+                        "flops": answer.flops, "seconds": seconds,
+                        "compiles": sum(c["xla_total_bytes"] is not None
+                                        for c in answer.considered)},
+            "flops_over_exhaustive": answer.flops / best["flops"],
+        })  # fmt: skip
+        log(f"{name} {budget / MIB:.2f} MiB: planner {answer.flops / best['flops']:.4f} of "
+            f"the exhaustive best ({answer.plan.remat} vs {best['plan'].remat})")  # fmt: skip
+    return {
+        "model": name,
+        "batch_size": work.batch_size,
+        "block_stacks": work.model.block_stacks(),
+        "space": {k: [str(v) for v in vs] for k, vs in space.items()},
+        "plans": len(rows),
+        "exhaustive_seconds": exhaustive_seconds,
+        "reference_flops": reference["flops"],
+        "all": [{k: r[k] for k in ("argv", "xla_total_bytes", "flops")} for r in rows],
+        "budgets": out,
+    }
+
+
+def table(results: list[dict], backend: str) -> str:
+    source = f"XLA:{backend.upper()}"
+    models = " ".join(r["model"] for r in results)
+    lines = [
+        f"# `lowmem plan` against exhaustive search ({source})",
+        "",
+        f"Command: `python benchmarks/plan_exhaustive.py --models {models}` "
+        "(every plan of the space compiled: all 27 per-block remat schedules x precision "
+        "fp32 / mixed_fp16 x microbatches 1 / 2, sparsity 0 / 70% (DSR, compressed) for the "
+        "WRN, 0 for the transformer, optimizer state auto; the planner searches the same "
+        "space in the report envelope, its schedules those of its dynamic program). FLOPs "
+        "counted from the jaxpr; ratio = the planner's FLOPs / the exhaustive best's.",
+        "",
+        f"| model | budget MiB | fit | exhaustive best | its FLOPs / fp32 | planner's answer | "
+        f"{source} MiB | FLOPs / exhaustive |",
+        "|---|---:|---:|---|---:|---|---:|---:|",
+    ]
+    for res in results:
+        for b in res["budgets"]:
+            best, got = b["exhaustive"], b["planner"]
+            lines.append(
+                f"| {res['model']} b{res['batch_size']} | {b['budget_bytes'] / MIB:.2f} | "
+                f"{b['plans_that_fit']} | `{' '.join(best['argv'][4:]) or '(none)'}` | "
+                f"{best['flops'] / res['reference_flops']:.3f} | "
+                f"`{' '.join(got['argv'][4:]) or '(none)'}` | "
+                f"{got['xla_total_bytes'] / MIB:.2f} | {b['flops_over_exhaustive']:.4f} |"
+            )
+    worst = max(b["flops_over_exhaustive"] for r in results for b in r["budgets"])
+    lines += ["", f"Worst ratio: {worst:.4f}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5))
+    for ax, res in zip(axes, results, strict=True):
+        ref = res["reference_flops"]
+        ax.scatter([r["flops"] / ref for r in res["all"]],
+                   [r["xla_total_bytes"] / MIB for r in res["all"]], s=8, color="C0",
+                   alpha=0.5, label="every plan (compiled)")  # fmt: skip
+        ax.scatter([b["planner"]["flops"] / ref for b in res["budgets"]],
+                   [b["planner"]["xla_total_bytes"] / MIB for b in res["budgets"]], marker="*",
+                   s=120, color="C3", label="planner's answers")  # fmt: skip
+        for b in res["budgets"]:
+            ax.axhline(b["budget_bytes"] / MIB, color="k", lw=0.5, ls=":")
+        ax.set_title(f"{res['model']} b{res['batch_size']}", fontsize=10)
+        ax.set_xlabel("FLOPs / fp32 step (jaxpr)")
+        ax.set_ylabel("compiled total MiB")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--budgets", type=int, default=6, help="budgets per model (>= 2)")
+    parser.add_argument("--models", nargs="+", default=list(SPACES), choices=list(SPACES))
+    args = parser.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="plan_exhaustive_"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    backend = jax.default_backend()
+    works = workloads(args.batch_size)
+    results = [compare(m, works[m], args.budgets, lambda s: print(s, flush=True))
+               for m in args.models]  # fmt: skip
+    stem = os.path.join(args.out_dir, f"plan_exhaustive_{'_'.join(args.models)}_{backend}")
+    command = f"python benchmarks/plan_exhaustive.py --models {' '.join(args.models)}"
+    with open(f"{stem}.json", "w") as f:
+        json.dump({"command": command, "backend": backend, "results": results}, f, indent=1)
+    with open(f"{stem}.md", "w") as f:
+        f.write(table(results, backend))
+    plot(results, f"{stem}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
