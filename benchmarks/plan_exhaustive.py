@@ -118,20 +118,27 @@ def compare(name: str, work: Workload, count: int, log) -> dict:
         fits = [r for r in rows if r["xla_total_bytes"] <= budget]
         best = min(fits, key=lambda r: r["flops"])
         t = time.perf_counter()
-        answer = planner.plan_for_budget(work, budget, envelope="report", space=space)
+        try:
+            answer = planner.plan_for_budget(work, budget, envelope="report", space=space)
+        except planner.NoPlanFits as err:  # a miss: the exhaustive search found one that fits
+            answer, missed = None, str(err)
         seconds = time.perf_counter() - t
+        got = None
+        if answer is not None:
+            compiles = sum(c["xla_total_bytes"] is not None for c in answer.considered)
+            got = {"argv": answer.argv, "xla_total_bytes": answer.xla["total_bytes"],
+                   "flops": answer.flops, "seconds": seconds, "compiles": compiles}  # fmt: skip
         out.append({
             "budget_bytes": budget,
             "plans_that_fit": len(fits),
             "exhaustive": {k: best[k] for k in ("argv", "xla_total_bytes", "flops")},
-            "planner": {"argv": answer.argv, "xla_total_bytes": answer.xla["total_bytes"],
-                        "flops": answer.flops, "seconds": seconds,
-                        "compiles": sum(c["xla_total_bytes"] is not None
-                                        for c in answer.considered)},
-            "flops_over_exhaustive": answer.flops / best["flops"],
+            "planner": got,
+            "planner_error": None if answer is not None else missed,
+            "flops_over_exhaustive": None if got is None else got["flops"] / best["flops"],
         })  # fmt: skip
-        log(f"{name} {budget / MIB:.2f} MiB: planner {answer.flops / best['flops']:.4f} of "
-            f"the exhaustive best ({answer.plan.remat} vs {best['plan'].remat})")  # fmt: skip
+        ratio = out[-1]["flops_over_exhaustive"]
+        said = "found no plan" if ratio is None else f"{ratio:.4f} of the exhaustive best"
+        log(f"{name} {budget / MIB:.2f} MiB: planner {said}")
     return {
         "model": name,
         "batch_size": work.batch_size,
@@ -165,15 +172,20 @@ def table(results: list[dict], backend: str) -> str:
     for res in results:
         for b in res["budgets"]:
             best, got = b["exhaustive"], b["planner"]
+            if got is None:
+                got = {"argv": ["", "", "", "", "MISS: no plan found"], "xla_total_bytes": 0}
+            ratio = b["flops_over_exhaustive"]
             lines.append(
                 f"| {res['model']} b{res['batch_size']} | {b['budget_bytes'] / MIB:.2f} | "
                 f"{b['plans_that_fit']} | `{' '.join(best['argv'][4:]) or '(none)'}` | "
                 f"{best['flops'] / res['reference_flops']:.3f} | "
                 f"`{' '.join(got['argv'][4:]) or '(none)'}` | "
-                f"{got['xla_total_bytes'] / MIB:.2f} | {b['flops_over_exhaustive']:.4f} |"
+                f"{got['xla_total_bytes'] / MIB:.2f} | {'-' if ratio is None else f'{ratio:.4f}'} |"
             )
-    worst = max(b["flops_over_exhaustive"] for r in results for b in r["budgets"])
-    lines += ["", f"Worst ratio: {worst:.4f}."]
+    ratios = [b["flops_over_exhaustive"] for r in results for b in r["budgets"]]
+    found = [x for x in ratios if x is not None]
+    lines += ["", f"Worst ratio: {max(found, default=float('nan')):.4f}; budgets with no "
+              f"answer from the planner: {len(ratios) - len(found)} of {len(ratios)}."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -189,8 +201,9 @@ def plot(results: list[dict], path: str) -> None:
         ax.scatter([r["flops"] / ref for r in res["all"]],
                    [r["xla_total_bytes"] / MIB for r in res["all"]], s=8, color="C0",
                    alpha=0.5, label="every plan (compiled)")  # fmt: skip
-        ax.scatter([b["planner"]["flops"] / ref for b in res["budgets"]],
-                   [b["planner"]["xla_total_bytes"] / MIB for b in res["budgets"]], marker="*",
+        answers = [b["planner"] for b in res["budgets"] if b["planner"] is not None]
+        ax.scatter([a["flops"] / ref for a in answers],
+                   [a["xla_total_bytes"] / MIB for a in answers], marker="*",
                    s=120, color="C3", label="planner's answers")  # fmt: skip
         for b in res["budgets"]:
             ax.axhline(b["budget_bytes"] / MIB, color="k", lw=0.5, ls=":")
