@@ -210,7 +210,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args.model, args.batch_size, budget, envelope=args.envelope, seq_len=args.seq_len, log=log
     )
     if args.plot:
-        from lowmem_jax.planner import plot_considered
+        from lowmem_jax.plan_plot import plot_considered
 
         plot_considered(result, args.plot)
     if args.json:
