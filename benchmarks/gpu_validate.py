@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -62,6 +61,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     from lowmem_jax.cli import _use_compilation_cache
     from lowmem_jax.memory import xla_memory
+    from lowmem_jax.step_timing import time_step
     from lowmem_jax.workloads import build, build_plain, workload
 
     # Only where asked for (the tests): a cached executable makes compile_seconds meaningless.
@@ -81,14 +81,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     compiled = setup.step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    state, metrics = compiled(state, batch)  # warm-up
-    jax.block_until_ready((state, metrics))
-    times = []
-    for _ in range(spec["repeats"]):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - start)
+    timed = time_step(compiled, state, batch, spec["repeats"])
     stats = device.memory_stats()
     return {
         "name": spec["name"],
@@ -96,9 +89,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "xla": xla_memory(compiled),
         "runtime_peak_bytes": None if stats is None else int(stats["peak_bytes_in_use"]),
         "compile_seconds": compile_s,
-        "step_seconds": statistics.median(times),
-        "step_seconds_all": times,
-        "loss": float(metrics["loss"]),
+        "step_seconds": timed.median,
+        "step_seconds_all": timed.seconds,
+        "loss": float(timed.metrics["loss"]),
     }
 
 

@@ -39,6 +39,15 @@ def run_budget(model: str, batch: int, budget: str, envelope: str, out: str) -> 
     return result
 
 
+def commit() -> str:
+    """The checked-out commit, ``+changes`` when the tree differs from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"  # fmt: skip
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return head + ("+changes" if dirty else "")
+
+
 def table(model: str, batch: int, results: dict[str, dict], backend: str) -> str:
     source = f"XLA:{backend.upper()}"
     lines = [
@@ -46,7 +55,8 @@ def table(model: str, batch: int, results: dict[str, dict], backend: str) -> str
         "",
         f"Command: `python benchmarks/plan_budgets.py --model {model} --batch-size {batch} "
         f"--budgets {' '.join(results)}` (one `lowmem plan --json` process per budget, no "
-        "compilation cache; wall time of the process on this machine, 2 CPU cores). The JSON "
+        f"compilation cache; at commit {commit()}; wall time of the process on this machine, "
+        f"{os.cpu_count()} CPU cores). The JSON "
         "next to this file lists every plan considered with its verdict; the PNG plots those "
         "compiled.",
         "",

@@ -12,9 +12,11 @@ envelope). The transformer's flags name ``dynamicconv-small``: its kernel sizes 
 here. Writes ``plan_exhaustive_<models>_<backend>.{json,md,png}`` (one process per model
 runs them side by side).
 
-The compiles go through JAX's persistent compilation cache in a temporary directory, so the
-planner's compiles of a plan the exhaustive pass compiled are cache hits (its wall time is not
-the point here; ``plan_budgets.py`` times the planner as a user runs it).
+The compiles go through JAX's persistent compilation cache (``--cache-dir``, default a new
+temporary directory), so the planner's compiles of a plan the exhaustive pass compiled are cache
+hits (its wall time is not the point here; ``plan_budgets.py`` times the planner as a user runs
+it). Given a cache directory that an earlier run filled, a re-run (say, after a planner change)
+reads every compile back.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def measure(work: Workload, plan) -> dict:
 def budgets(baseline: int, least: int, count: int) -> list[int]:
     """``count`` budgets from ``baseline`` down to ``least``, evenly in log space."""
     ratio = least / baseline
-    return [int(baseline * ratio ** (i / (count - 1))) for i in range(count)]
+    return [int(baseline * ratio ** (i / (count - 1))) for i in range(count - 1)] + [least]
 
 
 def compare(name: str, work: Workload, count: int, log) -> dict:
@@ -106,8 +108,11 @@ def compare(name: str, work: Workload, count: int, log) -> dict:
     for i, plan in enumerate(plans):
         rows.append({"plan": plan, "argv": analyze_argv(work.name, work.batch_size, plan, 40),
                      **measure(work, plan)})  # fmt: skip
-        if i % 20 == 0:
-            log(f"{name}: {i + 1}/{len(plans)} compiled ({time.perf_counter() - start:.0f} s)")
+        log(
+            f"{name} {i + 1}/{len(plans)} ({time.perf_counter() - start:.0f} s): "
+            f"{' '.join(rows[-1]['argv'][4:]) or '(none)'}: "
+            f"{rows[-1]['xla_total_bytes'] / MIB:.3f} MiB, FLOPs {rows[-1]['flops']:.4g}"
+        )
     exhaustive_seconds = time.perf_counter() - start
     reference = next(r for r in rows if r["plan"] == planner._plan("none", None, "fp32", 1, 0.0,
                                                                       "auto"))  # fmt: skip
@@ -195,8 +200,8 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5))
-    for ax, res in zip(axes, results, strict=True):
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, res in zip(axes[0], results, strict=True):
         ref = res["reference_flops"]
         ax.scatter([r["flops"] / ref for r in res["all"]],
                    [r["xla_total_bytes"] / MIB for r in res["all"]], s=8, color="C0",
@@ -223,9 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--budgets", type=int, default=6, help="budgets per model (>= 2)")
     parser.add_argument("--models", nargs="+", default=list(SPACES), choices=list(SPACES))
+    parser.add_argument(
+        "--cache-dir",
+        default="",
+        help="JAX's persistent compilation cache (default: a new temporary one)",
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="plan_exhaustive_"))
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="plan_exhaustive_")
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     backend = jax.default_backend()
     works = workloads(args.batch_size)

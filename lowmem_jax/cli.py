@@ -2,7 +2,8 @@
 
 ``lowmem analyze``: compile-only memory analysis of one configuration (``--json`` for machines).
 ``lowmem report``: the standard grid of configurations, as a table, JSON, markdown and plots.
-``lowmem plan``: the plan with the fewest FLOPs whose compiled step fits a byte budget.
+``lowmem plan``: the plan with the fewest FLOPs (or the fastest step) whose compiled step fits
+a byte budget.
 ``lowmem train``: train a registered model on a dataset (nothing is downloaded) with any
 combination of the techniques.
 
@@ -206,9 +207,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     log = None if args.json else print
     if log:
         log(f"lowmem plan: {args.model}, budget {budget / MIB:.1f} MiB, envelope {args.envelope}")
-    result = plan_for_model(
-        args.model, args.batch_size, budget, envelope=args.envelope, seq_len=args.seq_len, log=log
-    )
+    result = plan_for_model(args.model, args.batch_size, budget, envelope=args.envelope,
+                            seq_len=args.seq_len, objective=args.objective, log=log)  # fmt: skip
     if args.plot:
         from lowmem_jax.plan_plot import plot_considered
 
@@ -223,6 +223,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"analytic {result.analytic_total_bytes / MIB:.1f} MiB, FLOPs {result.flops:.4g} "
         f"({result.flops_overhead:.3f} of the fp32 step), {result.seconds:.0f} s"
     )
+    if result.step_seconds is not None:
+        print(f"  step {result.step_seconds * 1e3:.0f} ms here (the fastest of those timed)")
     return 0
 
 
@@ -241,8 +243,9 @@ _COMMANDS = {
     "plan": (
         "the plan with the fewest FLOPs whose compiled step fits a memory budget",
         "Search the technique combinations inside an accuracy envelope for the one whose "
-        "compiled train step fits --budget with the fewest FLOPs (recomputation counted); "
-        "candidates are predicted analytically and verified by compiling (nothing runs). Prints "
+        "compiled train step fits --budget with the fewest FLOPs (recomputation counted), or "
+        "with --objective time the fastest measured step; candidates are predicted analytically "
+        "and verified by compiling (with flops nothing runs). Prints "
         "the answer, its lowmem analyze flags and what else was considered.",
     ),
     "train": (
@@ -318,6 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("report", "any"),
         help="report: the settings the technical report found safe for accuracy "
         "(lowmem_jax.envelope); any: every setting. Default: %(default)s",
+    )
+    plan.add_argument(
+        "--objective",
+        default="flops",
+        choices=("flops", "time"),
+        help="flops: the fewest FLOPs (counted from the jaxpr, recomputation included; nothing "
+        "runs); time: the fastest measured step of the first plan that fits in each of the 3 "
+        "cheapest classes (runs each a few times here). Default: %(default)s",
     )
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
     plan.add_argument(

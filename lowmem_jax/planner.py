@@ -1,4 +1,5 @@
-"""Give it a byte budget, get the plan with the fewest FLOPs whose compiled step fits it.
+"""Give it a byte budget, get the plan with the fewest FLOPs (or the fastest step) whose
+compiled step fits it.
 
 :func:`plan_for_budget` (``lowmem plan``) searches the combinations of the techniques inside an
 accuracy envelope (:data:`lowmem_jax.envelope.ENVELOPES`):
@@ -19,19 +20,23 @@ accuracy envelope (:data:`lowmem_jax.envelope.ENVELOPES`):
 * **Inside a class**, candidates go in order of preference: fewer microbatches first (fewer,
   larger kernels run faster), then fewer and milder techniques (the order of each axis in
   :data:`SPACE`). The first candidate whose *compiled* step fits is the answer.
-* **Prediction and pruning.** A candidate's bytes are predicted by the analytic count
-  (:func:`lowmem_jax.memory.analytic_breakdown`, no compile; XLA's total has not been more
-  than ~0.2% below it on any configuration of our reports but the plain step), times a
-  calibration: the least ratio of XLA's total to the analytic one among compiled plans with
-  the same settings but the microbatch count; for settings not compiled yet, the least ratio
-  compiled with the same precision and optimizer-state format, else the same precision (1
-  before one). The analytic count falls with more sparsity and fewer state bits, so a
-  microbatch count of a class is skipped when its corners (the most sparsity, each precision
-  and state format) are all predicted over the budget, and the class when that holds at its
-  most microbatches. A borrowed ratio can be too high for a class (XLA's overhead differs
-  between remat policies and grows with the microbatch's size), so before a class is
-  rejected, up to three corners whose analytic count alone fits are compiled (*probes*),
-  which calibrates their settings. Only candidates predicted to fit are compiled.
+* **Prediction and pruning** (:class:`lowmem_jax.plan_search.Search`): a candidate's bytes are
+  predicted by the analytic count times a calibration (XLA's total over the analytic one,
+  learnt from the compiles so far). The analytic count falls with more sparsity and fewer
+  state bits, so a microbatch count of a class is skipped when its corners (the most
+  sparsity, each precision and state format) are all predicted over the budget, and the class
+  when that holds at its most microbatches. A borrowed calibration can be too high for a
+  class (XLA's overhead differs between remat policies and grows with the microbatch's size),
+  so before a class is rejected, up to three corners whose analytic count alone fits are
+  compiled (*probes*), which calibrates their settings. Only candidates predicted to fit are
+  compiled.
+* **Before giving up** (:func:`_descend`): when no class has a plan that fits, and the least
+  compiled total is within 10% of the budget, a local search from it compiles its neighbours
+  (one setting or one block's policy changed), moving to the first that compiles smaller, up
+  to 8 compiles: near the least feasible total the analytic count ranks plans wrongly (it sums
+  saved residuals, where XLA's peak holds one block's recomputed residuals at a time).
+* **Objective** ``time``: the first plan that fits in each of the three cheapest classes
+  that have one is run and timed here (:mod:`lowmem_jax.step_timing`); the fastest wins.
 
 Every answer is verified: the chosen plan's XLA total is compiled, not predicted. The result
 lists each candidate considered and why it was rejected.
@@ -40,26 +45,24 @@ lists each candidate considered and why it was rejected.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import re
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from lowmem_jax import memory, remat_schedule
-from lowmem_jax import precision as precision_lib
 from lowmem_jax.envelope import ENVELOPES, Envelope, report_sparsity
 from lowmem_jax.factorization import FactorConfig
-from lowmem_jax.flops import count_flops
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
+from lowmem_jax.plan_search import MIB, Search, calibration_key, plan_name
 from lowmem_jax.recipes import Recipe
-from lowmem_jax.remat import parse_policy
-from lowmem_jax.workloads import Workload, build, workload
+from lowmem_jax.remat import parse_policy, schedule_name
+from lowmem_jax.workloads import Workload, workload
 
 __all__ = [
+    "OBJECTIVES",
     "SPACE",
     "BudgetPlan",
     "NoPlanFits",
@@ -67,8 +70,6 @@ __all__ = [
     "plan_for_budget",
     "plan_for_model",
 ]
-
-MIB = 2.0**20
 
 #: The settings searched on each axis, mildest first (envelopes remove some).
 SPACE = {
@@ -78,6 +79,10 @@ SPACE = {
     "sparsity": (0.0, 0.5, 0.7, 0.9),
     "optimizer_state": ("auto", "bf16", "int8", "int4"),
 }
+
+#: What "cheapest" means: FLOPs counted from the jaxpr (recomputation included), or the
+#: measured step time of the first plan that fits in each of the cheapest classes.
+OBJECTIVES = ("flops", "time")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}  # fmt: skip
@@ -119,6 +124,7 @@ class BudgetPlan:
     seconds: float
 
     reference_flops: float = 0.0
+    step_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -145,178 +151,6 @@ def _axes(envelope: Envelope, batch_size: int, space: dict[str, tuple]) -> dict[
     }
 
 
-class _Search:
-    """The state of one search: the workload, caches of predictions and compiles, the log."""
-
-    def __init__(self, work: Workload, budget: int, envelope: Envelope, log, recipe):
-        self.work, self.budget, self.envelope, self.log = work, budget, envelope, log
-        self.recipe = recipe
-        self.predicted: dict[Plan, int] = {}
-        self.compiled: dict[Plan, dict[str, Any]] = {}
-        self.calibration: dict[tuple, float] = {}
-        self.considered: list[dict[str, Any]] = []
-        self.noted: dict[Plan, int] = {}  # a plan's entry in ``considered``
-
-    def flops(self, plan: Plan) -> float:
-        setup = build(self.work, plan, recipe=self.recipe)
-        state = setup.abstract_state()
-        step = getattr(setup.step, "__wrapped__", setup.step)
-        return count_flops(step, state, self.work.batch)[0]
-
-    def predict(self, plan: Plan, bound: bool = False) -> int:
-        """Analytic bytes times the calibration of the plan's settings (:func:`_key`); where
-        none was compiled with them, 1 (the analytic count), or with ``bound`` the least
-        calibration seen so far at the plan's precision.
-
-        The analytic count is assembled from two cached parts: the stored bytes (parameters,
-        optimizer state with its accumulator, inputs), which do not depend on remat, and the
-        saved activations, which do not depend on sparse storage or the optimizer state (a
-        sparse model's materialized weights have the dense shapes)."""
-        if plan not in self.predicted:
-            self.predicted[plan] = self._stored(
-                plan.precision,
-                plan.sparsity,
-                plan.optimizer_state,
-                plan.factorize,
-                plan.microbatches > 1,
-            ) + self._activation_bytes(plan)
-        return int(self.predicted[plan] * self.ratio(plan, bound))
-
-    def ratio(self, plan: Plan, bound: bool) -> float:
-        """XLA's total over the analytic one for the plan's settings (the least compiled);
-        where none was compiled, 1, or with ``bound`` the least ratio compiled with the same
-        precision and optimizer-state format, else the same precision (XLA:CPU computes bf16
-        convolutions in float32 and dequantizes a quantized state in temporaries: their
-        ratios are their own)."""
-        key = _key(plan)
-        if key in self.calibration or not bound:
-            return self.calibration.get(key, 1.0)
-        for same in (_PRECISION, _STATE), (_PRECISION,):
-            ratios = [r for k, r in self.calibration.items() if all(k[i] == key[i] for i in same)]
-            if ratios:
-                return min(ratios)
-        return 1.0
-
-    def _activation_bytes(self, plan: Plan) -> int:
-        """The analytic activations: traced for a named policy, summed for a schedule."""
-        schedule = parse_policy(plan.remat).schedule
-        base = self._activations(plan.precision, "none" if schedule else plan.remat,
-                                 plan.factorize, plan.microbatches)  # fmt: skip
-        if not schedule:
-            return base
-        costs = self.block_costs(plan.precision, plan.factorize)
-        change = remat_schedule.predict(costs, schedule).bytes - costs.base_bytes
-        return int(base + change / plan.microbatches)
-
-    @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
-    def block_costs(self, precision: str, factorize) -> remat_schedule.BlockCosts:
-        """Each block's costs at one microbatch: measured at fp32
-        (:func:`remat_schedule.measure_block_costs`), carried to another precision by its
-        uniform schedules' counts (:func:`remat_schedule.rescale`)."""
-        if precision == "fp32":
-            return remat_schedule.measure_block_costs(
-                self.work.model.block_stacks(),
-                lambda remat: self._activations("fp32", remat, factorize, 1),
-                lambda remat: self.flops(Plan(remat=remat, factorize=factorize)),
-            )
-        uniform = {p: self._activations(precision, p, factorize, 1) for p in ("dots", "full")}
-        return remat_schedule.rescale(
-            self.block_costs("fp32", factorize),
-            self._activations(precision, "none", factorize, 1),
-            uniform,
-        )
-
-    def schedules(self, factorize) -> list[tuple[float, str]]:
-        """(FLOPs, remat) of the per-block schedules the dynamic program keeps (fp32 costs),
-        those with one policy throughout left out (they are the named classes)."""
-        if not hasattr(self.work.model, "block_stacks"):
-            return []  # a model without scanned stacks has no per-block schedule
-        front = remat_schedule.pareto_schedules(self.block_costs("fp32", factorize))
-        return [(s.flops, s.name) for s in front if len(set(s.policies)) > 1]
-
-    @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
-    def _stored(self, precision, sparsity, state, factorize, accumulates) -> int:
-        plan = Plan(precision=precision, sparsity=sparsity, optimizer_state=state,
-                    factorize=factorize, microbatches=2 if accumulates else 1)  # fmt: skip
-        setup = build(self.work, plan, recipe=self.recipe)
-        analytic = memory.analytic_breakdown(
-            state=setup.abstract_state(), batch=self.work.batch,
-            microbatches=plan.microbatches, tx=setup.tx,
-        )  # fmt: skip
-        return analytic["total_bytes"]
-
-    @functools.cache  # noqa: B019
-    def _activations(self, precision, remat, factorize, microbatches) -> int:
-        plan = Plan(precision=precision, remat=remat, factorize=factorize,
-                    microbatches=microbatches)  # fmt: skip
-        setup = build(self.work, plan, recipe=self.recipe)
-        analytic = memory.analytic_breakdown(
-            state=setup.abstract_state(), batch=self.work.batch,
-            loss_fn=precision_lib.cast_loss_fn(setup.loss_fn, plan.policy),
-            microbatches=microbatches, tx=setup.tx,
-        )  # fmt: skip
-        return analytic["activation_bytes"]
-
-    def compile(self, plan: Plan) -> dict[str, Any]:
-        if plan not in self.compiled:
-            setup = build(self.work, plan, recipe=self.recipe)
-            lowered = setup.step.lower(setup.abstract_state(), self.work.batch)
-            self.compiled[plan] = memory.xla_memory(lowered.compile())
-            self.predict(plan)
-            ratio = self.compiled[plan]["total_bytes"] / self.predicted[plan]
-            key = _key(plan)
-            self.calibration[key] = min(ratio, self.calibration.get(key, ratio))
-        return self.compiled[plan]
-
-    def note(self, plan: Plan, flops: float, verdict: str, logged: bool = True) -> None:
-        xla = self.compiled.get(plan)
-        if plan in self.noted:  # a probe, reached again in the class's order
-            gone = self.noted.pop(plan)
-            del self.considered[gone]
-            self.noted = {p: i - (i > gone) for p, i in self.noted.items()}
-        self.noted[plan] = len(self.considered)
-        self.considered.append({
-            "argv": analyze_argv(self.work.name, self.work.batch_size, plan, self.seq_len()),
-            "flops": flops,
-            "predicted_bytes": self.predict(plan) if plan in self.predicted else None,
-            "xla_total_bytes": None if xla is None else xla["total_bytes"],
-            "verdict": verdict,
-        })  # fmt: skip
-        if self.log and logged:
-            got = "" if xla is None else f", XLA {xla['total_bytes'] / MIB:.1f} MiB"
-            self.log(f"  {_name(plan)}: {verdict}{got}")
-
-    def seq_len(self) -> int:
-        tokens = self.work.batch.get("src")
-        return 40 if tokens is None else tokens.shape[1]
-
-
-def _key(plan: Plan) -> tuple:
-    """What a calibration is kept for: every setting but the microbatch count (XLA's temp
-    bytes for sparse rewiring or quantized state differ from the analytic count in ways that
-    depend on each setting); the per-block schedules as one (``blocks``)."""
-    remat = "blocks" if parse_policy(plan.remat).schedule else plan.remat
-    return (remat, plan.factorize, plan.precision, plan.sparsity, plan.optimizer_state)
-
-
-_PRECISION, _STATE = 2, 4  # their places in a key
-
-
-def _name(plan: Plan) -> str:
-    parts = [plan.precision]
-    if plan.microbatches > 1:
-        parts.append(f"mb {plan.microbatches}")
-    if plan.remat != "none":
-        parts.append(f"remat {plan.remat}")
-    if plan.sparsity is not None:
-        parts.append(f"sparse {1 - plan.sparsity.density:.0%}")
-    if plan.optimizer_state != "auto":
-        parts.append(f"state {plan.optimizer_state}")
-    if plan.factorize is not None:
-        parts.append(f"{plan.factorize.method} {plan.factorize.compression:.0%}")
-    return " + ".join(parts)
-
-
 def _plan(remat, factorize, precision, microbatches, sparsity, state) -> Plan:
     sparse = report_sparsity(sparsity) if sparsity else None
     return Plan(precision=precision, microbatches=microbatches, remat=remat, sparsity=sparse,
@@ -330,6 +164,9 @@ def plan_for_budget(
     envelope: str = "report",
     recipe: Recipe | None = None,
     space: dict[str, tuple] | None = None,
+    objective: str = "flops",
+    time_candidates: int = 3,
+    repeats: int = 3,
     log: Callable[[str], None] | None = None,
 ) -> BudgetPlan:
     """The plan with the fewest FLOPs whose compiled step on ``work`` fits ``budget_bytes``
@@ -338,18 +175,30 @@ def plan_for_budget(
     the settings to search (``None``: :data:`SPACE`; the same keys, each a tuple, mildest
     first; a ``microbatches`` tuple limits the counts too).
 
+    ``objective="time"``: the first plan that fits in each of the ``time_candidates``
+    cheapest classes that have one is run here (compiled, then a warm-up call and ``repeats``
+    timed calls on a random batch), and the fastest is the answer; plans not among them are
+    not timed. ``"flops"``: the first of those, nothing runs.
+
     Raises:
-      ValueError: an unknown envelope or a budget that is not positive.
+      ValueError: an unknown envelope or objective, a budget that is not positive, or
+        ``time_candidates`` / ``repeats`` below 1.
       NoPlanFits: no plan fits; the message names the smallest XLA total found and its flags.
     """
     if envelope not in ENVELOPES:
         raise ValueError(f"Unknown envelope={envelope!r}; allowed values: {sorted(ENVELOPES)}")
     if budget_bytes <= 0:
         raise ValueError(f"budget must be positive, got {budget_bytes} bytes")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"Unknown objective={objective!r}; allowed values: {list(OBJECTIVES)}")
+    if time_candidates < 1 or repeats < 1:
+        raise ValueError(
+            f"time_candidates and repeats must be at least 1, got {time_candidates}, {repeats}"
+        )
     start = time.perf_counter()
     env = ENVELOPES[envelope]
     axes = _axes(env, work.batch_size, SPACE if space is None else space)
-    search = _Search(work, budget_bytes, env, log, recipe)
+    search = Search(work, budget_bytes, env, log, recipe)
     reference = search.flops(Plan())
     classes = []
     for remat, factorize in itertools.product(axes["remat"], axes["factorize"]):
@@ -358,27 +207,61 @@ def plan_for_budget(
         else:
             classes.append((search.flops(Plan(remat=remat, factorize=factorize)), remat, factorize))
     classes.sort(key=lambda c: c[0])
+    fitting = _first_fit_per_class(search, axes, classes, reference)
+    if objective == "flops":
+        found = next(fitting, (None,))[0]
+    else:
+        found = _fastest(search, list(itertools.islice(fitting, time_candidates)), repeats)
+    if found is None:
+        found = _descend(search, axes)
+    if found is None:
+        raise NoPlanFits(_smallest_message(search, budget_bytes, env))
+    return _answer(search, found, reference, start)
+
+
+def _first_fit_per_class(
+    search: Search, axes: dict[str, tuple], classes: list[tuple], reference: float
+) -> Iterator[tuple[Plan, float]]:
+    """(plan, its class's FLOPs): in each class, cheapest first, the first candidate in order
+    of preference whose compiled step fits (module docstring)."""
     most = max(axes["microbatches"])  # the least-memory count: its corners decide a class
     for flops, remat, factorize in classes:
         named = not parse_policy(remat).schedule  # schedules are many: logged when compiled
-        if log and named:
-            log(f"class remat {remat}, factorize {factorize and factorize.method}: "
-                f"FLOPs {flops / reference:.3f} of the fp32 step")  # fmt: skip
+        if search.log and named:
+            search.log(f"class remat {remat}, factorize {factorize and factorize.method}: "
+                       f"FLOPs {flops / reference:.3f} of the fp32 step")  # fmt: skip
         corners = _corners(axes, remat, factorize, most)
         if not _class_may_fit(search, corners, flops):
             least = min(corners, key=search.predict)
             search.note(least, flops, "the class's least-memory plan is predicted over budget",
                         logged=named)  # fmt: skip
             continue
-        for micro in axes["microbatches"]:
-            corners = _corners(axes, remat, factorize, micro)
-            if all(search.predict(c, bound=True) > budget_bytes for c in corners):
-                continue
-            for precision, sparsity, state in _mildest_first(axes):
-                plan = _plan(remat, factorize, precision, micro, sparsity, state)
-                if _fits_verified(search, plan, flops):
-                    return _answer(search, plan, flops, reference, start)
-    raise NoPlanFits(_smallest_message(search, budget_bytes, env))
+        yield from itertools.islice(_fits_in_class(search, axes, remat, factorize, flops), 1)
+
+
+def _fits_in_class(search: Search, axes, remat, factorize, flops) -> Iterator[tuple[Plan, float]]:
+    for micro in axes["microbatches"]:
+        corners = _corners(axes, remat, factorize, micro)
+        if all(search.predict(c, bound=True) > search.budget for c in corners):
+            continue
+        for precision, sparsity, state in _mildest_first(axes):
+            plan = _plan(remat, factorize, precision, micro, sparsity, state)
+            if _fits_verified(search, plan, flops):
+                yield plan, flops
+
+
+def _fastest(search: Search, fits: list[tuple[Plan, float]], repeats: int):
+    """The plan of ``fits`` whose step runs fastest here (:func:`step_timing.time_step`, the
+    median of ``repeats`` calls after a warm-up, on a random batch); each one's median goes in
+    its ``considered`` entry as ``step_seconds``. ``None`` if ``fits`` is empty."""
+    for plan, _ in fits:
+        seconds = search.step_seconds(plan, repeats)
+        search.considered[search.noted[plan]]["step_seconds"] = seconds
+        if search.log:
+            search.log(f"  {plan_name(plan)}: step {seconds * 1e3:.0f} ms (median of {repeats})")
+    timed = [plan for plan, _ in fits]
+    return min(timed, key=lambda p: search.considered[search.noted[p]]["step_seconds"],
+               default=None)  # fmt: skip
 
 
 def _corners(axes: dict[str, tuple], remat, factorize, micro: int) -> list[Plan]:
@@ -391,7 +274,7 @@ def _corners(axes: dict[str, tuple], remat, factorize, micro: int) -> list[Plan]
     ]  # fmt: skip
 
 
-def _class_may_fit(search: _Search, corners: list[Plan], flops: float) -> bool:
+def _class_may_fit(search: Search, corners: list[Plan], flops: float) -> bool:
     """Whether some corner of a class (its most microbatches) is predicted to fit. Before
     saying no, up to :data:`_PROBES` corners whose analytic count alone fits (XLA's total has
     not been more than :data:`_ANALYTIC_SLACK` below it) but whose ratio is borrowed from
@@ -402,7 +285,7 @@ def _class_may_fit(search: _Search, corners: list[Plan], flops: float) -> bool:
     while not any(search.predict(c, bound=True) <= search.budget for c in corners):
         borrowed = [
             c for c in corners
-            if _key(c) not in search.calibration
+            if calibration_key(c) not in search.calibration
             and search.predict(c) <= search.budget * _ANALYTIC_SLACK
         ]  # fmt: skip
         if not borrowed or probes == _PROBES:
@@ -429,7 +312,7 @@ def _mildest_first(axes: dict[str, tuple]) -> list[tuple]:
     return [tuple(axes[n][i] for n, i in zip(names, idx, strict=True)) for idx in ordered]
 
 
-def _fits_verified(search: _Search, plan: Plan, flops: float) -> bool:
+def _fits_verified(search: Search, plan: Plan, flops: float) -> bool:
     """Whether ``plan`` fits: predicted first (no note when over: most are), then compiled
     (which calibrates its settings)."""
     if search.predict(plan, bound=True) > search.budget:
@@ -442,9 +325,11 @@ def _fits_verified(search: _Search, plan: Plan, flops: float) -> bool:
     return True
 
 
-def _answer(search: _Search, plan: Plan, flops: float, reference: float, start: float):
+def _answer(search: Search, plan: Plan, reference: float, start: float) -> BudgetPlan:
     exact = search.flops(plan)
-    search.considered[-1]["verdict"] = "chosen"
+    if plan not in search.noted:  # one of the least predicted, compiled before the descent
+        search.note(plan, exact, "fits (compiled)")
+    search.considered[search.noted[plan]]["verdict"] = "chosen"
     return BudgetPlan(
         plan=plan,
         argv=analyze_argv(search.work.name, search.work.batch_size, plan, search.seq_len()),
@@ -457,27 +342,109 @@ def _answer(search: _Search, plan: Plan, flops: float, reference: float, start: 
         considered=search.considered,
         seconds=time.perf_counter() - start,
         reference_flops=reference,
+        step_seconds=search.considered[search.noted[plan]].get("step_seconds"),
     )
 
 
-def _smallest_message(search: _Search, budget: int, env: Envelope) -> str:
-    """Names the least XLA total found: the least predicted plans not yet compiled are
-    compiled first (up to :data:`_EXTRA_COMPILES`)."""
+def _descend(search: Search, axes: dict[str, tuple]) -> Plan | None:
+    """Before giving up: the least predicted plans not compiled yet are compiled (up to
+    :data:`_EXTRA_COMPILES`; one if none was), then, where the least compiled total is within
+    :data:`_DESCENT_REACH` of the budget, a local search for a smaller one: the least
+    compiled plan's neighbours (:func:`_neighbours`) are compiled, least predicted first,
+    moving to the first that compiles smaller, up to :data:`_DESCENT_COMPILES` compiles in
+    all. The analytic count misses where XLA's peak lies when most of the step is
+    recomputed (a block's recomputation is transient; the last block's is at the peak), so
+    the ranking it gives there can be wrong. Returns the plan that fits with the fewest
+    FLOPs, if one was found."""
     left = sorted((p for p in search.predicted if p not in search.compiled), key=search.predict)
-    for plan in left[:_EXTRA_COMPILES]:
+    for plan in left[: max(_EXTRA_COMPILES, not search.compiled)]:  # one at least
         search.compile(plan)
+
+    def total(plan: Plan) -> int:
+        return search.compiled[plan]["total_bytes"]
+
+    if not search.compiled:
+        return None
+    current = min(search.compiled, key=total)
+    compiles = 0
+    while search.budget < total(current) <= search.budget * _DESCENT_REACH:
+        untried = [n for n in _neighbours(search, axes, current) if n not in search.compiled]
+        better = None
+        for plan in sorted(untried, key=lambda n: search.predict(n, bound=True)):
+            if compiles == _DESCENT_COMPILES:
+                break
+            search.compile(plan)
+            compiles += 1
+            verdict = "fits" if total(plan) <= search.budget else "over budget"
+            search.note(plan, search.flops(plan), f"{verdict} (compiled, a descent step)")
+            if total(plan) < total(current):
+                better = plan
+                break
+        if better is None:
+            break
+        current = better
+    fits = [p for p in search.compiled if total(p) <= search.budget]
+    return min(fits, key=search.flops, default=None)
+
+
+# Before NoPlanFits: compiles of the least predicted plans left, and of a local search.
+_EXTRA_COMPILES = 3
+_DESCENT_COMPILES = 8
+_DESCENT_REACH = 1.10
+
+
+def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan]:
+    """The plans one change away from ``plan``: one step along the precision, microbatch,
+    sparsity or optimizer-state axis, and (where the search has per-block schedules) one
+    block of a stack moved to another of ``none`` / ``dots`` / ``full`` (a stack's blocks
+    ordered ``full``, ``dots``, ``none``, as the dynamic program writes them)."""
+    density = 0.0 if plan.sparsity is None else 1 - plan.sparsity.density
+    here = {"precision": plan.precision, "microbatches": plan.microbatches,
+            "sparsity": round(density, 6), "optimizer_state": plan.optimizer_state}  # fmt: skip
+    settings = dict(here)
+    out = []
+    for axis, value in here.items():
+        values = [round(v, 6) if axis == "sparsity" else v for v in axes[axis]]
+        if value not in values:
+            continue
+        i = values.index(value)
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(values):
+                out.append({**settings, axis: axes[axis][j]})
+    plans = [_plan(plan.remat, plan.factorize, o["precision"], o["microbatches"], o["sparsity"],
+                   o["optimizer_state"]) for o in out]  # fmt: skip
+    stacks = getattr(search.work.model, "block_stacks", None)
+    spec = parse_policy(plan.remat)
+    policies = spec.schedule or (plan.remat,) * (sum(stacks()) if stacks else 0)
+    if "blocks" not in axes["remat"] or not stacks or not set(policies) <= set(_ORDER):
+        return plans
+    starts = list(itertools.accumulate(stacks(), initial=0))
+    for a, b in itertools.pairwise(starts):
+        for block, other in itertools.product(range(a, b), _ORDER):
+            if other == policies[block]:
+                continue
+            moved = list(policies)
+            moved[block] = other
+            moved[a:b] = sorted(moved[a:b], key=_ORDER.index)
+            name = moved[0] if len(set(moved)) == 1 else schedule_name(moved)
+            plans.append(dataclasses.replace(plan, remat=name))
+    return list(dict.fromkeys(plans))
+
+
+_ORDER = ("full", "dots", "none")  # within a stack, as remat_schedule orders a stack's blocks
+
+
+def _smallest_message(search: Search, budget: int, env: Envelope) -> str:
+    """Names the least XLA total compiled (after :func:`_descend`)."""
     plan, xla = min(search.compiled.items(), key=lambda kv: kv[1]["total_bytes"])
     argv = analyze_argv(search.work.name, search.work.batch_size, plan, search.seq_len())
     more = "" if env.name == "any" else "; --envelope any allows more"
     return (
         f"no plan in the {env.name!r} envelope fits {budget / MIB:.1f} MiB: the smallest "
         f"budget that can work is {xla['total_bytes'] / MIB:.1f} MiB ({xla['source']}; the "
-        f"least of the {len(search.compiled)} plans compiled, which the prediction ranked "
-        f"least), by `lowmem analyze {shlex.join(argv)}`{more}"
+        f"least of the {len(search.compiled)} plans compiled), by "
+        f"`lowmem analyze {shlex.join(argv)}`{more}"
     )
-
-
-_EXTRA_COMPILES = 3
 
 
 def plan_for_model(
@@ -488,8 +455,11 @@ def plan_for_model(
     envelope: str = "report",
     seq_len: int = 40,
     space: dict[str, tuple] | None = None,
+    objective: str = "flops",
     log: Callable[[str], None] | None = None,
 ) -> BudgetPlan:
     """:func:`plan_for_budget` for a registered model (:func:`lowmem_jax.workloads.workload`)."""
     work = workload(model, batch_size, seq_len=seq_len)
-    return plan_for_budget(work, budget_bytes, envelope=envelope, space=space, log=log)
+    return plan_for_budget(
+        work, budget_bytes, envelope=envelope, space=space, objective=objective, log=log
+    )

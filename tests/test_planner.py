@@ -7,7 +7,7 @@ import json
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import cli, planner
+from lowmem_jax import cli, plan_search, planner
 from lowmem_jax.envelope import ENVELOPES, report_sparsity
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.workloads import analyze_model
@@ -150,22 +150,107 @@ def test_a_class_a_borrowed_ratio_rejects_is_probed_by_a_compile(monkeypatch):
     """XLA's overhead over the analytic count differs between remat policies, so a ratio
     borrowed from other settings can put a class over budget when it fits: before rejecting
     it, the planner compiles a corner whose analytic count fits (a probe), which calibrates
-    it. The probe that turns out to be the answer is listed once. Without probes the same
-    search finds nothing."""
+    it. The probe that turns out to be the answer is listed once. Without probes the class is
+    rejected, and the answer comes from the compiles made before giving up."""
     space = {"remat": ("none",), "factorize": (None,), "precision": ("fp32",),
              "sparsity": (0.0,), "optimizer_state": ("auto",)}  # fmt: skip
     work = lm.workload(MODEL, 8)
     budget = analyze_model(MODEL, 8, lm.Plan()).xla["total_bytes"]
-    init = planner._Search.__init__
+    init = plan_search.Search.__init__
 
     def borrowing(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.calibration[("full", None, "fp32", None, "auto")] = 5.0  # as if compiled
 
-    monkeypatch.setattr(planner._Search, "__init__", borrowing)
+    monkeypatch.setattr(plan_search.Search, "__init__", borrowing)
     result = planner.plan_for_budget(work, budget, space=space)
     assert result.plan == lm.Plan() and result.xla["total_bytes"] == budget
     assert [c["verdict"] for c in result.considered] == ["chosen"]
     monkeypatch.setattr(planner, "_PROBES", 0)
-    with pytest.raises(planner.NoPlanFits, match="the smallest budget that can work is"):
-        planner.plan_for_budget(work, budget, space=space)
+    lines = []
+    result = planner.plan_for_budget(work, budget, space=space, log=lines.append)
+    assert result.plan == lm.Plan() and [c["verdict"] for c in result.considered] == ["chosen"]
+    assert "  fp32: the class's least-memory plan is predicted over budget" in lines
+    assert not any("a probe" in line for line in lines)
+
+
+def test_objective_time_answers_the_fastest_of_the_timed_plans(monkeypatch):
+    """``objective="time"``: the first plan that fits in each of the cheapest classes is run
+    and timed; the answer is the one with the least median step time, and each timed entry of
+    ``considered`` says its time. With ``flops`` nothing is timed and the answer is the first
+    of them."""
+    space = {"remat": ("none", "full"), "factorize": (None,), "precision": ("fp32",),
+             "sparsity": (0.0,), "optimizer_state": ("auto",)}  # fmt: skip
+    work = lm.workload(MODEL, 8)
+    budget = analyze_model(MODEL, 8, lm.Plan()).xla["total_bytes"]  # both classes fit
+    by_flops = planner.plan_for_budget(work, budget, space=space)
+    assert by_flops.plan == lm.Plan() and by_flops.step_seconds is None
+    assert all("step_seconds" not in c for c in by_flops.considered)
+    by_time = planner.plan_for_budget(
+        work, budget, space=space, objective="time", time_candidates=2, repeats=1
+    )
+    timed = {" ".join(c["argv"]): c for c in by_time.considered if "step_seconds" in c}
+    assert len(timed) == 2  # remat none and remat full, one microbatch each
+    chosen = [c for c in by_time.considered if c["verdict"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["step_seconds"] == by_time.step_seconds
+    assert by_time.step_seconds == min(c["step_seconds"] for c in timed.values())
+    assert by_time.xla["total_bytes"] <= budget
+    with pytest.raises(ValueError, match="objective='speed'; allowed values"):
+        planner.plan_for_budget(work, budget, space=space, objective="speed")
+
+
+def _axes(**space) -> dict[str, tuple]:
+    base = {"remat": ("none", "full", "blocks"), "factorize": (None,),
+            "precision": ("fp32", "mixed_fp16"), "sparsity": (0.0,),
+            "optimizer_state": ("auto",)}  # fmt: skip
+    return planner._axes(ENVELOPES["any"], 8, {**base, **space})
+
+
+def test_neighbours_change_one_setting_or_one_block():
+    """WRN-10-1 runs three stacks of one block: from ``remat full`` at fp32 on one
+    microbatch, one block to ``dots`` or ``none`` (six schedules), or one step along the
+    precision or microbatch axis."""
+    search = plan_search.Search(lm.workload(MODEL, 8), 1, ENVELOPES["any"], None, None)
+    got = planner._neighbours(search, _axes(microbatches=(1, 2)), lm.Plan(remat="full"))
+    schedules = {"blocks:dots,full*2", "blocks:none,full*2", "blocks:full,dots,full",
+                 "blocks:full,none,full", "blocks:full*2,dots", "blocks:full*2,none"}  # fmt: skip
+    assert {p.remat for p in got if p.remat != "full"} == schedules
+    assert all(p.precision == "fp32" and p.microbatches == 1 for p in got if p.remat != "full")
+    same = [p for p in got if p.remat == "full"]
+    assert set(same) == {lm.Plan(remat="full", precision="mixed_fp16"),
+                         lm.Plan(remat="full", microbatches=2)}  # fmt: skip
+    # Back to one policy throughout: the named one.
+    back = planner._neighbours(search, _axes(), lm.Plan(remat="blocks:dots,full*2"))
+    assert "full" in {p.remat for p in back}
+
+
+def test_before_giving_up_a_descent_reaches_a_plan_the_prediction_ranked_out(monkeypatch):
+    """A landscape of compiled totals (compiles faked) where the only plan under the budget
+    is two changes away from the least compiled plan: the descent moves to the neighbour that
+    compiles smaller, then to the one that fits, and that is the answer. Far over the budget
+    (more than ``_DESCENT_REACH``) it does not start."""
+    totals = {("full", "fp32"): 110, ("full", "mixed_fp16"): 105,
+              ("blocks:full*2,none", "mixed_fp16"): 100}  # fmt: skip
+    monkeypatch.setattr(planner, "_EXTRA_COMPILES", 0)
+
+    def search_with(budget: int) -> plan_search.Search:
+        search = plan_search.Search(lm.workload(MODEL, 8), budget, ENVELOPES["any"], None, None)
+
+        def compile(plan):
+            total = totals.get((plan.remat, plan.precision), 200)
+            return search.compiled.setdefault(plan, {"total_bytes": total, "source": "fake"})
+
+        search.compile = compile
+        search.flops = lambda plan: 1.0
+        search.predict = lambda plan, bound=False: 0
+        compile(lm.Plan(remat="full"))
+        return search
+
+    search = search_with(100)
+    found = planner._descend(search, _axes())
+    assert found == lm.Plan(remat="blocks:full*2,none", precision="mixed_fp16")
+    steps = [c for c in search.considered if "a descent step" in c["verdict"]]
+    assert steps[-1]["verdict"] == "fits (compiled, a descent step)"
+    assert len(search.compiled) == 1 + len(steps) <= 1 + planner._DESCENT_COMPILES
+    far = search_with(int(110 / planner._DESCENT_REACH) - 1)
+    assert planner._descend(far, _axes()) is None and len(far.compiled) == 1

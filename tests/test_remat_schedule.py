@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import lowmem_jax as lm
 from lowmem_jax import remat_schedule as rs
 from lowmem_jax.envelope import ENVELOPES
-from lowmem_jax.planner import _Search
+from lowmem_jax.plan_search import Search
 from lowmem_jax.workloads import workload
 
 
@@ -71,7 +71,7 @@ def test_a_schedules_predicted_costs_match_the_whole_step_count():
     """WRN-10-2 (3 blocks), batch 4 at 8x8: the costs measured per stack predict a mixed
     schedule's analytic activation bytes and FLOPs, each traced whole, closely."""
     work = workload("wrn-10-2", 4, image_size=8)
-    search = _Search(work, 1, ENVELOPES["any"], None, None)
+    search = Search(work, 1, ENVELOPES["any"], None, None)
     costs = search.block_costs("fp32", None)
     assert costs.stacks == (1, 1, 1)
     assert all(d < 0 for d in costs.dbytes["full"]) and all(f > 0 for f in costs.dflops["full"])

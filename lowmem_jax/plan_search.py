@@ -1,0 +1,216 @@
+"""The state of one :func:`lowmem_jax.planner.plan_for_budget` search: what each plan costs,
+predicted and compiled, and the log of what was considered.
+
+**Prediction.** A plan's bytes are predicted by the analytic count
+(:func:`lowmem_jax.memory.analytic_breakdown`, no compile; XLA's total has not been more than
+~0.2% below it on any configuration of our reports but the plain step), times a calibration:
+the least ratio of XLA's total to the analytic one among compiled plans with the same settings
+but the microbatch count (:func:`key`); for settings not compiled yet, with ``bound``, the least
+ratio compiled with the same precision and optimizer-state format, else the same precision (1
+before one). A per-block schedule's activation bytes are the ``none`` step's at that precision
+and microbatch count plus its blocks' changes (:mod:`lowmem_jax.remat_schedule`) divided by
+the microbatch count (residuals scale with the batch).
+
+**Compiles** are cached per plan, and each calibrates its settings.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from lowmem_jax import memory, remat_schedule
+from lowmem_jax import precision as precision_lib
+from lowmem_jax.envelope import Envelope
+from lowmem_jax.flops import count_flops
+from lowmem_jax.plan import Plan
+from lowmem_jax.plan_flags import analyze_argv
+from lowmem_jax.remat import parse_policy
+from lowmem_jax.step_timing import time_step
+from lowmem_jax.workloads import Workload, build
+
+MIB = 2.0**20
+
+
+class Search:
+    """The state of one search: the workload, caches of predictions and compiles, the log."""
+
+    def __init__(self, work: Workload, budget: int, envelope: Envelope, log, recipe):
+        self.work, self.budget, self.envelope, self.log = work, budget, envelope, log
+        self.recipe = recipe
+        self.predicted: dict[Plan, int] = {}
+        self.compiled: dict[Plan, dict[str, Any]] = {}
+        self.calibration: dict[tuple, float] = {}
+        self.considered: list[dict[str, Any]] = []
+        self.noted: dict[Plan, int] = {}  # a plan's entry in ``considered``
+        self.executables: dict[Plan, Any] = {}  # compiled steps that fit, kept to time them
+
+    @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
+    def flops(self, plan: Plan) -> float:
+        """The step's FLOPs, counted from its jaxpr (recomputation included)."""
+        setup = build(self.work, plan, recipe=self.recipe)
+        state = setup.abstract_state()
+        step = getattr(setup.step, "__wrapped__", setup.step)
+        return count_flops(step, state, self.work.batch)[0]
+
+    def predict(self, plan: Plan, bound: bool = False) -> int:
+        """Analytic bytes times the calibration of the plan's settings
+        (:func:`calibration_key`; :meth:`ratio`).
+
+        The analytic count is assembled from two cached parts: the stored bytes (parameters,
+        optimizer state with its accumulator, inputs), which do not depend on remat, and the
+        saved activations, which do not depend on sparse storage or the optimizer state (a
+        sparse model's materialized weights have the dense shapes)."""
+        if plan not in self.predicted:
+            self.predicted[plan] = self._stored(
+                plan.precision,
+                plan.sparsity,
+                plan.optimizer_state,
+                plan.factorize,
+                plan.microbatches > 1,
+            ) + self._activation_bytes(plan)
+        return int(self.predicted[plan] * self.ratio(plan, bound))
+
+    def ratio(self, plan: Plan, bound: bool) -> float:
+        """XLA's total over the analytic one for the plan's settings (the least compiled);
+        where none was compiled, 1, or with ``bound`` the least ratio compiled with the same
+        precision and optimizer-state format, else the same precision (XLA:CPU computes bf16
+        convolutions in float32 and dequantizes a quantized state in temporaries: their
+        ratios are their own)."""
+        key = calibration_key(plan)
+        if key in self.calibration or not bound:
+            return self.calibration.get(key, 1.0)
+        for same in (PRECISION, STATE), (PRECISION,):
+            ratios = [r for k, r in self.calibration.items() if all(k[i] == key[i] for i in same)]
+            if ratios:
+                return min(ratios)
+        return 1.0
+
+    def _activation_bytes(self, plan: Plan) -> int:
+        """The analytic activations: traced for a named policy, summed for a schedule."""
+        schedule = parse_policy(plan.remat).schedule
+        base = self._activations(plan.precision, "none" if schedule else plan.remat,
+                                 plan.factorize, plan.microbatches)  # fmt: skip
+        if not schedule:
+            return base
+        costs = self.block_costs(plan.precision, plan.factorize)
+        change = remat_schedule.predict(costs, schedule).bytes - costs.base_bytes
+        return int(base + change / plan.microbatches)
+
+    @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
+    def block_costs(self, precision: str, factorize) -> remat_schedule.BlockCosts:
+        """Each block's costs at one microbatch: measured at fp32
+        (:func:`remat_schedule.measure_block_costs`), carried to another precision by its
+        uniform schedules' counts (:func:`remat_schedule.rescale`)."""
+        if precision == "fp32":
+            return remat_schedule.measure_block_costs(
+                self.work.model.block_stacks(),
+                lambda remat: self._activations("fp32", remat, factorize, 1),
+                lambda remat: self.flops(Plan(remat=remat, factorize=factorize)),
+            )
+        uniform = {p: self._activations(precision, p, factorize, 1) for p in ("dots", "full")}
+        return remat_schedule.rescale(
+            self.block_costs("fp32", factorize),
+            self._activations(precision, "none", factorize, 1),
+            uniform,
+        )
+
+    def schedules(self, factorize) -> list[tuple[float, str]]:
+        """(FLOPs, remat) of the per-block schedules the dynamic program keeps (fp32 costs),
+        those with one policy throughout left out (they are the named classes)."""
+        if not hasattr(self.work.model, "block_stacks"):
+            return []  # a model without scanned stacks has no per-block schedule
+        front = remat_schedule.pareto_schedules(self.block_costs("fp32", factorize))
+        return [(s.flops, s.name) for s in front if len(set(s.policies)) > 1]
+
+    @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
+    def _stored(self, precision, sparsity, state, factorize, accumulates) -> int:
+        plan = Plan(precision=precision, sparsity=sparsity, optimizer_state=state,
+                    factorize=factorize, microbatches=2 if accumulates else 1)  # fmt: skip
+        setup = build(self.work, plan, recipe=self.recipe)
+        analytic = memory.analytic_breakdown(
+            state=setup.abstract_state(), batch=self.work.batch,
+            microbatches=plan.microbatches, tx=setup.tx,
+        )  # fmt: skip
+        return analytic["total_bytes"]
+
+    @functools.cache  # noqa: B019
+    def _activations(self, precision, remat, factorize, microbatches) -> int:
+        plan = Plan(precision=precision, remat=remat, factorize=factorize,
+                    microbatches=microbatches)  # fmt: skip
+        setup = build(self.work, plan, recipe=self.recipe)
+        analytic = memory.analytic_breakdown(
+            state=setup.abstract_state(), batch=self.work.batch,
+            loss_fn=precision_lib.cast_loss_fn(setup.loss_fn, plan.policy),
+            microbatches=microbatches, tx=setup.tx,
+        )  # fmt: skip
+        return analytic["activation_bytes"]
+
+    def compile(self, plan: Plan) -> dict[str, Any]:
+        if plan not in self.compiled:
+            setup = build(self.work, plan, recipe=self.recipe)
+            lowered = setup.step.lower(setup.abstract_state(), self.work.batch)
+            executable = lowered.compile()
+            self.compiled[plan] = memory.xla_memory(executable)
+            if self.compiled[plan]["total_bytes"] <= self.budget:
+                self.executables[plan] = executable
+            self.predict(plan)
+            ratio = self.compiled[plan]["total_bytes"] / self.predicted[plan]
+            key = calibration_key(plan)
+            self.calibration[key] = min(ratio, self.calibration.get(key, ratio))
+        return self.compiled[plan]
+
+    def step_seconds(self, plan: Plan, repeats: int) -> float:
+        """The median time of ``repeats`` calls of the compiled step of ``plan`` (which fits),
+        after a warm-up, on a random batch and a freshly initialised state."""
+        setup = build(self.work, plan, recipe=self.recipe)
+        batch = setup.example_batch()
+        return time_step(self.executables[plan], setup.init_state(batch), batch, repeats).median
+
+    def note(self, plan: Plan, flops: float, verdict: str, logged: bool = True) -> None:
+        xla = self.compiled.get(plan)
+        if plan in self.noted:  # a probe, reached again in the class's order
+            gone = self.noted.pop(plan)
+            del self.considered[gone]
+            self.noted = {p: i - (i > gone) for p, i in self.noted.items()}
+        self.noted[plan] = len(self.considered)
+        self.considered.append({
+            "argv": analyze_argv(self.work.name, self.work.batch_size, plan, self.seq_len()),
+            "flops": flops,
+            "predicted_bytes": self.predict(plan) if plan in self.predicted else None,
+            "xla_total_bytes": None if xla is None else xla["total_bytes"],
+            "verdict": verdict,
+        })  # fmt: skip
+        if self.log and logged:
+            got = "" if xla is None else f", XLA {xla['total_bytes'] / MIB:.1f} MiB"
+            self.log(f"  {plan_name(plan)}: {verdict}{got}")
+
+    def seq_len(self) -> int:
+        tokens = self.work.batch.get("src")
+        return 40 if tokens is None else tokens.shape[1]
+
+
+def calibration_key(plan: Plan) -> tuple:
+    """What a calibration is kept for: every setting but the microbatch count (XLA's temp
+    bytes for sparse rewiring or quantized state differ from the analytic count in ways that
+    depend on each setting); the per-block schedules as one (``blocks``)."""
+    remat = "blocks" if parse_policy(plan.remat).schedule else plan.remat
+    return (remat, plan.factorize, plan.precision, plan.sparsity, plan.optimizer_state)
+
+
+PRECISION, STATE = 2, 4  # their places in a key
+
+
+def plan_name(plan: Plan) -> str:
+    parts = [plan.precision]
+    if plan.microbatches > 1:
+        parts.append(f"mb {plan.microbatches}")
+    if plan.remat != "none":
+        parts.append(f"remat {plan.remat}")
+    if plan.sparsity is not None:
+        parts.append(f"sparse {1 - plan.sparsity.density:.0%}")
+    if plan.optimizer_state != "auto":
+        parts.append(f"state {plan.optimizer_state}")
+    if plan.factorize is not None:
+        parts.append(f"{plan.factorize.method} {plan.factorize.compression:.0%}")
+    return " + ".join(parts)
