@@ -21,7 +21,7 @@ from typing import Any
 
 from lowmem_jax import memory, remat_schedule
 from lowmem_jax import precision as precision_lib
-from lowmem_jax.envelope import Envelope
+from lowmem_jax.envelope import Envelope, report_sparsity
 from lowmem_jax.flops import count_flops
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
@@ -199,6 +199,14 @@ def calibration_key(plan: Plan) -> tuple:
 
 
 PRECISION, STATE = 2, 4  # their places in a key
+
+
+def plan_of(remat, factorize, precision, microbatches, sparsity, state) -> Plan:
+    """The :class:`Plan` of one point of the search space (``sparsity`` a fraction: 0 for
+    dense, else the report's sparse storage at that fraction)."""
+    sparse = report_sparsity(sparsity) if sparsity else None
+    return Plan(precision=precision, microbatches=microbatches, remat=remat, sparsity=sparse,
+                optimizer_state=state, factorize=factorize)  # fmt: skip
 
 
 def plan_name(plan: Plan) -> str:

@@ -27,14 +27,14 @@ accuracy envelope (:data:`lowmem_jax.envelope.ENVELOPES`):
   sparsity, each precision and state format) are all predicted over the budget, and the class
   when that holds at its most microbatches. A borrowed calibration can be too high for a
   class (XLA's overhead differs between remat policies and grows with the microbatch's size),
-  so before a class is rejected, up to three corners whose analytic count alone fits are
-  compiled (*probes*), which calibrates their settings. Only candidates predicted to fit are
-  compiled.
-* **Before giving up** (:func:`_descend`): when no class has a plan that fits, and the least
-  compiled total is within 10% of the budget, a local search from it compiles its neighbours
-  (one setting or one block's policy changed), moving to the first that compiles smaller, up
-  to 8 compiles: near the least feasible total the analytic count ranks plans wrongly (it sums
-  saved residuals, where XLA's peak holds one block's recomputed residuals at a time).
+  so a class rejected only through one (its corners' analytic counts fit) is deferred: up to
+  three of those corners are compiled (*probes*, which calibrate their settings) before a
+  costlier class's answer is given, if the class would save more than 0.5% of the FLOPs, and
+  at the end. Only candidates predicted to fit are compiled.
+* **Before giving up** (:mod:`lowmem_jax.plan_descent`): when no class has a plan that fits
+  and the least compiled total is within 10% of the budget, a local search from it compiles
+  its neighbours (one setting or one block's policy changed), moving to the first that
+  compiles smaller, up to 8 compiles.
 * **Objective** ``time``: the first plan that fits in each of the three cheapest classes
   that have one is run and timed here (:mod:`lowmem_jax.step_timing`); the fastest wins.
 
@@ -46,19 +46,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 import shlex
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lowmem_jax.envelope import ENVELOPES, Envelope, report_sparsity
+from lowmem_jax.envelope import ENVELOPES, Envelope
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.plan import Plan
+from lowmem_jax.plan_descent import descend
 from lowmem_jax.plan_flags import analyze_argv
-from lowmem_jax.plan_search import MIB, Search, calibration_key, plan_name
+from lowmem_jax.plan_search import MIB, Search, calibration_key, plan_name, plan_of
 from lowmem_jax.recipes import Recipe
-from lowmem_jax.remat import parse_policy, schedule_name
+from lowmem_jax.remat import parse_policy
 from lowmem_jax.workloads import Workload, workload
 
 __all__ = [
@@ -151,12 +153,6 @@ def _axes(envelope: Envelope, batch_size: int, space: dict[str, tuple]) -> dict[
     }
 
 
-def _plan(remat, factorize, precision, microbatches, sparsity, state) -> Plan:
-    sparse = report_sparsity(sparsity) if sparsity else None
-    return Plan(precision=precision, microbatches=microbatches, remat=remat, sparsity=sparse,
-                optimizer_state=state, factorize=factorize)  # fmt: skip
-
-
 def plan_for_budget(
     work: Workload,
     budget_bytes: int,
@@ -213,7 +209,7 @@ def plan_for_budget(
     else:
         found = _fastest(search, list(itertools.islice(fitting, time_candidates)), repeats)
     if found is None:
-        found = _descend(search, axes)
+        found = descend(search, axes)
     if found is None:
         raise NoPlanFits(_smallest_message(search, budget_bytes, env))
     return _answer(search, found, reference, start)
@@ -223,20 +219,42 @@ def _first_fit_per_class(
     search: Search, axes: dict[str, tuple], classes: list[tuple], reference: float
 ) -> Iterator[tuple[Plan, float]]:
     """(plan, its class's FLOPs): in each class, cheapest first, the first candidate in order
-    of preference whose compiled step fits (module docstring)."""
+    of preference whose compiled step fits (module docstring). A class whose corners are
+    predicted over budget only through a borrowed calibration (their analytic count fits) is
+    deferred: it is probed before a costlier class's plan is given if that would save more
+    than :data:`_PROBE_GAIN` of the FLOPs, and at the end."""
     most = max(axes["microbatches"])  # the least-memory count: its corners decide a class
+    deferred: list[tuple] = []
     for flops, remat, factorize in classes:
         named = not parse_policy(remat).schedule  # schedules are many: logged when compiled
         if search.log and named:
             search.log(f"class remat {remat}, factorize {factorize and factorize.method}: "
                        f"FLOPs {flops / reference:.3f} of the fp32 step")  # fmt: skip
         corners = _corners(axes, remat, factorize, most)
-        if not _class_may_fit(search, corners, flops):
-            least = min(corners, key=search.predict)
-            search.note(least, flops, "the class's least-memory plan is predicted over budget",
-                        logged=named)  # fmt: skip
+        if _class_may_fit(search, corners, flops, probes=0):
+            found = next(_fits_in_class(search, axes, remat, factorize, flops), None)
+            if found is not None:
+                yield from _probe_deferred(search, axes, deferred, flops / (1 + _PROBE_GAIN))
+                yield found
             continue
-        yield from itertools.islice(_fits_in_class(search, axes, remat, factorize, flops), 1)
+        least = min(corners, key=search.predict)
+        search.note(least, flops, "the class's least-memory plan is predicted over budget",
+                    logged=named)  # fmt: skip
+        if _borrowed(search, corners):
+            deferred.append((flops, remat, factorize))
+    yield from _probe_deferred(search, axes, deferred, math.inf)
+
+
+def _probe_deferred(
+    search: Search, axes: dict[str, tuple], deferred: list[tuple], below: float
+) -> Iterator[tuple[Plan, float]]:
+    """The deferred classes with FLOPs under ``below``, cheapest first, probed (removed from
+    ``deferred``): the first fit of each class a probe admits."""
+    most = max(axes["microbatches"])
+    while deferred and deferred[0][0] < below:
+        flops, remat, factorize = deferred.pop(0)
+        if _class_may_fit(search, _corners(axes, remat, factorize, most), flops, _PROBES):
+            yield from itertools.islice(_fits_in_class(search, axes, remat, factorize, flops), 1)
 
 
 def _fits_in_class(search: Search, axes, remat, factorize, flops) -> Iterator[tuple[Plan, float]]:
@@ -245,7 +263,7 @@ def _fits_in_class(search: Search, axes, remat, factorize, flops) -> Iterator[tu
         if all(search.predict(c, bound=True) > search.budget for c in corners):
             continue
         for precision, sparsity, state in _mildest_first(axes):
-            plan = _plan(remat, factorize, precision, micro, sparsity, state)
+            plan = plan_of(remat, factorize, precision, micro, sparsity, state)
             if _fits_verified(search, plan, flops):
                 yield plan, flops
 
@@ -269,35 +287,44 @@ def _corners(axes: dict[str, tuple], remat, factorize, micro: int) -> list[Plan]
     precision and optimizer-state format (fewer state bits can cost temp bytes, so each)."""
     sparsity = max(axes["sparsity"])
     return [
-        _plan(remat, factorize, p, micro, sparsity, s)
+        plan_of(remat, factorize, p, micro, sparsity, s)
         for p in axes["precision"] for s in axes["optimizer_state"]
     ]  # fmt: skip
 
 
-def _class_may_fit(search: Search, corners: list[Plan], flops: float) -> bool:
+def _class_may_fit(search: Search, corners: list[Plan], flops: float, probes: int) -> bool:
     """Whether some corner of a class (its most microbatches) is predicted to fit. Before
-    saying no, up to :data:`_PROBES` corners whose analytic count alone fits (XLA's total has
-    not been more than :data:`_ANALYTIC_SLACK` below it) but whose ratio is borrowed from
-    other settings are compiled, least predicted first: a borrowed ratio can be too high
-    (XLA's overhead over the analytic count differs between remat policies and shrinks with
-    smaller microbatches), and the compile calibrates the corner's settings."""
-    probes = 0
+    saying no, up to ``probes`` corners whose ratio is borrowed from other settings but whose
+    analytic count alone fits (:func:`_borrowed`) are compiled, least predicted first: a
+    borrowed ratio can be too high (XLA's overhead over the analytic count differs between
+    remat policies and shrinks with smaller microbatches), and the compile calibrates the
+    corner's settings."""
+    made = 0
     while not any(search.predict(c, bound=True) <= search.budget for c in corners):
-        borrowed = [
-            c for c in corners
-            if calibration_key(c) not in search.calibration
-            and search.predict(c) <= search.budget * _ANALYTIC_SLACK
-        ]  # fmt: skip
-        if not borrowed or probes == _PROBES:
+        borrowed = _borrowed(search, corners)
+        if not borrowed or made == probes:
             return False
         probe = min(borrowed, key=lambda c: search.predict(c, bound=True))
         fits = search.compile(probe)["total_bytes"] <= search.budget
         search.note(probe, flops, f"{'fits' if fits else 'over budget'} (compiled, a probe)")
-        probes += 1
+        made += 1
     return True
 
 
-_PROBES = 3
+def _borrowed(search: Search, corners: list[Plan]) -> list[Plan]:
+    """The corners whose settings were never compiled and whose analytic count fits (XLA's
+    total has not been more than :data:`_ANALYTIC_SLACK` below it)."""
+    return [
+        c for c in corners
+        if calibration_key(c) not in search.calibration
+        and search.predict(c) <= search.budget * _ANALYTIC_SLACK
+    ]  # fmt: skip
+
+
+_PROBES = 3  # per class
+# A deferred class is probed before a costlier answer only if it would save more FLOPs than
+# this fraction: each probe is a compile, and the search's answer is within it of the best.
+_PROBE_GAIN = 0.005
 # XLA's total has come in below the analytic count by up to ~0.2% (WRN-10-1 batch 8, fp32),
 # so a probe is also made where the analytic count is slightly over the budget.
 _ANALYTIC_SLACK = 1.02
@@ -346,96 +373,8 @@ def _answer(search: Search, plan: Plan, reference: float, start: float) -> Budge
     )
 
 
-def _descend(search: Search, axes: dict[str, tuple]) -> Plan | None:
-    """Before giving up: the least predicted plans not compiled yet are compiled (up to
-    :data:`_EXTRA_COMPILES`; one if none was), then, where the least compiled total is within
-    :data:`_DESCENT_REACH` of the budget, a local search for a smaller one: the least
-    compiled plan's neighbours (:func:`_neighbours`) are compiled, least predicted first,
-    moving to the first that compiles smaller, up to :data:`_DESCENT_COMPILES` compiles in
-    all. The analytic count misses where XLA's peak lies when most of the step is
-    recomputed (a block's recomputation is transient; the last block's is at the peak), so
-    the ranking it gives there can be wrong. Returns the plan that fits with the fewest
-    FLOPs, if one was found."""
-    left = sorted((p for p in search.predicted if p not in search.compiled), key=search.predict)
-    for plan in left[: max(_EXTRA_COMPILES, not search.compiled)]:  # one at least
-        search.compile(plan)
-
-    def total(plan: Plan) -> int:
-        return search.compiled[plan]["total_bytes"]
-
-    if not search.compiled:
-        return None
-    current = min(search.compiled, key=total)
-    compiles = 0
-    while search.budget < total(current) <= search.budget * _DESCENT_REACH:
-        untried = [n for n in _neighbours(search, axes, current) if n not in search.compiled]
-        better = None
-        for plan in sorted(untried, key=lambda n: search.predict(n, bound=True)):
-            if compiles == _DESCENT_COMPILES:
-                break
-            search.compile(plan)
-            compiles += 1
-            verdict = "fits" if total(plan) <= search.budget else "over budget"
-            search.note(plan, search.flops(plan), f"{verdict} (compiled, a descent step)")
-            if total(plan) < total(current):
-                better = plan
-                break
-        if better is None:
-            break
-        current = better
-    fits = [p for p in search.compiled if total(p) <= search.budget]
-    return min(fits, key=search.flops, default=None)
-
-
-# Before NoPlanFits: compiles of the least predicted plans left, and of a local search.
-_EXTRA_COMPILES = 3
-_DESCENT_COMPILES = 8
-_DESCENT_REACH = 1.10
-
-
-def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan]:
-    """The plans one change away from ``plan``: one step along the precision, microbatch,
-    sparsity or optimizer-state axis, and (where the search has per-block schedules) one
-    block of a stack moved to another of ``none`` / ``dots`` / ``full`` (a stack's blocks
-    ordered ``full``, ``dots``, ``none``, as the dynamic program writes them)."""
-    density = 0.0 if plan.sparsity is None else 1 - plan.sparsity.density
-    here = {"precision": plan.precision, "microbatches": plan.microbatches,
-            "sparsity": round(density, 6), "optimizer_state": plan.optimizer_state}  # fmt: skip
-    settings = dict(here)
-    out = []
-    for axis, value in here.items():
-        values = [round(v, 6) if axis == "sparsity" else v for v in axes[axis]]
-        if value not in values:
-            continue
-        i = values.index(value)
-        for j in (i - 1, i + 1):
-            if 0 <= j < len(values):
-                out.append({**settings, axis: axes[axis][j]})
-    plans = [_plan(plan.remat, plan.factorize, o["precision"], o["microbatches"], o["sparsity"],
-                   o["optimizer_state"]) for o in out]  # fmt: skip
-    stacks = getattr(search.work.model, "block_stacks", None)
-    spec = parse_policy(plan.remat)
-    policies = spec.schedule or (plan.remat,) * (sum(stacks()) if stacks else 0)
-    if "blocks" not in axes["remat"] or not stacks or not set(policies) <= set(_ORDER):
-        return plans
-    starts = list(itertools.accumulate(stacks(), initial=0))
-    for a, b in itertools.pairwise(starts):
-        for block, other in itertools.product(range(a, b), _ORDER):
-            if other == policies[block]:
-                continue
-            moved = list(policies)
-            moved[block] = other
-            moved[a:b] = sorted(moved[a:b], key=_ORDER.index)
-            name = moved[0] if len(set(moved)) == 1 else schedule_name(moved)
-            plans.append(dataclasses.replace(plan, remat=name))
-    return list(dict.fromkeys(plans))
-
-
-_ORDER = ("full", "dots", "none")  # within a stack, as remat_schedule orders a stack's blocks
-
-
 def _smallest_message(search: Search, budget: int, env: Envelope) -> str:
-    """Names the least XLA total compiled (after :func:`_descend`)."""
+    """Names the least XLA total compiled (after :func:`~lowmem_jax.plan_descent.descend`)."""
     plan, xla = min(search.compiled.items(), key=lambda kv: kv[1]["total_bytes"])
     argv = analyze_argv(search.work.name, search.work.batch_size, plan, search.seq_len())
     more = "" if env.name == "any" else "; --envelope any allows more"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import cli, plan_search, planner
+from lowmem_jax import cli, plan_descent, plan_search, planner
 from lowmem_jax.envelope import ENVELOPES, report_sparsity
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.workloads import analyze_model
@@ -97,7 +97,7 @@ def test_plan_json_gives_flags_whose_compiled_step_fits(capsys, tmp_path, small_
 
 @pytest.mark.slow
 def test_a_budget_below_every_plan_names_the_smallest(capsys, small_space, monkeypatch):
-    monkeypatch.setattr(planner, "_EXTRA_COMPILES", 1)  # the message is the point, not the least
+    monkeypatch.setattr(plan_descent, "_EXTRA_COMPILES", 1)  # the message is the point
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["plan", "--model", MODEL, "--batch-size", str(BATCH), "--budget", "1MiB"])
     assert exit_info.value.code == 2
@@ -211,7 +211,7 @@ def test_neighbours_change_one_setting_or_one_block():
     microbatch, one block to ``dots`` or ``none`` (six schedules), or one step along the
     precision or microbatch axis."""
     search = plan_search.Search(lm.workload(MODEL, 8), 1, ENVELOPES["any"], None, None)
-    got = planner._neighbours(search, _axes(microbatches=(1, 2)), lm.Plan(remat="full"))
+    got = plan_descent._neighbours(search, _axes(microbatches=(1, 2)), lm.Plan(remat="full"))
     schedules = {"blocks:dots,full*2", "blocks:none,full*2", "blocks:full,dots,full",
                  "blocks:full,none,full", "blocks:full*2,dots", "blocks:full*2,none"}  # fmt: skip
     assert {p.remat for p in got if p.remat != "full"} == schedules
@@ -220,7 +220,7 @@ def test_neighbours_change_one_setting_or_one_block():
     assert set(same) == {lm.Plan(remat="full", precision="mixed_fp16"),
                          lm.Plan(remat="full", microbatches=2)}  # fmt: skip
     # Back to one policy throughout: the named one.
-    back = planner._neighbours(search, _axes(), lm.Plan(remat="blocks:dots,full*2"))
+    back = plan_descent._neighbours(search, _axes(), lm.Plan(remat="blocks:dots,full*2"))
     assert "full" in {p.remat for p in back}
 
 
@@ -231,7 +231,7 @@ def test_before_giving_up_a_descent_reaches_a_plan_the_prediction_ranked_out(mon
     (more than ``_DESCENT_REACH``) it does not start."""
     totals = {("full", "fp32"): 110, ("full", "mixed_fp16"): 105,
               ("blocks:full*2,none", "mixed_fp16"): 100}  # fmt: skip
-    monkeypatch.setattr(planner, "_EXTRA_COMPILES", 0)
+    monkeypatch.setattr(plan_descent, "_EXTRA_COMPILES", 0)
 
     def search_with(budget: int) -> plan_search.Search:
         search = plan_search.Search(lm.workload(MODEL, 8), budget, ENVELOPES["any"], None, None)
@@ -247,10 +247,36 @@ def test_before_giving_up_a_descent_reaches_a_plan_the_prediction_ranked_out(mon
         return search
 
     search = search_with(100)
-    found = planner._descend(search, _axes())
+    found = plan_descent.descend(search, _axes())
     assert found == lm.Plan(remat="blocks:full*2,none", precision="mixed_fp16")
     steps = [c for c in search.considered if "a descent step" in c["verdict"]]
     assert steps[-1]["verdict"] == "fits (compiled, a descent step)"
-    assert len(search.compiled) == 1 + len(steps) <= 1 + planner._DESCENT_COMPILES
-    far = search_with(int(110 / planner._DESCENT_REACH) - 1)
-    assert planner._descend(far, _axes()) is None and len(far.compiled) == 1
+    assert len(search.compiled) == 1 + len(steps) <= 1 + plan_descent._DESCENT_COMPILES
+    far = search_with(int(110 / plan_descent._DESCENT_REACH) - 1)
+    assert plan_descent.descend(far, _axes()) is None and len(far.compiled) == 1
+
+
+def test_a_deferred_class_is_probed_only_for_a_real_saving(monkeypatch):
+    """A class rejected only through a borrowed calibration (here: ``remat none``, borrowed
+    5x too high) is deferred. When a costlier class (``dots``) fits and would cost less than
+    ``_PROBE_GAIN`` more FLOPs, its answer stands without a compile of the deferred class; with
+    no tolerance the deferred class is probed first and is the answer."""
+    space = {"remat": ("none", "dots"), "factorize": (None,), "precision": ("fp32",),
+             "sparsity": (0.0,), "optimizer_state": ("auto",)}  # fmt: skip
+    work = lm.workload(MODEL, 8)
+    budget = analyze_model(MODEL, 8, lm.Plan()).xla["total_bytes"]
+    ratio = plan_search.Search.ratio
+
+    def borrowed_too_high(self, plan, bound):
+        unseen = plan_search.calibration_key(plan) not in self.calibration
+        return 5.0 if plan.remat == "none" and unseen and bound else ratio(self, plan, bound)
+
+    monkeypatch.setattr(plan_search.Search, "ratio", borrowed_too_high)
+    result = planner.plan_for_budget(work, budget, space=space)
+    assert result.plan == lm.Plan(remat="dots")
+    assert 1.0 < result.flops_overhead < 1 + planner._PROBE_GAIN
+    none = [c for c in result.considered if "--remat" not in c["argv"]]
+    assert none and all(c["xla_total_bytes"] is None for c in none)  # never compiled
+    monkeypatch.setattr(planner, "_PROBE_GAIN", 0.0)
+    result = planner.plan_for_budget(work, budget, space=space)
+    assert result.plan == lm.Plan() and result.flops_overhead == pytest.approx(1.0)
