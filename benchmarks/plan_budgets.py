@@ -2,6 +2,7 @@
 
     python benchmarks/plan_budgets.py --model wrn-28-2 --batch-size 128 \\
         --budgets 320MiB 128MiB 32MiB --out-dir benchmarks/results
+    python benchmarks/plan_budgets.py --budgets 128MiB --objective time   # stems get _time
 
 Writes ``plan_<model>_b<B>_<budget>_<backend>.{json,png}`` (the command's ``--json`` output and
 ``--plot``) and ``plan_<model>_b<B>_<backend>.md``: per budget the answer's flags, its compiled
@@ -23,11 +24,14 @@ import jax
 MIB = 2.0**20
 
 
-def run_budget(model: str, batch: int, budget: str, envelope: str, out: str) -> dict:
+def run_budget(
+    model: str, batch: int, budget: str, envelope: str, objective: str, out: str
+) -> dict:
     """One `lowmem plan` process; its JSON with the wall time added."""
     cmd = [sys.executable, "-m", "lowmem_jax.cli", "plan", "--model", model,
            "--batch-size", str(batch), "--budget", budget, "--envelope", envelope,
-           "--cache-dir", "", "--json", "--plot", f"{out}.png"]  # fmt: skip
+           "--objective", objective, "--cache-dir", "", "--json",
+           "--plot", f"{out}.png"]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - start
@@ -48,21 +52,23 @@ def commit() -> str:
     return head + ("+changes" if dirty else "")
 
 
-def table(model: str, batch: int, results: dict[str, dict], backend: str) -> str:
+def table(model: str, batch: int, results: dict[str, dict], backend: str, objective: str) -> str:
     source = f"XLA:{backend.upper()}"
+    timed = objective == "time"
     lines = [
-        f"# `lowmem plan` on {model}, batch {batch} ({source})",
+        f"# `lowmem plan --objective {objective}` on {model}, batch {batch} ({source})",
         "",
         f"Command: `python benchmarks/plan_budgets.py --model {model} --batch-size {batch} "
-        f"--budgets {' '.join(results)}` (one `lowmem plan --json` process per budget, no "
+        f"--budgets {' '.join(results)}{' --objective time' if timed else ''}` "
+        "(one `lowmem plan --json` process per budget, no "
         f"compilation cache; at commit {commit()}; wall time of the process on this machine, "
         f"{os.cpu_count()} CPU cores). The JSON "
         "next to this file lists every plan considered with its verdict; the PNG plots those "
         "compiled.",
         "",
         f"| budget | answer (`lowmem analyze` flags) | {source} MiB | analytic MiB | "
-        "FLOPs / fp32 step | compiles | wall s |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"FLOPs / fp32 step | compiles | wall s |{' step ms (others timed) |' if timed else ''}",
+        f"|---|---|---:|---:|---:|---:|---:|{'---|' if timed else ''}",
     ]
     for budget, r in results.items():
         flags = " ".join(r["argv"][4:]) or "(no technique)"
@@ -70,9 +76,17 @@ def table(model: str, batch: int, results: dict[str, dict], backend: str) -> str
         lines.append(
             f"| {budget} | `{flags}` | {r['xla']['total_bytes'] / MIB:.1f} | "
             f"{r['analytic_total_bytes'] / MIB:.1f} | {r['flops_overhead']:.3f} | {compiles} | "
-            f"{r['wall_seconds']:.0f} |"
+            f"{r['wall_seconds']:.0f} |" + (f" {_timings(r)} |" if timed else "")
         )
     return "\n".join(lines) + "\n"
+
+
+def _timings(result: dict) -> str:
+    """The answer's median step time, then the other timed plans' (ms)."""
+    others = [c["step_seconds"] for c in result["considered"]
+              if "step_seconds" in c and c["verdict"] != "chosen"]  # fmt: skip
+    rest = ", ".join(f"{1e3 * t:.0f}" for t in others)
+    return f"{1e3 * result['step_seconds']:.0f}" + (f" ({rest})" if rest else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,20 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--budgets", nargs="+", default=["320MiB", "128MiB", "32MiB"])
     parser.add_argument("--envelope", default="report")
+    parser.add_argument("--objective", default="flops", choices=("flops", "time"))
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     backend = jax.default_backend()
-    stem = os.path.join(args.out_dir, f"plan_{args.model}_b{args.batch_size}")
+    suffix = "_time" if args.objective == "time" else ""
+    stem = os.path.join(args.out_dir, f"plan_{args.model}_b{args.batch_size}{suffix}")
     results = {}
     for budget in args.budgets:
-        results[budget] = run_budget(
-            args.model, args.batch_size, budget, args.envelope, f"{stem}_{budget}_{backend}"
-        )
+        results[budget] = run_budget(args.model, args.batch_size, budget, args.envelope,
+                                     args.objective, f"{stem}_{budget}_{backend}")  # fmt: skip
         print(f"{budget}: {' '.join(results[budget]['argv'][4:])} "
               f"({results[budget]['wall_seconds']:.0f} s)", flush=True)  # fmt: skip
     with open(f"{stem}_{backend}.md", "w") as f:
-        f.write(table(args.model, args.batch_size, results, backend))
+        f.write(table(args.model, args.batch_size, results, backend, args.objective))
     return 0
 
 
