@@ -52,7 +52,9 @@ def commit() -> str:
     return head + ("+changes" if dirty else "")
 
 
-def table(model: str, batch: int, results: dict[str, dict], backend: str, objective: str) -> str:
+def table(
+    model: str, batch: int, results: dict[str, dict], backend: str, objective: str, at: str
+) -> str:
     source = f"XLA:{backend.upper()}"
     timed = objective == "time"
     lines = [
@@ -61,7 +63,7 @@ def table(model: str, batch: int, results: dict[str, dict], backend: str, object
         f"Command: `python benchmarks/plan_budgets.py --model {model} --batch-size {batch} "
         f"--budgets {' '.join(results)}{' --objective time' if timed else ''}` "
         "(one `lowmem plan --json` process per budget, no "
-        f"compilation cache; at commit {commit()}; wall time of the process on this machine, "
+        f"compilation cache; at commit {at}; wall time of the process on this machine, "
         f"{os.cpu_count()} CPU cores). The JSON "
         "next to this file lists every plan considered with its verdict; the PNG plots those "
         "compiled.",
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = jax.default_backend()
     suffix = "_time" if args.objective == "time" else ""
     stem = os.path.join(args.out_dir, f"plan_{args.model}_b{args.batch_size}{suffix}")
+    at = commit()  # before this run rewrites committed results
     results = {}
     for budget in args.budgets:
         results[budget] = run_budget(args.model, args.batch_size, budget, args.envelope,
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{budget}: {' '.join(results[budget]['argv'][4:])} "
               f"({results[budget]['wall_seconds']:.0f} s)", flush=True)  # fmt: skip
     with open(f"{stem}_{backend}.md", "w") as f:
-        f.write(table(args.model, args.batch_size, results, backend, args.objective))
+        f.write(table(args.model, args.batch_size, results, backend, args.objective, at))
     return 0
 
 

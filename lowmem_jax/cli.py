@@ -328,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("flops", "time"),
         help="flops: the fewest FLOPs (counted from the jaxpr, recomputation included; nothing "
         "runs); time: the fastest measured step of the first plan that fits in each of the 3 "
-        "cheapest classes (runs each a few times here). Default: %(default)s",
+        "cheapest classes, each over 0.5%% costlier in FLOPs than the last (runs each a few "
+        "times here). Default: %(default)s",
     )
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
     plan.add_argument(

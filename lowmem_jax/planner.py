@@ -36,7 +36,8 @@ accuracy envelope (:data:`lowmem_jax.envelope.ENVELOPES`):
   its neighbours (one setting or one block's policy changed), moving to the first that
   compiles smaller, up to 8 compiles.
 * **Objective** ``time``: the first plan that fits in each of the three cheapest classes
-  that have one is run and timed here (:mod:`lowmem_jax.step_timing`); the fastest wins.
+  that have one, each more than 0.5% costlier in FLOPs than the last, is run and timed here
+  (:mod:`lowmem_jax.step_timing`); the fastest wins.
 
 Every answer is verified: the chosen plan's XLA total is compiled, not predicted. The result
 lists each candidate considered and why it was rejected.
@@ -172,9 +173,10 @@ def plan_for_budget(
     first; a ``microbatches`` tuple limits the counts too).
 
     ``objective="time"``: the first plan that fits in each of the ``time_candidates``
-    cheapest classes that have one is run here (compiled, then a warm-up call and ``repeats``
-    timed calls on a random batch), and the fastest is the answer; plans not among them are
-    not timed. ``"flops"``: the first of those, nothing runs.
+    cheapest classes that have one, each more than 0.5% costlier in FLOPs than the last, is
+    run here (compiled, then a warm-up call and ``repeats`` timed calls on a random batch),
+    and the fastest is the answer; plans not among them are not timed. ``"flops"``: the
+    first of those, nothing runs.
 
     Raises:
       ValueError: an unknown envelope or objective, a budget that is not positive, or
@@ -222,10 +224,15 @@ def _first_fit_per_class(
     of preference whose compiled step fits (module docstring). A class whose corners are
     predicted over budget only through a borrowed calibration (their analytic count fits) is
     deferred: it is probed before a costlier class's plan is given if that would save more
-    than :data:`_PROBE_GAIN` of the FLOPs, and at the end."""
+    than :data:`_PROBE_GAIN` of the FLOPs, and at the end. After a plan is given, classes
+    within :data:`_PROBE_GAIN` of its FLOPs are passed over (for ``objective="time"``: the
+    next candidate recomputes measurably more, where a near-copy would time the same)."""
     most = max(axes["microbatches"])  # the least-memory count: its corners decide a class
     deferred: list[tuple] = []
+    floor = 0.0
     for flops, remat, factorize in classes:
+        if flops < floor:
+            continue
         named = not parse_policy(remat).schedule  # schedules are many: logged when compiled
         if search.log and named:
             search.log(f"class remat {remat}, factorize {factorize and factorize.method}: "
@@ -236,6 +243,8 @@ def _first_fit_per_class(
             if found is not None:
                 yield from _probe_deferred(search, axes, deferred, flops / (1 + _PROBE_GAIN))
                 yield found
+                floor = flops * (1 + _PROBE_GAIN)
+                deferred = [d for d in deferred if d[0] >= floor]
             continue
         least = min(corners, key=search.predict)
         search.note(least, flops, "the class's least-memory plan is predicted over budget",
