@@ -74,8 +74,7 @@ def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan
     density = 0.0 if plan.sparsity is None else 1 - plan.sparsity.density
     here = {"precision": plan.precision, "microbatches": plan.microbatches,
             "sparsity": round(density, 6), "optimizer_state": plan.optimizer_state}  # fmt: skip
-    settings = dict(here)
-    out = []
+    plans = []
     for axis, value in here.items():
         values = [round(v, 6) if axis == "sparsity" else v for v in axes[axis]]
         if value not in values:
@@ -83,9 +82,9 @@ def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan
         i = values.index(value)
         for j in (i - 1, i + 1):
             if 0 <= j < len(values):
-                out.append({**settings, axis: axes[axis][j]})
-    plans = [plan_of(plan.remat, plan.factorize, o["precision"], o["microbatches"], o["sparsity"],
-                   o["optimizer_state"]) for o in out]  # fmt: skip
+                o = {**here, axis: axes[axis][j]}
+                plans.append(plan_of(plan.remat, plan.factorize, o["precision"], o["microbatches"],
+                                     o["sparsity"], o["optimizer_state"]))  # fmt: skip
     stacks = getattr(search.work.model, "block_stacks", None)
     spec = parse_policy(plan.remat)
     policies = spec.schedule or (plan.remat,) * (sum(stacks()) if stacks else 0)

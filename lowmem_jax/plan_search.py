@@ -5,11 +5,12 @@ predicted and compiled, and the log of what was considered.
 (:func:`lowmem_jax.memory.analytic_breakdown`, no compile; XLA's total has not been more than
 ~0.2% below it on any configuration of our reports but the plain step), times a calibration:
 the least ratio of XLA's total to the analytic one among compiled plans with the same settings
-but the microbatch count (:func:`key`); for settings not compiled yet, with ``bound``, the least
-ratio compiled with the same precision and optimizer-state format, else the same precision (1
-before one). A per-block schedule's activation bytes are the ``none`` step's at that precision
-and microbatch count plus its blocks' changes (:mod:`lowmem_jax.remat_schedule`) divided by
-the microbatch count (residuals scale with the batch).
+but the microbatch count (:func:`calibration_key`); for settings not compiled yet, with
+``bound``, the least ratio compiled with the same precision and optimizer-state format, else
+the same precision (1 before one). A per-block schedule's activation bytes are the ``none``
+step's at that precision and microbatch count plus its blocks' changes
+(:mod:`lowmem_jax.remat_schedule`) divided by the microbatch count (residuals scale with the
+batch).
 
 **Compiles** are cached per plan, and each calibrates its settings.
 """

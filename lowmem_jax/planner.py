@@ -241,7 +241,7 @@ def _first_fit_per_class(
         if _class_may_fit(search, corners, flops, probes=0):
             found = next(_fits_in_class(search, axes, remat, factorize, flops), None)
             if found is not None:
-                yield from _probe_deferred(search, axes, deferred, flops / (1 + _PROBE_GAIN))
+                yield from _probe_deferred(search, axes, deferred, most, flops / (1 + _PROBE_GAIN))
                 yield found
                 floor = flops * (1 + _PROBE_GAIN)
                 deferred = [d for d in deferred if d[0] >= floor]
@@ -251,15 +251,15 @@ def _first_fit_per_class(
                     logged=named)  # fmt: skip
         if _borrowed(search, corners):
             deferred.append((flops, remat, factorize))
-    yield from _probe_deferred(search, axes, deferred, math.inf)
+    yield from _probe_deferred(search, axes, deferred, most, math.inf)
 
 
 def _probe_deferred(
-    search: Search, axes: dict[str, tuple], deferred: list[tuple], below: float
+    search: Search, axes: dict[str, tuple], deferred: list[tuple], most: int, below: float
 ) -> Iterator[tuple[Plan, float]]:
     """The deferred classes with FLOPs under ``below``, cheapest first, probed (removed from
-    ``deferred``): the first fit of each class a probe admits."""
-    most = max(axes["microbatches"])
+    ``deferred``; ``most``: the most microbatches, whose corners decide a class): the first
+    fit of each class a probe admits."""
     while deferred and deferred[0][0] < below:
         flops, remat, factorize = deferred.pop(0)
         if _class_may_fit(search, _corners(axes, remat, factorize, most), flops, _PROBES):
