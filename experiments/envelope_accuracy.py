@@ -95,7 +95,41 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
     if not digits:  # which part of the best row costs the accuracy: each half alone
         dense = dataclasses.replace(best, sparsity=None)
         mixed = dataclasses.replace(best, precision="mixed_fp16")
+        for sparsity in (0.7, 0.8):  # the best row at lower sparsities
+            out.append(
+                (
+                    study.Variant(
+                        f"best_dsr{sparsity * 100:.0f}",
+                        "combined",
+                        f"fp16 + mb 8 per batch + remat full + DSR {sparsity:.0%}",
+                        dataclasses.replace(best, sparsity=study.dsr(sparsity)),
+                    ),
+                    f"fp16 + mb 2 + remat full + sparse {sparsity:.0%}",
+                )
+            )
+        static = dataclasses.replace(study.dsr(0.7), algorithm="static")
+        planned = Plan(
+            microbatches=8, remat="dots", optimizer_state="bf16", sparsity=study.dsr(0.7)
+        )
         out += [
+            (
+                study.Variant(
+                    "in_envelope_planned",
+                    "combined",
+                    "mb 8 per batch + remat dots + state bf16 + DSR 70% (lowmem plan, 700 MiB)",
+                    planned,
+                ),
+                "mb 10 + remat dots + state bf16 + sparse 70%",
+            ),
+            (
+                study.Variant(
+                    "best_static70",
+                    "combined",
+                    "fp16 + mb 8 per batch + remat full + static sparse 70%",
+                    dataclasses.replace(best, sparsity=static),
+                ),
+                "fp16 + mb 2 + remat full + static sparse 70%",
+            ),
             (
                 study.Variant(
                     "best_dense", "combined", "fp16 + mb 8 per batch + remat full (no DSR)", dense
@@ -117,6 +151,8 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
 
 SCALE = {"digits": 100.0, "translation": 1.0}  # accuracy in points; BLEU as is
 UNIT = {"digits": "points of test accuracy", "translation": "greedy BLEU"}
+# Issue 15's goal for the mean paired delta, in the task's unit (points, BLEU).
+GOAL = {"digits": -0.5, "translation": -1.0}
 
 
 def summary(task: str, records: dict[str, dict], report: dict) -> list[dict]:
@@ -222,9 +258,20 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     tasks = list(result["tasks"])
-    fig, axes = plt.subplots(len(tasks), 1, figsize=(9, 1.9 * len(tasks) + 0.8), squeeze=False)
+    shown = {
+        task: [r for r in result["tasks"][task] if (r["delta_vs_baseline"] or {}).get("ci95")]
+        for task in tasks
+    }
+    heights = [0.6 + 0.55 * len(shown[task]) for task in tasks]  # two label lines per row
+    fig, axes = plt.subplots(
+        len(tasks),
+        1,
+        figsize=(9, sum(heights) + 0.8),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
     for ax, task in zip(axes[:, 0], tasks, strict=True):
-        rows = [r for r in result["tasks"][task] if (r["delta_vs_baseline"] or {}).get("ci95")]
+        rows = shown[task]
         scale = SCALE[task]
         labels = []
         for i, r in enumerate(rows):
@@ -235,8 +282,8 @@ def plot(result: dict, path: str) -> None:
             red = r["reduction_xla_vs_plain"]
             labels.append(r["setting"] + ("" if red is None else f"\n{red:.1f}x less memory"))
         ax.axvline(0, color="k", lw=0.8)
-        tolerance = -0.5 if task == "digits" else -1.0
-        ax.axvline(tolerance, color="C3", lw=0.8, ls="--", label=f"{tolerance:+g} (issue 15 goal)")
+        goal = f"{GOAL[task]:+g} (issue 15 goal)"
+        ax.axvline(GOAL[task], color="C3", lw=0.8, ls="--", label=goal)
         ax.set_yticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylim(len(rows) - 0.5, -0.5)
         ax.set_xlabel(f"{task}: {UNIT[task]} minus dense fp32 (mean, 95% interval)", fontsize=8)
@@ -256,10 +303,24 @@ REPORTS = {  # task -> the benchmark its memory rows are of
 }
 
 
+def held(task: str, rows: list[dict]) -> dict | None:
+    """Of ``rows`` (``summary``'s, of ``task``), the one with the largest measured reduction
+    whose mean paired delta meets :data:`GOAL`; ``None`` when none does."""
+    ok = [
+        r
+        for r in rows
+        if r["reduction_xla_vs_plain"] is not None
+        and (r["delta_vs_baseline"] or {}).get("ci95")
+        and SCALE[task] * r["delta_vs_baseline"]["mean"] >= GOAL[task]
+    ]
+    return max(ok, key=lambda r: r["reduction_xla_vs_plain"], default=None)
+
+
 def headline_table(results: str = study.RESULTS) -> str:
     """The README's first table: each benchmark's best row inside the technical report's
     envelope and outside it, measured (XLA:CPU) and analytic against the plain step, with the
-    accuracy of that plan on the CPU stand-in task (``accuracy.json``)."""
+    accuracy of that plan on the CPU stand-in task (``accuracy.json``); then, where it is
+    another row, the largest measured reduction whose stand-in accuracy meets the goal."""
     with open(os.path.join(results, "envelope_accuracy", "accuracy.json")) as f:
         accuracy = json.load(f)["tasks"]
     lines = [
@@ -273,8 +334,14 @@ def headline_table(results: str = study.RESULTS) -> str:
         rows = {r["name"]: r for r in report["configs"]}
         evidence = {r["memory_row"]: r for r in accuracy.get(task, [])}
         plain_mib = rows["plain"]["xla"]["total_bytes"] / 2**20
-        for key, label in (("best_in_envelope", "the report's"), ("best", "any")):
-            best = report[key]
+        shown = [(report[k], label) for k, label in (("best_in_envelope", "the report's"),
+                                                      ("best", "any"))]  # fmt: skip
+        kept = held(task, accuracy.get(task, []))
+        if kept is not None and kept["memory_row"] not in {b["name"] for b, _ in shown}:
+            goal = f"{GOAL[task]:+g} {UNIT[task].split(' of ')[0]}"
+            shown.append(({"name": kept["memory_row"]}, f"any, accuracy within {goal}"))
+        for best, label in shown:
+            best = rows[best["name"]]
             acc = evidence.get(best["name"])
             text = "not measured for this plan yet"
             if acc is not None and (acc["delta_vs_baseline"] or {}).get("ci95"):

@@ -51,6 +51,7 @@ class BlockwiseLeaf:
     """
 
     shape: tuple[int, ...]  # the dense shape, [L, *block_shape]
+    dtype: Any  # the dense weights' dtype
 
     def block(self, index: jax.Array) -> jax.Array:
         """The dense ``[*block_shape]`` weights of block ``index`` (a traced int32 scalar)."""

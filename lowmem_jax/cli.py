@@ -154,7 +154,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     print(
         f"   analytic: model {a['model_bytes'] / MIB:9.2f} MiB  optimizer "
         f"{a['optimizer_bytes'] / MIB:9.2f}  activations {a['activation_bytes'] / MIB:9.2f}  "
-        f"inputs {a['input_bytes'] / MIB:7.2f}  total {a['total_bytes'] / MIB:9.2f}"
+        f"dense weights {a['dense_weight_bytes'] / MIB:7.2f}  inputs {a['input_bytes'] / MIB:7.2f}"
+        f"  total {a['total_bytes'] / MIB:9.2f}"
     )
     if x["host_bytes"] or a["host_resident_bytes"]:
         host = x["host_bytes"] or {}

@@ -16,6 +16,11 @@ leaves are enough: nothing runs and no data is needed) and returns a :class:`Mem
   - **activations**: the residuals one microbatch's forward pass saves for the backward pass
     (from ``jax.vjp``'s jaxpr, the mechanism behind ``saved_residuals``), excluding the
     parameters and inputs themselves; with remat, only what the policy saves;
+  - **dense weights**: the dense weights the step builds from another stored form (compressed
+    sparse storage), in the parameter dtype: every materialized leaf, except that with remat a
+    leaf of stacked blocks is densified one block at a time inside the block's checkpoint
+    (:class:`~lowmem_jax.base.BlockwiseLeaf`) and counts one block; 0 when the parameters are
+    stored as the model sees them;
   - **inputs**: the batch;
   - **state**: everything else in the train state (BatchNorm statistics, loss scale, counters);
   - ``host_resident_bytes``: the part of the above whose sharding keeps it in host memory
@@ -45,8 +50,8 @@ import numpy as np
 import optax
 from jax.extend import core as jex_core
 
-from lowmem_jax import precision
-from lowmem_jax.base import Optimizer, as_optimizer
+from lowmem_jax import precision, remat
+from lowmem_jax.base import BlockwiseLeaf, Optimizer, as_optimizer
 from lowmem_jax.flops import count_flops, xla_flops
 from lowmem_jax.plan import Plan
 
@@ -58,6 +63,7 @@ __all__ = [
     "xla_memory",
     "analytic_breakdown",
     "saved_activation_bytes",
+    "dense_weight_bytes",
     "tree_bytes",
     "host_resident_bytes",
 ]
@@ -232,6 +238,36 @@ def saved_activation_bytes(
     return {"bytes": total, "count": len(items), "largest": items[:60]}
 
 
+def dense_weight_bytes(
+    state, tx: optax.GradientTransformation | Optimizer, blocks_rematerialized: bool = False
+) -> int:
+    """Bytes of the dense weights the step builds from the stored ``state.params`` (see the
+    module docstring): the leaves ``tx``'s materialization makes that are not stored leaves.
+
+    A leaf the materialization hands out blockwise (when the step differentiates w.r.t. the
+    stored parameters, :func:`~lowmem_jax.base.differentiated_loss`) counts one block when
+    ``blocks_rematerialized`` (the block loop densifies it inside each block's checkpoint), else
+    whole (:class:`~lowmem_jax.ScannedBlocks` densifies it before a loop without remat). A
+    ``blocks:`` schedule is counted as rematerialized in every stack."""
+    opt = as_optimizer(tx)
+    total = 0
+
+    def count(params, opt_state):
+        nonlocal total
+        stored = {id(x) for x in jax.tree.leaves(params)}
+        dense = opt.materialize(params, opt_state, blockwise=opt.grads_wrt_stored)
+        for x in jax.tree.leaves(dense, is_leaf=lambda x: isinstance(x, BlockwiseLeaf)):
+            if isinstance(x, BlockwiseLeaf):
+                blocks = 1 if blocks_rematerialized else x.shape[0]
+                total += blocks * math.prod(x.shape[1:]) * jnp.dtype(x.dtype).itemsize
+            elif id(x) not in stored:
+                total += _nbytes(x)
+        return 0
+
+    jax.eval_shape(count, state.params, _opt_state(state))
+    return total
+
+
 def _model_params(state, opt: Optimizer) -> PyTree:
     """Shapes of the parameters the model sees (``opt``'s materialized ``state.params``)."""
     return jax.eval_shape(opt.materialize, state.params, _opt_state(state))
@@ -248,8 +284,10 @@ def analytic_breakdown(
     loss_fn: Callable | None = None,
     microbatches: int = 1,
     tx: optax.GradientTransformation | Optimizer | None = None,
+    blocks_rematerialized: bool = False,
 ) -> dict[str, Any]:
-    """The report's model / optimizer / activations / inputs breakdown, in bytes.
+    """The report's model / optimizer / activations / dense weights / inputs breakdown, in
+    bytes.
 
     ``state``: a :class:`~lowmem_jax.TrainState` (or its ``jax.eval_shape``), or any pytree
     state with a ``params`` attribute (``flax.training.train_state.TrainState`` too): its
@@ -261,7 +299,7 @@ def analytic_breakdown(
     (compressed sparse storage), the activations are those of the materialized parameters and
     the gradients (and accumulator) take the stored or the model's layout as the step does
     (:attr:`~lowmem_jax.base.Optimizer.grads_wrt_stored`). The model figure always counts the
-    stored ``state.params``.
+    stored ``state.params``. ``blocks_rematerialized``: see :func:`dense_weight_bytes`.
     """
     opt = as_optimizer(optax.identity() if tx is None else tx)
     model_params = _model_params(state, opt)
@@ -293,11 +331,19 @@ def analytic_breakdown(
         "optimizer_breakdown": optimizer,
         "activation_bytes": None if activations is None else activations["bytes"],
         "activation_residuals": activations,
+        "dense_weight_bytes": dense_weight_bytes(state, opt, blocks_rematerialized),
         "input_bytes": tree_bytes(batch),
         "state_bytes": tree_bytes(state) - tree_bytes((state.params, opt_state)),
         "host_resident_bytes": host_resident_bytes(state),
     }
-    parts = ("model_bytes", "optimizer_bytes", "activation_bytes", "input_bytes", "state_bytes")
+    parts = (
+        "model_bytes",
+        "optimizer_bytes",
+        "activation_bytes",
+        "dense_weight_bytes",
+        "input_bytes",
+        "state_bytes",
+    )
     out["total_bytes"] = sum(out[k] or 0 for k in parts)
     return out
 
@@ -340,7 +386,12 @@ def analyze(
     compiled = lowered.compile()
     xla = xla_memory(compiled)
     analytic = analytic_breakdown(
-        state=state, batch=batch, loss_fn=loss_fn, microbatches=microbatches, tx=tx
+        state=state,
+        batch=batch,
+        loss_fn=loss_fn,
+        microbatches=microbatches,
+        tx=tx,
+        blocks_rematerialized=plan is not None and remat.parse_policy(plan.remat).enabled,
     )
     flops, flop_notes = count_flops(getattr(step, "__wrapped__", step), state, batch)
     notes = [

@@ -133,7 +133,9 @@ class Search:
             state=setup.abstract_state(), batch=self.work.batch,
             microbatches=plan.microbatches, tx=setup.tx,
         )  # fmt: skip
-        return analytic["total_bytes"]
+        # The transient dense weights depend on the remat (one block's, or all): left to the
+        # calibration, as before the analytic count included them.
+        return analytic["total_bytes"] - analytic["dense_weight_bytes"]
 
     @functools.cache  # noqa: B019
     def _activations(self, precision, remat, factorize, microbatches) -> int:

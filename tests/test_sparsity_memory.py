@@ -72,3 +72,35 @@ def test_blockwise_densification_keeps_one_blocks_dense_weights():
     model_params = jax.eval_shape(lambda s: lm.model_params(s, setup.tx), setup.abstract_state())
     dense_fp16 = 2 * sum(s.size for s in make_layout(model_params, cfg).leaves)
     assert whole - blockwise > 0.1 * dense_fp16, (whole, blockwise, dense_fp16)
+
+
+@pytest.mark.parametrize(
+    "stacked, remat",
+    [(True, True), (True, False), (False, True)],
+    ids=["blockwise", "no remat", "whole"],
+)
+def test_analytic_dense_weights_count_what_the_step_densifies(stacked, remat):
+    """The analytic count adds the dense weights built from compressed storage: every sparse
+    leaf in the parameter dtype, but one block of a leaf the block loop densifies inside each
+    block's checkpoint (blockwise storage and remat); nothing when the weights are stored as
+    the model sees them (trace only, no compile)."""
+    cfg = sparsity.SparseConfig(
+        algorithm="dsr", density=0.1, distribution="uniform", compressed=True
+    )
+    setup = build(
+        workload("wrn-22-1", BATCH, image_size=IMAGE), dataclasses.replace(PLAN, sparsity=cfg)
+    )
+    tx = setup.tx if stacked else dataclasses.replace(setup.tx, stacked=None)
+    state = setup.abstract_state()
+    model_params = jax.eval_shape(lambda s: lm.model_params(s, setup.tx), state)
+    expected, whole = 0, 0
+    for s in make_layout(model_params, cfg).leaves:
+        whole += 2 * s.size  # fp16
+        one_block = stacked and remat and setup.tx.stacked(tuple(s.key.split("/")))
+        expected += 2 * (s.size // s.shape[0] if one_block else s.size)
+    got = lm.memory.dense_weight_bytes(state, tx, blocks_rematerialized=remat)
+    assert got == expected
+    # wrn-22-1 scans blocks 2 and 3 of each stage as one stack
+    assert (got < whole) == (stacked and remat)
+    dense = build(workload("wrn-22-1", BATCH, image_size=IMAGE), PLAN)
+    assert lm.memory.dense_weight_bytes(dense.abstract_state(), dense.tx, True) == 0
