@@ -1,10 +1,11 @@
 """FLOPs of a function, counted from its jaxpr, and XLA's own estimate.
 
-:func:`count_flops` counts ``2 * MACs`` of every matmul and convolution plus one per element of
-every other arithmetic op; loop bodies are multiplied by their trip counts (``scan``), the
-larger branch of a ``cond`` is taken, and remat recomputation is included (it is in the jaxpr
-of the gradient). :func:`xla_flops` is XLA's ``cost_analysis()`` figure, which counts a loop
-body once (so it under-counts scanned layers and microbatch loops).
+:func:`count_flops` counts ``2 * MACs`` of every matmul and convolution (not the zeros an
+input dilation inserts) plus one per element of every other arithmetic op, dead code left out;
+loop bodies are multiplied by their trip counts (``scan``), the larger branch of a ``cond`` is
+taken, and remat recomputation is included (it is in the jaxpr of the gradient).
+:func:`xla_flops` is XLA's ``cost_analysis()`` figure, which counts a loop body once (so it
+under-counts scanned layers and microbatch loops).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 from collections.abc import Callable
 
 import jax
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent
 from jax.extend import core as jex_core
 
 __all__ = ["count_flops", "xla_flops"]
@@ -27,6 +29,7 @@ _FREE = {
     "dynamic_slice",
     "dynamic_update_slice",
     "concatenate",
+    "stack",
     "pad",
     "gather",
     "scatter",
@@ -83,7 +86,10 @@ def _eqn_flops(eqn) -> float:
         rhs = eqn.invars[1].aval
         spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, spatial...)
         k = math.prod(rhs.shape[d] for d in spec[1:])  # C_in/groups x kernel window
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+        # The zeros an input dilation inserts (a strided conv's transpose) are not multiplied:
+        # a window over an input dilated by d holds 1/d of real samples per axis.
+        zeros = math.prod(eqn.params.get("lhs_dilation") or (1,))
+        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k / zeros
     if name in _FREE:
         return 0.0
     return float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
@@ -116,6 +122,9 @@ def count_flops(fn: Callable, *args) -> tuple[float, list[str]]:
     """FLOPs of one call of ``fn(*args)`` counted from its jaxpr (module docstring)."""
     notes: set[str] = set()
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    # Dead code is not counted (XLA removes it too), e.g. a custom_vjp's gradient for an
+    # input nothing differentiates: a model's first convolution's input gradient.
+    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
     return _jaxpr_flops(jaxpr, notes), sorted(notes)
 
 

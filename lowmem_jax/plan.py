@@ -235,7 +235,9 @@ class Plan:
         e.g. ``nnx.BatchNorm`` computes in the dtype of its float32 statistics); layers with
         an explicit ``dtype`` keep it.
 
-        ``factorize`` is set on the model's ``factorize`` field. Under ``shard="zero3"`` a
+        ``factorize`` is set on the model's ``factorize`` field. A model whose ``conv_impl`` is
+        ``"auto"`` gets ``"xla"`` when the step has no loop (one microbatch, every stack
+        unrolled: :func:`lowmem_jax.scanned_blocks.straight_line`). Under ``shard="zero3"`` a
         model with a ``param_layout`` field (the bundled ones) gets
         :func:`lowmem_jax.sharding.replicate` there: each block of its scanned stacks gathers
         its own partitioned parameters inside the loop, so one block's, not the whole model's,
@@ -271,6 +273,16 @@ class Plan:
             updates["param_layout"] = functools.partial(sharding_lib.replicate, mesh=self.mesh())
         if hasattr(model, "dtype"):
             updates["dtype"] = self.policy.compute_dtype
+        if (
+            getattr(model, "conv_impl", None) == "auto"
+            and self.microbatches == 1
+            and scanned_blocks.straight_line(
+                getattr(model, "unroll", False), self.remat, self.policy.compute_dtype
+            )
+        ):
+            # The loop-friendly convolution is for XLA:CPU's loop bodies; in a step with no
+            # loop XLA's own keeps fewer buffers (and "auto" is XLA's off the CPU anyway).
+            updates["conv_impl"] = "xla"
         if hasattr(model, "remat"):
             if self.remat_blocks:
                 raise ValueError(

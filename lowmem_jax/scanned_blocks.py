@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from lowmem_jax.base import BlockwiseLeaf
 from lowmem_jax.remat import RematSpec, parse_policy
 
-__all__ = ["ScannedBlocks", "STACK", "in_stack"]
+__all__ = ["ScannedBlocks", "STACK", "in_stack", "straight_line"]
 
 
 #: The variable name under which :class:`ScannedBlocks` stores its blocks' stacked variables.
@@ -31,6 +31,15 @@ def in_stack(names: Sequence[str]) -> bool:
     """Whether the parameter at path ``names`` belongs to a :class:`ScannedBlocks` stack (its
     leading axis indexes the blocks)."""
     return STACK in names
+
+
+def straight_line(unroll: bool | None, remat: str | RematSpec, dtype: Any = None) -> bool:
+    """Whether a stack runs as straight-line code, not a loop (:class:`ScannedBlocks`'
+    ``unroll``): ``True``/``False`` as given; ``None``: a stack without remat whose activations'
+    ``dtype`` is not float16."""
+    if unroll is not None:
+        return unroll
+    return not parse_policy(remat).enabled and jnp.dtype(dtype or jnp.float32) != jnp.float16
 
 
 class ScannedBlocks(nn.Module):
@@ -51,8 +60,14 @@ class ScannedBlocks(nn.Module):
       remat: a policy name or :class:`RematSpec` (module docstring), or one policy name per
         block (a model's slice of a ``blocks:`` schedule, :func:`stack_policies`): each run of
         equal names is scanned under its policy.
-      unroll: unroll the scan into straight-line code (``lax.scan(unroll=True)``): same
-        parameters and results; XLA then schedules the blocks as it would a Python loop.
+      unroll: ``True``: every run of blocks as straight-line code (``lax.scan(unroll=True)``:
+        same parameters and results; XLA schedules the blocks as it would a Python loop);
+        ``False`` (default): every run a loop; ``None``: a run without remat is unrolled unless
+        it computes in float16 (:func:`straight_line`). Why: unrolled, XLA sees the forward and
+        backward passes whole and may recompute cheap elementwise results instead of keeping
+        the residuals a loop must stack; but it may also schedule a remat'd block's
+        recomputation early and keep it, undoing the remat, and on XLA:CPU an unrolled float16
+        step keeps more than a looped one (``benchmarks/results/unroll_*``).
       param_layout: applied to one block's parameters inside the loop, before the block uses
         them (and again when remat recomputes the block), e.g. ZeRO-3's gather of that
         block's partitioned parameters (:func:`lowmem_jax.sharding.replicate`, set by
@@ -68,7 +83,7 @@ class ScannedBlocks(nn.Module):
     make_block: Callable[[], nn.Module]
     length: int
     remat: str | RematSpec | tuple[str, ...] = "none"
-    unroll: bool = False
+    unroll: bool | None = False
     param_layout: Callable[[Any], Any] | None = None
 
     @nn.compact
@@ -174,8 +189,9 @@ def _policy_runs(remat: str | RematSpec | tuple[str, ...], length: int) -> list[
     return runs
 
 
-def _scan_run(apply_block, x, xs, length: int, spec: RematSpec, unroll: bool):
+def _scan_run(apply_block, x, xs, length: int, spec: RematSpec, unroll: bool | None):
     """``length`` blocks applied in sequence under ``spec``; ``(x, per-block outputs)``."""
+    unroll = straight_line(unroll, spec, x.dtype)
     segment = spec.segment_length(length) if spec.segment else 1
     if length == 1:
         # A lone block may change the shape (stride, width), which a scan carry cannot;

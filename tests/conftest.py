@@ -6,7 +6,9 @@ pytest puts ``tests/`` on ``sys.path`` (no package), so test modules import thes
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import tempfile
 from typing import Any
 
@@ -57,6 +59,17 @@ settings.load_profile("lowmem")
 # For a test whose time goes into running many steps rather than compiling them: XLA's own
 # defaults again (unoptimised loops ran the digits trainings of test_user_models 1.8x slower).
 OPTIMIZED = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def fast_jit(fn, plan=None, **kwargs):

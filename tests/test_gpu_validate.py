@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import subprocess
 import sys
 
 import pytest
+from conftest import BENCHMARKS, load_benchmark
 
 from lowmem_jax.plan import Plan
 from lowmem_jax.workloads import analyze_model
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_validate.py"
+SCRIPT = BENCHMARKS / "gpu_validate.py"
 TINY = ["--models", "wrn-10-1", "--batch-size", "4", "--image-size", "8", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")
 def gpu_validate():
-    spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_validate")
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import pytest
 import lowmem_jax as lm
 from lowmem_jax import cli, memory
 from lowmem_jax.flops import count_flops
+from lowmem_jax.ops import conv2d
 from lowmem_jax.plan_flags import plan_from_args
 from lowmem_jax.report import model_grid, run_report, standard_grid, write_report
 from lowmem_jax.workloads import analyze_model
@@ -262,6 +263,22 @@ def test_count_flops_counts_matmuls_and_loop_trips():
 
     flops, _ = count_flops(scanned, a, b)
     assert flops == 5 * 2 * 4 * 8 * 3  # the loop body times its trip count
+
+
+def test_count_flops_skips_the_zeros_of_a_dilated_input():
+    """The input gradient of a stride-2 convolution is a convolution over the output gradient
+    dilated by 2: it multiplies as many real samples as the forward pass, not 4x as many;
+    the loop-friendly convolution's phase decomposition computes the same."""
+    x, w = jnp.ones((8, 16, 16, 16)), jnp.ones((3, 3, 16, 32))
+    forward, _ = count_flops(lambda x: conv2d(x, w, (2, 2), "SAME", impl="xla"), x)
+    assert forward == 2 * (8 * 8 * 8 * 32) * (3 * 3 * 16)
+    grad = jax.grad(lambda x: conv2d(x, w, (2, 2), "SAME", impl="xla").sum())
+    flops, _ = count_flops(grad, x)
+    # The transpose alone: the forward output is dead code for the gradient of a sum.
+    assert flops == pytest.approx(forward, abs=8)
+    friendly = jax.grad(lambda x: conv2d(x, w, (2, 2), "SAME", impl="loop_friendly").sum())
+    # its backward computes the kernel's gradient too (a custom_vjp), then drops it as dead code
+    assert count_flops(friendly, x)[0] == pytest.approx(forward, abs=8)
 
 
 def test_typed_prng_keys_saved_for_backward_are_counted():

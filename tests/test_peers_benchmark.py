@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
-from conftest import TinyConvNet
-
-PEERS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+from conftest import TinyConvNet, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def peers():
-    spec = importlib.util.spec_from_file_location("peers_benchmark", PEERS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("peers")
 
 
 @pytest.mark.slow

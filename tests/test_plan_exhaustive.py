@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
+from conftest import load_benchmark
 from hypothesis import given
 from hypothesis import strategies as st
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "plan_exhaustive.py"
-_spec = importlib.util.spec_from_file_location("plan_exhaustive", SCRIPT)
-plan_exhaustive = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_exhaustive)
+plan_exhaustive = load_benchmark("plan_exhaustive")
 
 
 @given(

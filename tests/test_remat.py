@@ -50,12 +50,14 @@ def test_remat_gradients_equal_no_remat(baseline, policy):
 
 class Block(nn.Module):
     features: int = 64
+    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x, train):
-        h = jnp.tanh(nn.Dense(self.features)(x))
-        h = jnp.tanh(nn.Dense(self.features)(h))
-        return x + nn.Dense(self.features)(h)
+        dense = functools.partial(nn.Dense, self.features, dtype=self.dtype)
+        h = jnp.tanh(dense()(x))
+        h = jnp.tanh(dense()(h))
+        return x + dense()(h)
 
 
 def _stack_temp_bytes(remat, length=16, batch=1024, options=None):
@@ -182,6 +184,34 @@ def test_unknown_policy_raises(name):
 )
 def test_segment_length(name, length, expected):
     assert lm.parse_policy(name).segment_length(length) == expected
+
+
+@pytest.mark.parametrize(
+    "remat, dtype, unroll, straight",
+    [
+        ("none", jnp.float32, None, True),
+        ("none", jnp.bfloat16, None, True),
+        ("none", jnp.float16, None, False),  # float16 stacks stay loops
+        ("full", jnp.float32, None, False),  # remat'd stacks stay loops
+        ("full", jnp.float32, True, True),
+        ("none", jnp.float32, False, False),
+    ],
+)
+def test_unroll_none_unrolls_stacks_without_remat_or_float16(remat, dtype, unroll, straight):
+    """``unroll=None``: the scan is unrolled (its ``unroll`` parameter is the stack's length)
+    exactly when :func:`straight_line` says so; the result does not change."""
+    stack = lm.ScannedBlocks(functools.partial(Block, 8, dtype), 3, remat, unroll)
+    x = jnp.ones((2, 8), dtype)
+    params = stack.init(jax.random.key(0), x, train=False)["params"]
+    eqns = lm.remat.traced_equations(lambda p: stack.apply({"params": p}, x, train=True), params)
+    scans = [e for e in eqns if e.primitive.name == "scan"]
+    assert [e.params["unroll"] > 1 for e in scans] == [straight]
+    assert lm.scanned_blocks.straight_line(unroll, remat, dtype) is straight
+    looped = lm.ScannedBlocks(functools.partial(Block, 8, dtype), 3, remat, False)
+    np.testing.assert_array_equal(
+        stack.apply({"params": params}, x, train=True),
+        looped.apply({"params": params}, x, train=True),
+    )
 
 
 class ContextBlock(nn.Module):

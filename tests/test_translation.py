@@ -1,13 +1,11 @@
 import functools
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FAST_COMPILE
+from conftest import FAST_COMPILE, load_benchmark
 
 import lowmem_jax as lm
 from lowmem_jax.checkpointing import (
@@ -73,12 +71,7 @@ def test_beam_size_one_equals_greedy():
 
 
 def _load_decode_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "decode_benchmark", Path(__file__).parents[1] / "benchmarks" / "decode.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("decode")
 
 
 # The decoding interface computed the old way (the full decode over the prefix buffer at every

@@ -248,24 +248,51 @@ def test_build_rejects_a_batch_the_microbatches_do_not_divide():
 
 
 def test_the_plain_step_is_plain_and_agrees_with_the_lowmem_fp32_step():
+    """Plain, ours (no technique: unrolled, XLA's convolution) and ours scanned with the
+    loop-friendly convolution take the same step."""
     work = workload("wrn-10-1", 8, image_size=8)
     plain, ours = lm.workloads.build_plain(work), build(work, lm.Plan())
+    scanned_work = dataclasses.replace(work, model=work.model.clone(unroll=False))
+    scanned = build(scanned_work, lm.Plan())
     assert plain.config["plain"] and (plain.model.unroll, plain.model.conv_impl) == (True, "xla")
-    assert (ours.model.unroll, ours.model.conv_impl) == (False, "auto")
+    assert (ours.model.unroll, ours.model.conv_impl) == (None, "xla")
+    assert (scanned.model.unroll, scanned.model.conv_impl) == (False, "auto")
     batch = plain.example_batch()
     after = {}
-    for name, setup in (("plain", plain), ("ours", ours)):
+    for name, setup in (("plain", plain), ("ours", ours), ("scanned", scanned)):
         state = setup.init_state(batch)
         eqns = {e.primitive.name for e in lm.remat.traced_equations(setup.step, state, batch)}
         # lowmem's step checks finiteness (to skip a step); the plain one does not.
-        assert ("is_finite" in eqns) == (name == "ours"), (name, eqns)
+        assert ("is_finite" in eqns) == (name != "plain"), (name, eqns)
         after[name], _ = setup.step(state, batch)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-        after["plain"].params, after["ours"].params,
-    )  # fmt: skip
+    for name in ("ours", "scanned"):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+            after["plain"].params, after[name].params,
+        )  # fmt: skip
     report = lm.analyze_model("wrn-10-1", 8, None, image_size=8)
     assert report.config["plain"] and report.xla["total_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "plan, unroll, conv_impl",
+    [
+        (lm.Plan(), None, "xla"),
+        (lm.Plan(microbatches=2), None, "auto"),  # the microbatches' loop
+        (lm.Plan(remat="full"), None, "auto"),  # remat'd stacks stay loops
+        (lm.Plan(remat="blocks:none*2,full,none*3"), None, "auto"),
+        (lm.Plan(), False, "auto"),  # scanned stacks
+        (lm.Plan(remat="full"), True, "xla"),
+        (lm.Plan(precision="mixed_fp16"), None, "auto"),  # float16 stacks stay loops
+        (lm.Plan(precision="mixed_bf16"), None, "xla"),
+    ],
+)
+def test_xla_convolution_exactly_when_the_step_has_no_loop(plan, unroll, conv_impl):
+    model = lm.models.WideResNet(depth=16, width=1, unroll=unroll)
+    assert plan.configure_model(model).conv_impl == conv_impl
+    assert plan.configure_model(model.clone(conv_impl="loop_friendly")).conv_impl == (
+        "loop_friendly"
+    )
 
 
 def test_variable_shapes_trace_once_per_model_and_inputs():

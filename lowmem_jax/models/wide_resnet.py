@@ -100,7 +100,9 @@ class WideResNet(nn.Module):
         ``blocks:`` schedule of ``3 * (depth - 4) // 6`` blocks, the groups in order.
       conv_impl: ``"auto" | "xla" | "loop_friendly"`` (see :mod:`lowmem_jax.ops.conv`).
       unroll: run the stacks of identical blocks as straight-line code instead of a loop (same
-        parameters and results; ``conv_impl="xla", unroll=True`` is the plain Flax baseline).
+        parameters and results); ``None``: the stacks neither remat'd nor computing in float16
+        unrolled, the others loops (:func:`lowmem_jax.scanned_blocks.straight_line`).
+        ``conv_impl="xla", unroll=True`` is the plain Flax baseline.
       factorize: a :class:`~lowmem_jax.factorization.FactorConfig`: the blocks' convolutions
         (and, unless ``keep_first_last``, the stem and the classifier) are factorized.
       param_layout: applied to each block's parameters inside its stack's loop
@@ -118,7 +120,7 @@ class WideResNet(nn.Module):
     dtype: Any = None
     remat: str = "none"
     conv_impl: str = "auto"
-    unroll: bool = False
+    unroll: bool | None = None
     bn_momentum: float = 0.9
     factorize: FactorConfig | None = None
     param_layout: Callable[[Any], Any] | None = None

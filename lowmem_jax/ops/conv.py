@@ -140,8 +140,22 @@ def _grad_input(dy: jax.Array, w: jax.Array, in_hw, strides, pads) -> jax.Array:
             if w_r.size == 0:  # kernel smaller than the stride: no tap hits this phase
                 cols.append(jnp.zeros((b, *qs, c_in), dy.dtype))
                 continue
-            conv_pads = [(k - 1, q - m) for k, q, m in zip(w_r.shape[:2], qs, out_hw, strict=True)]
-            cols.append(_conv(dy, w_r, padding=conv_pads))
+            # Only the grid rows t that land inside the input (0 <= t*s + r - lo < H) are
+            # computed; the rest of the phase's q rows are the crop's zeros.
+            spans = [
+                (max(0, -((r - lo) // s)), min(q, (n - 1 + lo - r) // s + 1))
+                for (n, _, _, s, lo), q, r in zip(axes, qs, (rh, rw), strict=True)
+            ]
+            if any(t1 <= t0 for t0, t1 in spans):
+                cols.append(jnp.zeros((b, *qs, c_in), dy.dtype))
+                continue
+            conv_pads = [
+                (k - 1 - t0, t1 - m)
+                for k, m, (t0, t1) in zip(w_r.shape[:2], out_hw, spans, strict=True)
+            ]
+            edges = [(t0, q - t1, 0) for (t0, t1), q in zip(spans, qs, strict=True)]
+            g = _conv(dy, w_r, padding=conv_pads)
+            cols.append(lax.pad(g, zero, [(0, 0, 0), *edges, (0, 0, 0)]))
         rows.append(jnp.stack(cols, 3))  # [B, q_h, q_w, s_w, C_in]
     z = jnp.stack(rows, 2).reshape(b, qs[0] * strides[0], qs[1] * strides[1], c_in)
     cfg = [(-lo, n + lo - q * s, 0) for (n, _, _, s, lo), q in zip(axes, qs, strict=True)]
