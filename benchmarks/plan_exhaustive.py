@@ -32,6 +32,7 @@ import jax
 
 from lowmem_jax import memory, planner
 from lowmem_jax.flops import count_flops
+from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
 from lowmem_jax.plan_search import plan_of
 from lowmem_jax.remat import schedule_name
@@ -83,7 +84,8 @@ def every_plan(work: Workload, space: dict[str, tuple]) -> list:
         remats, space["precision"], space["microbatches"], space["sparsity"],
         space["optimizer_state"],
     ):  # fmt: skip
-        plans.append(plan_of(remat, None, precision, micro, sparsity, state))
+        plans.append(plan_of({"remat": remat, "precision": precision, "microbatches": micro,
+                              "sparsity": sparsity, "optimizer_state": state}))  # fmt: skip
     return plans
 
 
@@ -115,8 +117,7 @@ def compare(name: str, work: Workload, count: int, log) -> dict:
             f"{rows[-1]['xla_total_bytes'] / MIB:.3f} MiB, FLOPs {rows[-1]['flops']:.4g}"
         )
     exhaustive_seconds = time.perf_counter() - start
-    reference = next(r for r in rows if r["plan"] == plan_of("none", None, "fp32", 1, 0.0,
-                                                                      "auto"))  # fmt: skip
+    reference = next(r for r in rows if r["plan"] == Plan())
     least = min(r["xla_total_bytes"] for r in rows)
     space = {**space, "remat": ("none", "dots", "full", "blocks")}
     out = []

@@ -39,7 +39,6 @@ from flax import nnx
 
 from lowmem_jax import factorization as factorization_lib
 from lowmem_jax import loss_scale as loss_scale_lib
-from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import optimizer_state as optimizer_state_lib
 from lowmem_jax import precision as precision_lib
 from lowmem_jax import remat as remat_lib
@@ -48,16 +47,19 @@ from lowmem_jax import sharding as sharding_lib
 from lowmem_jax import sparsity as sparsity_lib
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer
 from lowmem_jax.remat import ModuleT
+from lowmem_jax.techniques import TECHNIQUES
+from lowmem_jax.techniques.input_dtype import INPUT_DTYPES
 
 __all__ = ["Plan", "INPUT_DTYPES"]
 
-#: How a batch may store its images (``Plan.input_dtype``).
-INPUT_DTYPES = ("float32", "uint8")
 
-
-def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A technique field that ``lowmem`` exposes as ``--field-name`` (``help``, ``choices``)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def _flag(
+    default: Any, help: str, choices: tuple[str, ...] | None = None, omit_default: bool = False
+) -> Any:
+    """A technique field that ``lowmem`` exposes as ``--field-name`` (``help``, ``choices``);
+    ``omit_default``: :meth:`Plan.to_dict` leaves it out at its default."""
+    metadata = {"help": help, "choices": choices, "omit_default": omit_default}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +154,9 @@ class Plan:
         "how batches store images: float32 (normalised by the data pipeline) or uint8 (raw "
         "pixels, 4x smaller; the model normalises each microbatch inside the step)",
         choices=INPUT_DTYPES,
+        omit_default=True,
     )
-    remat_blocks: tuple[str, ...] = ()
+    remat_blocks: tuple[str, ...] = dataclasses.field(default=(), metadata={"omit_default": True})
     sparsity: sparsity_lib.SparseConfig | None = None
     factorize: factorization_lib.FactorConfig | None = None
     initial_loss_scale: float = 2.0**15
@@ -162,48 +165,8 @@ class Plan:
     min_loss_scale: float = 1.0
 
     def __post_init__(self):
-        precision_lib.get_policy(self.precision)
-        if self.loss_scale != "auto" and self.loss_scale not in loss_scale_lib.LOSS_SCALES:
-            raise ValueError(
-                f"Unknown loss_scale={self.loss_scale!r}; allowed values: "
-                f"{['auto', *loss_scale_lib.LOSS_SCALES]}"
-            )
-        microbatch_lib.check_num_microbatches(self.microbatches)
-        remat_lib.parse_policy(self.remat)
-        if not isinstance(self.remat_blocks, tuple) or not all(
-            isinstance(n, str) and n for n in self.remat_blocks
-        ):
-            raise ValueError(
-                f"remat_blocks must be a tuple of class names, got {self.remat_blocks!r}"
-            )
-        optimizer_state_lib.check_format(self.optimizer_state)
-        if self.sparsity is not None and not isinstance(self.sparsity, sparsity_lib.SparseConfig):
-            raise ValueError(
-                f"sparsity must be a lowmem_jax.sparsity.SparseConfig or None, got "
-                f"{type(self.sparsity).__name__}"
-            )
-        if self.factorize is not None and not isinstance(
-            self.factorize, factorization_lib.FactorConfig
-        ):
-            raise ValueError(
-                f"factorize must be a lowmem_jax.factorization.FactorConfig or None, got "
-                f"{type(self.factorize).__name__}"
-            )
-        sharding_lib.stage(self.shard)
-        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 0:
-            raise ValueError(f"devices must be an int >= 0 (0: all visible), got {self.devices!r}")
-        sharding_lib.check_memory_kind(self.optimizer_memory, "optimizer_memory")
-        if self.input_dtype not in INPUT_DTYPES:
-            raise ValueError(
-                f"Unknown input_dtype={self.input_dtype!r}; allowed values: {list(INPUT_DTYPES)}"
-            )
-        loss_scale_lib.check_settings(
-            self.loss_scale_kind,
-            initial_scale=self.initial_loss_scale,
-            period=self.loss_scale_period,
-            factor=self.loss_scale_factor,
-            min_loss_scale=self.min_loss_scale,
-        )
+        for technique in TECHNIQUES:  # in order: a later rule may read an earlier field
+            technique.validate(self)
 
     @property
     def policy(self) -> precision_lib.Policy:
@@ -352,19 +315,18 @@ class Plan:
         return remat_lib.compiler_options(self.remat)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able description: every field (``remat_blocks`` and ``input_dtype`` only when
-        set), ``loss_scale`` resolved; ``sparsity`` as
-        :meth:`SparseConfig.describe` and ``factorize`` as :meth:`FactorConfig.describe`, each
-        left out when unset."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """A JSON-able description: every field, ``loss_scale`` resolved; a field declared
+        ``omit_default`` only when set; a config (a value with ``describe()``, e.g.
+        :meth:`SparseConfig.describe`) as its description, last, and left out when unset."""
+        out, configs = {}, {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("omit_default") and value == f.default:
+                continue  # as every earlier record has it
+            if value is None or hasattr(value, "describe"):
+                if value is not None:
+                    configs[f.name] = value.describe()
+                continue
+            out[f.name] = value
         out["loss_scale"] = self.loss_scale_kind
-        if not self.remat_blocks:
-            del out["remat_blocks"]
-        if self.input_dtype == "float32":  # the default, as every earlier record has it
-            del out["input_dtype"]
-        del out["sparsity"], out["factorize"]  # last, when set
-        if self.sparsity is not None:
-            out["sparsity"] = self.sparsity.describe()
-        if self.factorize is not None:
-            out["factorize"] = self.factorize.describe()
-        return out
+        return {**out, **configs}

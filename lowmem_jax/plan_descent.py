@@ -83,8 +83,7 @@ def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan
         for j in (i - 1, i + 1):
             if 0 <= j < len(values):
                 o = {**here, axis: axes[axis][j]}
-                plans.append(plan_of(plan.remat, plan.factorize, o["precision"], o["microbatches"],
-                                     o["sparsity"], o["optimizer_state"]))  # fmt: skip
+                plans.append(plan_of({**o, "remat": plan.remat, "factorize": plan.factorize}))
     stacks = getattr(search.work.model, "block_stacks", None)
     spec = parse_policy(plan.remat)
     policies = spec.schedule or (plan.remat,) * (sum(stacks()) if stacks else 0)

@@ -22,12 +22,13 @@ from typing import Any
 
 from lowmem_jax import memory, remat_schedule
 from lowmem_jax import precision as precision_lib
-from lowmem_jax.envelope import Envelope, report_sparsity
+from lowmem_jax.envelope import Envelope
 from lowmem_jax.flops import count_flops
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
 from lowmem_jax.remat import parse_policy
 from lowmem_jax.step_timing import time_step
+from lowmem_jax.techniques import TECHNIQUES
 from lowmem_jax.workloads import Workload, build
 
 MIB = 2.0**20
@@ -81,8 +82,10 @@ class Search:
         key = calibration_key(plan)
         if key in self.calibration or not bound:
             return self.calibration.get(key, 1.0)
-        for same in (PRECISION, STATE), (PRECISION,):
-            ratios = [r for k, r in self.calibration.items() if all(k[i] == key[i] for i in same)]
+        settings = dict(key)
+        for same in ("precision", "optimizer_state"), ("precision",):
+            ratios = [r for k, r in self.calibration.items()
+                      if all(dict(k)[name] == settings[name] for name in same)]  # fmt: skip
             if ratios:
                 return min(ratios)
         return 1.0
@@ -193,35 +196,32 @@ class Search:
         return 40 if tokens is None else tokens.shape[1]
 
 
-def calibration_key(plan: Plan) -> tuple:
-    """What a calibration is kept for: every setting but the microbatch count (XLA's temp
-    bytes for sparse rewiring or quantized state differ from the analytic count in ways that
-    depend on each setting); the per-block schedules as one (``blocks``)."""
+def calibration_key(plan: Plan) -> tuple[tuple[str, Any], ...]:
+    """What a calibration is kept for, as ``(setting, value)`` pairs: every setting but the
+    microbatch count (XLA's temp bytes for sparse rewiring or quantized state differ from the
+    analytic count in ways that depend on each setting); the per-block schedules as one
+    (``blocks``)."""
     remat = "blocks" if parse_policy(plan.remat).schedule else plan.remat
-    return (remat, plan.factorize, plan.precision, plan.sparsity, plan.optimizer_state)
+    return (("remat", remat), ("factorize", plan.factorize), ("precision", plan.precision),
+            ("sparsity", plan.sparsity), ("optimizer_state", plan.optimizer_state))  # fmt: skip
 
 
-PRECISION, STATE = 2, 4  # their places in a key
-
-
-def plan_of(remat, factorize, precision, microbatches, sparsity, state) -> Plan:
-    """The :class:`Plan` of one point of the search space (``sparsity`` a fraction: 0 for
-    dense, else the report's sparse storage at that fraction)."""
-    sparse = report_sparsity(sparsity) if sparsity else None
-    return Plan(precision=precision, microbatches=microbatches, remat=remat, sparsity=sparse,
-                optimizer_state=state, factorize=factorize)  # fmt: skip
+def plan_of(point: dict[str, Any]) -> Plan:
+    """The :class:`Plan` of one point of the search space: ``{axis key: value}`` for axes of
+    registered techniques (:attr:`Technique.axis`; e.g. ``sparsity`` a fraction: 0 for dense,
+    else the report's sparse storage at that fraction); axes left out keep the plan's
+    default."""
+    axes = {t.axis.key: t.axis for t in TECHNIQUES if t.axis is not None}
+    unknown = set(point) - set(axes)
+    if unknown:
+        raise ValueError(f"Unknown search axes {sorted(unknown)}; allowed values: {list(axes)}")
+    fields: dict[str, Any] = {}
+    for key, value in point.items():
+        fields.update(axes[key].plan_fields(value))
+    return Plan(**fields)
 
 
 def plan_name(plan: Plan) -> str:
-    parts = [plan.precision]
-    if plan.microbatches > 1:
-        parts.append(f"mb {plan.microbatches}")
-    if plan.remat != "none":
-        parts.append(f"remat {plan.remat}")
-    if plan.sparsity is not None:
-        parts.append(f"sparse {1 - plan.sparsity.density:.0%}")
-    if plan.optimizer_state != "auto":
-        parts.append(f"state {plan.optimizer_state}")
-    if plan.factorize is not None:
-        parts.append(f"{plan.factorize.method} {plan.factorize.compression:.0%}")
-    return " + ".join(parts)
+    """A plan's short name: each technique's label in the registry's order
+    (``"fp16 + mb 4 + remat full"``)."""
+    return " + ".join(label for t in TECHNIQUES if (label := t.label(plan)) is not None)

@@ -55,13 +55,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lowmem_jax.envelope import ENVELOPES, Envelope
-from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_descent import descend
 from lowmem_jax.plan_flags import analyze_argv
 from lowmem_jax.plan_search import MIB, Search, calibration_key, plan_name, plan_of
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.remat import parse_policy
+from lowmem_jax.techniques import TECHNIQUES
 from lowmem_jax.workloads import Workload, workload
 
 __all__ = [
@@ -74,13 +74,13 @@ __all__ = [
     "plan_for_model",
 ]
 
-#: The settings searched on each axis, mildest first (envelopes remove some).
+#: The settings searched on each axis, mildest first (envelopes remove some): each registered
+#: technique's axis (:attr:`lowmem_jax.technique.Technique.axis`) that has fixed candidates
+#: (the microbatch counts come from the batch size).
 SPACE = {
-    "remat": ("none", "dots", "full", "sqrt", "blocks"),
-    "factorize": (None, FactorConfig("tucker", 0.25)),
-    "precision": ("fp32", "mixed_bf16", "mixed_fp16", "bf16", "fp16"),
-    "sparsity": (0.0, 0.5, 0.7, 0.9),
-    "optimizer_state": ("auto", "bf16", "int8", "int4"),
+    t.axis.key: t.axis.values
+    for t in TECHNIQUES
+    if t.axis is not None and t.axis.values is not None
 }
 
 #: What "cheapest" means: FLOPs counted from the jaxpr (recomputation included), or the
@@ -136,22 +136,22 @@ class BudgetPlan:
 
 
 def _axes(envelope: Envelope, batch_size: int, space: dict[str, tuple]) -> dict[str, tuple]:
-    """``space`` inside ``envelope``, with the microbatch counts ``batch_size`` allows."""
-    micro = tuple(
-        m for m in range(1, batch_size + 1)
-        if batch_size % m == 0 and (m == 1 or batch_size // m >= envelope.min_microbatch_examples)
-    )  # fmt: skip
-    micro = tuple(m for m in micro if m in space.get("microbatches", micro))
-    return {
-        "remat": space["remat"],
-        "factorize": tuple(f for f in space["factorize"] if f is None or envelope.factorize),
-        "precision": tuple(p for p in space["precision"] if p in envelope.precisions),
-        "microbatches": micro,
-        "sparsity": tuple(s for s in space["sparsity"] if s <= envelope.max_sparsity + 1e-9),
-        "optimizer_state": tuple(
-            s for s in space["optimizer_state"] if s in envelope.optimizer_states
-        ),
-    }
+    """Each registered axis' candidates in ``space`` (an axis whose candidates come from the
+    batch size: those ``batch_size`` allows, limited to ``space``'s where it has the key),
+    inside ``envelope``."""
+    axes = {}
+    for technique in TECHNIQUES:
+        axis = technique.axis
+        if axis is None:
+            continue
+        values = space[axis.key] if axis.values is not None else axis.space(batch_size)
+        if axis.values is None and axis.key in space:
+            values = tuple(v for v in values if v in space[axis.key])
+        if technique.envelope is not None:
+            limit = envelope.limit(technique.name)
+            values = tuple(v for v in values if axis.within(v, limit, batch_size))
+        axes[axis.key] = values
+    return axes
 
 
 def plan_for_budget(
@@ -272,7 +272,9 @@ def _fits_in_class(search: Search, axes, remat, factorize, flops) -> Iterator[tu
         if all(search.predict(c, bound=True) > search.budget for c in corners):
             continue
         for precision, sparsity, state in _mildest_first(axes):
-            plan = plan_of(remat, factorize, precision, micro, sparsity, state)
+            plan = plan_of({"remat": remat, "factorize": factorize, "precision": precision,
+                            "microbatches": micro, "sparsity": sparsity,
+                            "optimizer_state": state})  # fmt: skip
             if _fits_verified(search, plan, flops):
                 yield plan, flops
 
@@ -296,7 +298,8 @@ def _corners(axes: dict[str, tuple], remat, factorize, micro: int) -> list[Plan]
     precision and optimizer-state format (fewer state bits can cost temp bytes, so each)."""
     sparsity = max(axes["sparsity"])
     return [
-        plan_of(remat, factorize, p, micro, sparsity, s)
+        plan_of({"remat": remat, "factorize": factorize, "precision": p, "microbatches": micro,
+                 "sparsity": sparsity, "optimizer_state": s})
         for p in axes["precision"] for s in axes["optimizer_state"]
     ]  # fmt: skip
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from lowmem_jax.envelope import ENVELOPES, report_sparsity
+from lowmem_jax.envelope import ENVELOPES
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
@@ -37,6 +37,7 @@ from lowmem_jax.report_sharding import (
     sharding_plot,
     sharding_rows,
 )
+from lowmem_jax.sparsity import report_sparsity
 from lowmem_jax.workloads import analyze_model
 
 __all__ = [
@@ -307,10 +308,11 @@ def to_markdown(result: dict[str, Any]) -> str:
             "",
         ]
     if inside and inside.get("reduction_xla_vs_plain") is not None:
+        limits = inside["envelope"]
         lines += [
             "Best inside the technical report's envelope (fp32 master weights, microbatches of "
-            f"at least {ENVELOPE.min_microbatch_examples} examples, at most "
-            f"{ENVELOPE.max_sparsity:.0%} sparsity): **{inside['reduction_xla_vs_plain']:.1f}x "
+            f"at least {limits['min_microbatch_examples']} examples, at most "
+            f"{limits['max_sparsity']:.0%} sparsity): **{inside['reduction_xla_vs_plain']:.1f}x "
             f"({src})**, {inside['reduction_analytic_vs_plain']:.1f}x (analytic), by "
             f"`{inside['name']}`: `lowmem analyze {' '.join(inside['argv'])}`.",
             "",

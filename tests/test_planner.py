@@ -8,8 +8,9 @@ import pytest
 
 import lowmem_jax as lm
 from lowmem_jax import cli, plan_descent, plan_search, planner
-from lowmem_jax.envelope import ENVELOPES, report_sparsity
+from lowmem_jax.envelope import ENVELOPES
 from lowmem_jax.factorization import FactorConfig
+from lowmem_jax.sparsity import report_sparsity
 from lowmem_jax.workloads import analyze_model
 
 MIB = 2**20
@@ -160,7 +161,8 @@ def test_a_class_a_borrowed_ratio_rejects_is_probed_by_a_compile(monkeypatch):
 
     def borrowing(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.calibration[("full", None, "fp32", None, "auto")] = 5.0  # as if compiled
+        # as if compiled
+        self.calibration[plan_search.calibration_key(lm.Plan(remat="full"))] = 5.0
 
     monkeypatch.setattr(plan_search.Search, "__init__", borrowing)
     result = planner.plan_for_budget(work, budget, space=space)

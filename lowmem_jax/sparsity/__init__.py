@@ -49,6 +49,7 @@ from lowmem_jax.sparsity.config import (
     REGROW_POOLS,
     SparseConfig,
     default_is_sparse,
+    report_sparsity,
 )
 from lowmem_jax.sparsity.storage import CompressedStorage, MaskedStorage
 from lowmem_jax.sparsity.transform import (
@@ -65,6 +66,7 @@ __all__ = [
     "sparse_training",
     "density_report",
     "default_is_sparse",
+    "report_sparsity",
     "MaskedStorage",
     "CompressedStorage",
     "ALGORITHMS",

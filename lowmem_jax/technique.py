@@ -1,0 +1,114 @@
+"""The Technique protocol: what one technique declares so that the rest of the library can
+iterate over techniques instead of naming them.
+
+A :class:`Technique` is a value (like optax's ``GradientTransformation``): the :class:`Plan`
+fields it owns and their validation, the text of its plan labels, and optionally its command-line
+flags (:class:`Flags`), its rule in the accuracy envelopes (:class:`EnvelopeRule`) and its axis in
+the planner's search (:class:`Axis`). The ordered registry of them is
+:data:`lowmem_jax.techniques.TECHNIQUES`; this module imports no technique.
+
+``plan`` below is a :class:`lowmem_jax.Plan`; ``config`` a step's JSON description
+(``{"batch_size": B, **plan.to_dict()}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Technique", "Flags", "EnvelopeRule", "Axis"]
+
+
+def _no_label(plan: Any) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """Command-line flags beyond the one-flag-per-field ones (``Plan`` fields declared with a
+    help text become ``--field-name`` flags by themselves).
+
+    Attributes:
+      add: ``add(parser, base_plan)`` adds the flags (an argument group of their own).
+      fields: ``fields(args) -> {plan field: value}`` from parsed arguments; raises
+        ``ValueError`` naming the flag on a bad value.
+      argv: ``argv(plan) -> [flag, value, ...]``: the flags that give the plan's setting (none
+        where it is the default), the inverse of ``fields``.
+      given: ``given(args) -> [flag, ...]``: those of its flags the command line set.
+    """
+
+    add: Callable[[argparse.ArgumentParser, Any], None]
+    fields: Callable[[argparse.Namespace], dict[str, Any]]
+    argv: Callable[[Any], list[str]]
+    given: Callable[[argparse.Namespace], list[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvelopeRule:
+    """A technique's limit in each accuracy envelope (:mod:`lowmem_jax.envelope`).
+
+    Attributes:
+      key: the limit's name in :meth:`Envelope.describe` (e.g. ``"max_sparsity"``).
+      limits: ``{envelope name: limit}``; every envelope has one.
+      outside: ``outside(config, limit) -> reason | None``: why a step is outside, or ``None``.
+    """
+
+    key: str
+    limits: dict[str, Any]
+    outside: Callable[[dict[str, Any], Any], str | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """A technique's axis in the planner's search (:mod:`lowmem_jax.planner`).
+
+    Attributes:
+      key: the axis' name in a search space and in a point of it.
+      values: the candidates, mildest first; ``None``: from the batch size (``candidates``).
+      plan_fields: ``plan_fields(value) -> {plan field: value}``.
+      within: ``within(value, limit, batch_size) -> bool``: the value is inside an envelope
+        whose limit (:class:`EnvelopeRule`) is ``limit``.
+      compute: the axis sets the step's FLOPs (a compute class), else only where bytes live.
+      candidates: ``candidates(batch_size) -> values`` where ``values`` is ``None``.
+      families: values that stand for a family of settings the planner expands itself, not a
+        plan (remat's ``"blocks"``: the per-block schedules of :mod:`lowmem_jax.remat_schedule`).
+    """
+
+    key: str
+    values: tuple | None
+    plan_fields: Callable[[Any], dict[str, Any]]
+    within: Callable[[Any, Any, int], bool]
+    compute: bool = False
+    candidates: Callable[[int], tuple] | None = None
+    families: tuple = ()
+
+    def space(self, batch_size: int) -> tuple:
+        """The candidates for a batch of ``batch_size``."""
+        return self.values if self.values is not None else self.candidates(batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Technique:
+    """One technique, as the library's generic code sees it.
+
+    Attributes:
+      name: the registry key (the name of its main ``Plan`` field).
+      fields: the ``Plan`` fields it owns (each field is owned by one technique).
+      validate: ``validate(plan)`` raises ``ValueError`` naming the field and the allowed
+        values; called by ``Plan`` on construction.
+      label: ``label(plan) -> text | None``: its part of a plan's short name (``"mb 4"``),
+        ``None`` where it is off.
+      envelope, axis: see :class:`EnvelopeRule`, :class:`Axis`; required (``None`` says
+        "no limit" / "not searched", a decision each technique states, not a default).
+      flags: see :class:`Flags`.
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    validate: Callable[[Any], None]
+    envelope: EnvelopeRule | None = dataclasses.field(kw_only=True)
+    axis: Axis | None = dataclasses.field(kw_only=True)
+    label: Callable[[Any], str | None] = _no_label
+    flags: Flags | None = None

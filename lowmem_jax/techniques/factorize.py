@@ -1,0 +1,110 @@
+"""Factorized layers (:mod:`lowmem_jax.factorization`): ``factorize``, a ``FactorConfig`` or
+``None``."""
+
+from __future__ import annotations
+
+import argparse
+
+from lowmem_jax.factorization import METHODS, RANK_RULES, FactorConfig
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, Technique
+
+
+def _validate(plan) -> None:
+    if plan.factorize is not None and not isinstance(plan.factorize, FactorConfig):
+        raise ValueError(
+            f"factorize must be a lowmem_jax.factorization.FactorConfig or None, got "
+            f"{type(plan.factorize).__name__}"
+        )
+
+
+def _add_flags(parser: argparse.ArgumentParser, base) -> None:
+    group = parser.add_argument_group("factorized layers (lowmem_jax.factorization)")
+    group.add_argument(
+        "--factorize",
+        default="none",
+        choices=("none", *METHODS),
+        help="factorize the convolutions (cp: Lebedev et al.; tucker: Tucker-2, Kim et al.; "
+        "lowrank: KxK to R channels, then 1x1) and dense layers (always low-rank); the first and "
+        "last layers stay dense. Default: %(default)s",
+    )
+    group.add_argument(
+        "--factor-compression",
+        type=float,
+        default=0.25,
+        help="fraction of each factorized layer's parameters its factors keep (sets the ranks "
+        "under --factor-ranks compression). Default: %(default)s",
+    )
+    group.add_argument(
+        "--factor-ranks",
+        default="compression",
+        choices=RANK_RULES,
+        help="how ranks are chosen: by --factor-compression, or from the --decompose-from "
+        "model's weights (tucker, lowrank): energy (keep --factor-energy of the squared "
+        "singular values) or vbmf (Kim et al.'s VBMF). Default: %(default)s",
+    )
+    group.add_argument(
+        "--factor-energy",
+        type=float,
+        default=0.9,
+        help="retained energy for --factor-ranks energy. Default: %(default)s",
+    )
+
+
+def _fields(args: argparse.Namespace) -> dict:
+    if args.factorize == "none":
+        return {"factorize": None}
+    return {
+        "factorize": FactorConfig(
+            method=args.factorize,
+            compression=args.factor_compression,
+            rank_rule=args.factor_ranks,
+            energy=args.factor_energy,
+        )
+    }
+
+
+def _argv(plan) -> list[str]:
+    factor = plan.factorize
+    if factor is None:
+        return []
+    argv = ["--factorize", factor.method]
+    if factor.compression != 0.25:
+        argv += ["--factor-compression", repr(factor.compression)]
+    if factor.rank_rule != "compression":
+        argv += ["--factor-ranks", factor.rank_rule]
+    if factor.energy != 0.9:
+        argv += ["--factor-energy", repr(factor.energy)]
+    return argv
+
+
+TECHNIQUE = Technique(
+    name="factorize",
+    fields=("factorize",),
+    validate=_validate,
+    label=lambda plan: (
+        None
+        if plan.factorize is None
+        else f"{plan.factorize.method} {plan.factorize.compression:.0%}"
+    ),
+    flags=Flags(
+        add=_add_flags,
+        fields=_fields,
+        argv=_argv,
+        given=lambda args: ["--factorize"] if args.factorize != "none" else [],
+    ),
+    # The report did not study factorized layers: outside its envelope.
+    envelope=EnvelopeRule(
+        "factorize",
+        {"report": False, "any": True},
+        lambda config, limit: (
+            "factorized layers" if config.get("factorize") and not limit else None
+        ),
+    ),
+    axis=Axis(
+        "factorize",
+        (None, FactorConfig("tucker", 0.25)),
+        plan_fields=lambda value: {"factorize": value},
+        within=lambda value, limit, batch_size: value is None or limit,
+        compute=True,
+    ),
+)

@@ -1,0 +1,31 @@
+"""Microbatching (:mod:`lowmem_jax.microbatch`): ``microbatches``, a count per batch."""
+
+from lowmem_jax import microbatch as microbatch_lib
+from lowmem_jax.technique import Axis, EnvelopeRule, Technique
+
+
+def _outside(config, limit):
+    examples = config["batch_size"] // config["microbatches"]
+    if config["microbatches"] > 1 and examples < limit:
+        return f"microbatches of {examples} examples (< {limit})"
+    return None
+
+
+TECHNIQUE = Technique(
+    name="microbatches",
+    fields=("microbatches",),
+    validate=lambda plan: microbatch_lib.check_num_microbatches(plan.microbatches),
+    label=lambda plan: f"mb {plan.microbatches}" if plan.microbatches > 1 else None,
+    # The report kept accuracy down to microbatches of about 8 examples (BatchNorm statistics
+    # per microbatch); applied to every model, which is conservative for those without it.
+    envelope=EnvelopeRule("min_microbatch_examples", {"report": 8, "any": 1}, _outside),
+    axis=Axis(
+        "microbatches",
+        None,
+        plan_fields=lambda value: {"microbatches": value},
+        within=lambda value, limit, batch_size: value == 1 or batch_size // value >= limit,
+        candidates=lambda batch_size: tuple(
+            m for m in range(1, batch_size + 1) if batch_size % m == 0
+        ),
+    ),
+)

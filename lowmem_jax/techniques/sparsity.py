@@ -1,0 +1,130 @@
+"""Sparse training (:mod:`lowmem_jax.sparsity`): ``sparsity``, a ``SparseConfig`` or ``None``."""
+
+from __future__ import annotations
+
+import argparse
+
+from lowmem_jax.sparsity import (
+    ALGORITHMS,
+    DISTRIBUTIONS,
+    INITS,
+    REGROW_POOLS,
+    SparseConfig,
+    report_sparsity,
+)
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, Technique
+
+
+def _validate(plan) -> None:
+    if plan.sparsity is not None and not isinstance(plan.sparsity, SparseConfig):
+        raise ValueError(
+            f"sparsity must be a lowmem_jax.sparsity.SparseConfig or None, got "
+            f"{type(plan.sparsity).__name__}"
+        )
+
+
+def _add_flags(parser: argparse.ArgumentParser, base) -> None:
+    group = parser.add_argument_group("sparsity (lowmem_jax.sparsity)")
+    group.add_argument(
+        "--sparsity",
+        type=float,
+        default=0.0,
+        help="fraction of zeros in the sparse weights (conv and dense kernels except the "
+        "classifier; for translation the Linear kernels except DynamicConv's weight_linear, "
+        "embeddings dense), e.g. 0.9; 0 = dense. Default: %(default)s",
+    )
+    group.add_argument(
+        "--sparse-algorithm", default="dsr", choices=ALGORITHMS, help="Default: %(default)s"
+    )
+    group.add_argument(
+        "--sparse-distribution",
+        default="uniform",
+        choices=DISTRIBUTIONS,
+        help="per-layer densities. Default: %(default)s",
+    )
+    group.add_argument(
+        "--sparse-init", default="random", choices=INITS, help="initial mask. Default: %(default)s"
+    )
+    group.add_argument(
+        "--sparse-storage",
+        default="compressed",
+        choices=["compressed", "masked"],
+        help="compressed: non-zero values + int32 indices, dense weights only transient inside "
+        "the step; masked: dense weights + a mask (more memory than dense). Default: %(default)s",
+    )
+    group.add_argument(
+        "--sparse-regrow-pool",
+        default="auto",
+        choices=REGROW_POOLS,
+        help="where regrowth may land: not_kept = every position the prune did not keep (RigL's "
+        "Algorithm 1), zeros_first = old zeros first (a departure); auto = not_kept, zeros_first "
+        "for dsr. Default: %(default)s",
+    )
+    group.add_argument(
+        "--sparse-period",
+        type=int,
+        default=100,
+        help="optimizer steps between mask updates. Default: %(default)s",
+    )
+
+
+def _fields(args: argparse.Namespace) -> dict:
+    if not 0.0 <= args.sparsity < 1.0:
+        raise ValueError(f"--sparsity must be in [0, 1) (fraction of zeros), got {args.sparsity}")
+    if args.sparsity == 0.0:
+        return {"sparsity": None}
+    return {
+        "sparsity": SparseConfig(
+            algorithm=args.sparse_algorithm,
+            density=1.0 - args.sparsity,
+            distribution=args.sparse_distribution,
+            init=args.sparse_init,
+            update_period=args.sparse_period,
+            compressed=args.sparse_storage == "compressed",
+            regrow_pool=args.sparse_regrow_pool,
+        )
+    }
+
+
+def _argv(plan) -> list[str]:
+    sparse = plan.sparsity
+    if sparse is None:
+        return []
+    flags = {
+        "--sparse-algorithm": (sparse.algorithm, "dsr"),
+        "--sparse-distribution": (sparse.distribution, "uniform"),
+        "--sparse-init": (sparse.init, "random"),
+        "--sparse-storage": ("compressed" if sparse.compressed else "masked", "compressed"),
+        "--sparse-period": (sparse.update_period, 100),
+        "--sparse-regrow-pool": (sparse.regrow_pool, "auto"),
+    }
+    argv = ["--sparsity", repr(round(1.0 - sparse.density, 12))]
+    return argv + [a for flag, (v, d) in flags.items() if v != d for a in (flag, str(v))]
+
+
+def _outside(config, limit):
+    sparsity = (config.get("sparsity") or {}).get("sparsity", 0.0)
+    return f"sparsity {sparsity:.0%} (> {limit:.0%})" if sparsity > limit + 1e-9 else None
+
+
+TECHNIQUE = Technique(
+    name="sparsity",
+    fields=("sparsity",),
+    validate=_validate,
+    label=lambda plan: None if plan.sparsity is None else f"sparse {1 - plan.sparsity.density:.0%}",
+    flags=Flags(
+        add=_add_flags,
+        fields=_fields,
+        argv=_argv,
+        given=lambda args: ["--sparsity"] if args.sparsity else [],
+    ),
+    # DSR kept WRN-28-2 within 0.3 points of dense up to 70-80% sparsity (Mostafa & Wang).
+    envelope=EnvelopeRule("max_sparsity", {"report": 0.7, "any": 0.99}, _outside),
+    # A fraction of zeros: 0 is dense, else the report's sparse training (DSR, compressed).
+    axis=Axis(
+        "sparsity",
+        (0.0, 0.5, 0.7, 0.9),
+        plan_fields=lambda value: {"sparsity": report_sparsity(value) if value else None},
+        within=lambda value, limit, batch_size: value <= limit + 1e-9,
+    ),
+)

@@ -1,0 +1,145 @@
+"""The technique registry: every registered technique reaches Plan, the CLI, the planner's axes,
+the envelopes and the report grid, and a forgotten wire fails here."""
+
+import argparse
+import ast
+import dataclasses
+import pathlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lowmem_jax as lm
+from lowmem_jax import planner
+from lowmem_jax.envelope import ENVELOPES
+from lowmem_jax.plan_flags import add_plan_flags, add_workload_flags, analyze_argv, plan_from_args
+from lowmem_jax.plan_search import plan_name, plan_of
+from lowmem_jax.report import model_grid
+from lowmem_jax.techniques import TECHNIQUES, technique
+
+PLAN_FIELDS = [f.name for f in dataclasses.fields(lm.Plan)]
+AXES = [t for t in TECHNIQUES if t.axis is not None]
+BATCH = 128
+
+
+def _parser(base=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_workload_flags(parser)
+    add_plan_flags(parser, base or lm.Plan())
+    return parser
+
+
+def test_every_plan_field_is_owned_by_exactly_one_technique():
+    owned = [f for t in TECHNIQUES for f in t.fields]
+    assert sorted(owned) == sorted(PLAN_FIELDS)
+    assert len({t.name for t in TECHNIQUES}) == len(TECHNIQUES)
+    assert all(t.name in t.fields for t in TECHNIQUES)  # a technique is named by its field
+
+
+def test_every_technique_reaches_the_command_line():
+    options = {o for action in _parser()._actions for o in action.option_strings}
+    flag_fields = {f.name for f in lm.Plan.flag_fields()}
+    for t in TECHNIQUES:
+        assert "--" + t.name.replace("_", "-") in options, t.name
+        assert t.flags is not None or t.name in flag_fields, t.name
+
+
+@pytest.mark.parametrize("t", AXES, ids=lambda t: t.name)
+def test_every_axis_value_gives_a_plan_its_flags_give_back(t):
+    """Plan -> analyze_argv -> parsed flags -> the same plan, for every candidate of every axis
+    (analyze_argv itself raises where no flag expresses a setting); a non-default value shows
+    in the plan's name."""
+    for value in t.axis.space(BATCH):
+        if value in t.axis.families:
+            continue
+        plan = plan_of({t.axis.key: value})
+        argv = analyze_argv("wrn-28-2", BATCH, plan)
+        assert plan_from_args(_parser().parse_args(argv), lm.Plan()) == plan
+        assert (plan == lm.Plan()) == (t.label(plan) in (None, t.label(lm.Plan()))), value
+        if t.label(plan) is not None:
+            assert t.label(plan) in plan_name(plan)
+
+
+@pytest.mark.parametrize("envelope", sorted(ENVELOPES))
+@pytest.mark.parametrize("t", [t for t in TECHNIQUES if t.envelope is not None],
+                         ids=lambda t: t.name)  # fmt: skip
+def test_the_planner_axis_and_the_envelope_agree(t, envelope):
+    """A value the planner's axis admits into an envelope is one the envelope calls inside, and
+    a value it leaves out gets a reason: the search and the report's envelope column cannot
+    disagree."""
+    env = ENVELOPES[envelope]
+    assert env.describe()[t.envelope.key] == env.limit(t.name)
+    if t.axis is None:
+        return
+    for value in t.axis.space(BATCH):
+        if value in t.axis.families:
+            continue
+        config = {"batch_size": BATCH, **plan_of({t.axis.key: value}).to_dict()}
+        within = t.axis.within(value, env.limit(t.name), BATCH)
+        assert (env.why_outside(config) is None) == within, (value, env.why_outside(config))
+
+
+def test_every_rule_has_a_limit_in_every_envelope():
+    for t in TECHNIQUES:
+        if t.envelope is not None:
+            assert set(t.envelope.limits) == set(ENVELOPES), t.name
+
+
+@pytest.mark.parametrize("model", ["wrn-28-2", "dynamicconv-iwslt"])
+def test_every_searched_technique_has_rows_in_the_report_grid(model):
+    plans = [plan for _, _, plan in model_grid(model, BATCH) if plan is not None]
+    for t in AXES:
+        assert any(t.label(p) not in (None, t.label(lm.Plan())) for p in plans), t.name
+
+
+def test_the_planner_searches_every_registered_axis():
+    for envelope in ENVELOPES.values():
+        axes = planner._axes(envelope, BATCH, planner.SPACE)
+        assert list(axes) == [t.axis.key for t in AXES]
+        assert all(axes[t.axis.key] for t in AXES)  # the mildest value is always inside
+
+
+def test_microbatch_counts_follow_the_batch_and_the_envelope():
+    axes = planner._axes(ENVELOPES["report"], 100, {**planner.SPACE, "microbatches": (1, 4, 20)})
+    assert axes["microbatches"] == (1, 4)  # 100 / 20 = 5 examples: under the report's 8
+    assert planner._axes(ENVELOPES["any"], 12, planner.SPACE)["microbatches"] == (1, 2, 3, 4, 6, 12)
+
+
+def test_plan_of_refuses_an_unknown_axis():
+    with pytest.raises(ValueError, match="Unknown search axes \\['dropout'\\]; allowed values"):
+        plan_of({"dropout": 0.1})
+    with pytest.raises(ValueError, match="Unknown technique 'dropout'; registered"):
+        technique("dropout")
+
+
+CHOICE_FIELDS = [f for f in lm.Plan.flag_fields() if f.metadata["choices"]]
+
+
+@pytest.mark.parametrize("field", CHOICE_FIELDS, ids=lambda f: f.name)
+@given(value=st.text(min_size=1, max_size=12))
+def test_a_plan_refuses_a_value_outside_a_fields_choices_naming_it(field, value):
+    if value in field.metadata["choices"] or (field.name == "loss_scale" and value == "auto"):
+        return
+    with pytest.raises(ValueError, match=field.name):
+        lm.Plan(**{field.name: value})
+
+
+def test_technique_modules_import_no_other_technique_nor_the_composer():
+    """A technique declares itself against the protocol (lowmem_jax.technique) and its own
+    implementation; Plan, the step and the other techniques' descriptors stay out."""
+    here = pathlib.Path(lm.__file__).parent / "techniques"
+    forbidden = ("lowmem_jax.plan", "lowmem_jax.train", "lowmem_jax.techniques")
+    for path in here.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(forbidden), f"{path.name} imports {name}"
