@@ -50,13 +50,13 @@ from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
 from lowmem_jax.remat import compiler_options, parse_policy
 from lowmem_jax.scanned_blocks import ScannedBlocks
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
+from lowmem_jax.techniques.shard import state_shardings
 from lowmem_jax.train import (
     TrainState,
     make_plain_train_step,
     make_train_step,
     model_params,
     scaled_grad_fn,
-    state_shardings,
 )
 from lowmem_jax.workloads import analyze_model, build, workload
 

@@ -30,10 +30,8 @@ A technique module never imports this one or another technique; the plan names t
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -41,7 +39,6 @@ from lowmem_jax import factorization as factorization_lib
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import optimizer_state as optimizer_state_lib
 from lowmem_jax import precision as precision_lib
-from lowmem_jax import remat as remat_lib
 from lowmem_jax import scanned_blocks
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax import sparsity as sparsity_lib
@@ -188,87 +185,43 @@ class Plan:
         )
 
     def configure_model(self, model: ModuleT) -> ModuleT:
-        """A copy of ``model`` with this plan's ``remat`` policy and compute ``dtype``.
+        """A copy of ``model`` with this plan's model-side techniques: each registered
+        technique's ``configure_model`` hook in order (the compute ``dtype``, the ``remat``
+        policy per block or :func:`lowmem_jax.remat.remat_module`, ``factorize``, zero3's
+        per-block parameter gathering; see :mod:`lowmem_jax.techniques`).
 
-        A Linen model with a ``remat`` attribute (the bundled ones) applies the policy per
-        block itself; any other Linen model, and any NNX model, gets
-        :func:`lowmem_jax.remat.remat_module` (per block of the classes in ``remat_blocks``,
-        or the whole forward). The compute ``dtype`` is set on a Linen model that has the
-        field, and on every layer of an NNX model (a copy) whose ``dtype`` is ``None`` (else
-        e.g. ``nnx.BatchNorm`` computes in the dtype of its float32 statistics); layers with
-        an explicit ``dtype`` keep it.
-
-        ``factorize`` is set on the model's ``factorize`` field. A model whose ``conv_impl`` is
-        ``"auto"`` gets ``"xla"`` when the step has no loop (one microbatch, every stack
-        unrolled: :func:`lowmem_jax.scanned_blocks.straight_line`). Under ``shard="zero3"`` a
-        model with a ``param_layout`` field (the bundled ones) gets
-        :func:`lowmem_jax.sharding.replicate` there: each block of its scanned stacks gathers
-        its own partitioned parameters inside the loop, so one block's, not the whole model's,
-        are whole on a device at a time.
+        Then a Linen model whose ``conv_impl`` is ``"auto"`` gets ``"xla"`` when the step has no
+        loop (one microbatch, every stack unrolled:
+        :func:`lowmem_jax.scanned_blocks.straight_line`): the loop-friendly convolution is for
+        XLA:CPU's loop bodies; in a step with no loop XLA's own keeps fewer buffers.
 
         Raises:
           ValueError: ``remat_blocks`` for a model that has its own ``remat`` attribute, a
             segmenting policy for a model without one, or ``factorize`` for a model without a
             ``factorize`` field.
         """
-        if self.factorize is not None and (
-            isinstance(model, nnx.Module) or not hasattr(model, "factorize")
-        ):
-            raise ValueError(
-                f"factorize needs a Linen model with a `factorize` field (the bundled WideResNet "
-                f"and DynamicConvTransformer); {type(model).__name__} has none: build it with "
-                f"lowmem_jax.factorization.FactorizedConv / LowRankDense instead"
-            )
-        if isinstance(model, nnx.Module):
-            configured = remat_lib.remat_module(model, self.remat, self.remat_blocks)
-            if configured is model:  # no remat, no copy yet: the user's module stays as it was
-                configured = nnx.clone(model)
-            for _, layer in nnx.iter_graph(configured):
-                # Only layers left to infer their dtype: explicit choices (an fp32 head) stay.
-                if isinstance(layer, nnx.Module) and getattr(layer, "dtype", False) is None:
-                    layer.dtype = self.policy.compute_dtype
-            return configured
-        updates: dict[str, Any] = {}
-        if self.factorize is not None:
-            updates["factorize"] = self.factorize
-        if sharding_lib.stage(self.shard).parameters and hasattr(model, "param_layout"):
-            # zero3: each scanned block gathers its own parameters inside the loop
-            updates["param_layout"] = functools.partial(sharding_lib.replicate, mesh=self.mesh())
-        if hasattr(model, "dtype"):
-            updates["dtype"] = self.policy.compute_dtype
+        for technique in TECHNIQUES:
+            if technique.configure_model is not None:
+                model = technique.configure_model(model, self)
         if (
-            getattr(model, "conv_impl", None) == "auto"
+            not isinstance(model, nnx.Module)
+            and getattr(model, "conv_impl", None) == "auto"
             and self.microbatches == 1
             and scanned_blocks.straight_line(
                 getattr(model, "unroll", False), self.remat, self.policy.compute_dtype
             )
         ):
-            # The loop-friendly convolution is for XLA:CPU's loop bodies; in a step with no
-            # loop XLA's own keeps fewer buffers (and "auto" is XLA's off the CPU anyway).
-            updates["conv_impl"] = "xla"
-        if hasattr(model, "remat"):
-            if self.remat_blocks:
-                raise ValueError(
-                    f"remat_blocks={self.remat_blocks} is for models without a `remat` "
-                    f"attribute; {type(model).__name__} applies remat={self.remat!r} itself"
-                )
-            return model.clone(**updates, remat=self.remat)
-        return remat_lib.remat_module(model.clone(**updates), self.remat, self.remat_blocks)
+            model = model.clone(conv_impl="xla")
+        return model
 
     def wrap_optimizer(
         self, tx: optax.GradientTransformation, params: PyTree | None = None
     ) -> Optimizer:
-        """``tx`` (any optax transformation) with this plan's optimizer-side techniques:
-        sparse training and the state's stored format (float32 arithmetic).
-
-        A 16- or 32-bit format wraps ``tx`` inside sparse training: its slots keep the
-        parameters' shapes, so sparse training resets them itself, and the rewiring reads the
-        stored parameters and gradients without float32 copies. ``int8`` / ``int4`` wrap the
-        sparse optimizer: its reset of regrown weights' slots runs on the decoded float32 state.
-        Sparse training is told which leaves belong to scanned stacks
-        (:func:`scanned_blocks.in_stack`): in compressed storage the step hands those to the
-        model compressed, and each block densifies its own weights inside its remat
-        (:class:`~lowmem_jax.base.BlockwiseLeaf`).
+        """``tx`` (any optax transformation) with this plan's optimizer-side techniques: every
+        registered technique's ``inner_optimizer`` hook in order, then every
+        ``wrap_optimizer`` hook in order (a 16- or 32-bit state format around ``tx``, sparse
+        training around that, an ``int8`` / ``int4`` state around everything; float32
+        arithmetic whenever the state or the parameters are stored in fewer bits).
 
         ``params``: the model's parameters, arrays or shapes (``jax.eval_shape``); needed when
         the plan is sparse (which leaves, their budgets). The result is what
@@ -279,21 +232,13 @@ class Plan:
         Raises:
           ValueError: a sparse plan without ``params``.
         """
-        if self.sparsity is not None and params is None:
-            raise ValueError("a plan with sparsity needs params in wrap_optimizer(tx, params)")
-        fmt = self.optimizer_state
-        stored = fmt != "auto" or self.policy.param_dtype != jnp.float32
-        quantized = fmt in optimizer_state_lib.QUANTIZED_FORMATS
-        if stored and not quantized:
-            tx = optimizer_state_lib.quantized_state(tx, fmt)
-        opt = as_optimizer(tx)
-        if self.sparsity is not None:
-            opt = sparsity_lib.sparse_training(
-                tx, self.sparsity, params, stacked=scanned_blocks.in_stack
-            )
-        if stored and quantized:
-            opt = optimizer_state_lib.quantized_state(opt, fmt)
-        return opt
+        for technique in TECHNIQUES:
+            if technique.inner_optimizer is not None:
+                tx = technique.inner_optimizer(tx, self, params)
+        for technique in TECHNIQUES:
+            if technique.wrap_optimizer is not None:
+                tx = technique.wrap_optimizer(tx, self, params)
+        return as_optimizer(tx)
 
     @classmethod
     def flag_fields(cls) -> list[dataclasses.Field]:
@@ -311,8 +256,13 @@ class Plan:
         return None
 
     def compiler_options(self) -> dict[str, str]:
-        """XLA options the jitted step needs for this plan (see :func:`remat.compiler_options`)."""
-        return remat_lib.compiler_options(self.remat)
+        """XLA options the jitted step needs for this plan: every registered technique's
+        (e.g. :func:`lowmem_jax.remat.compiler_options`)."""
+        options: dict[str, str] = {}
+        for technique in TECHNIQUES:
+            if technique.compiler_options is not None:
+                options.update(technique.compiler_options(self))
+        return options
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able description: every field, ``loss_scale`` resolved; a field declared

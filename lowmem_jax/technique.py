@@ -103,6 +103,25 @@ class Technique:
       envelope, axis: see :class:`EnvelopeRule`, :class:`Axis`; required (``None`` says
         "no limit" / "not searched", a decision each technique states, not a default).
       flags: see :class:`Flags`.
+
+    Hooks, each optional, each ``(thing, plan) -> thing`` (the optimizer's also take the
+    model's ``params``: arrays or shapes, or ``None``); the composers apply them in the
+    registry's order (:meth:`Plan.configure_model`, :meth:`Plan.wrap_optimizer`,
+    :func:`lowmem_jax.make_train_step`):
+
+      configure_model: the model (Linen or NNX) with the technique's settings.
+      inner_optimizer: the user's optax transformation, innermost (e.g. its state's float
+        format); applied for every technique before any ``wrap_optimizer``.
+      wrap_optimizer: the optimizer so far (e.g. sparse training around it).
+      wrap_loss: the model's loss ``loss_fn(params, model_state, batch, rng) -> (loss, (model
+        state, metrics))``, on the parameters the model sees (e.g. cast to the compute dtype).
+      wrap_stored_loss: the loss as differentiated, on what the gradient is taken w.r.t.
+        (e.g. the parameters gathered from their partitions).
+      wrap_grad_fn: ``grad_fn(params, model_state, batch, rng) -> (grads, model_state,
+        metrics)`` (e.g. accumulated over microbatches).
+      wrap_step: ``step(state, batch) -> (state, metrics)``, traced inside ``jit`` (e.g. the
+        state's layout over a mesh on the way in and out).
+      compiler_options: XLA options the jitted step needs.
     """
 
     name: str
@@ -112,3 +131,11 @@ class Technique:
     axis: Axis | None = dataclasses.field(kw_only=True)
     label: Callable[[Any], str | None] = _no_label
     flags: Flags | None = None
+    configure_model: Callable[[Any, Any], Any] | None = None
+    inner_optimizer: Callable[[Any, Any, Any], Any] | None = None
+    wrap_optimizer: Callable[[Any, Any, Any], Any] | None = None
+    wrap_loss: Callable[[Callable, Any], Callable] | None = None
+    wrap_stored_loss: Callable[[Callable, Any], Callable] | None = None
+    wrap_grad_fn: Callable[[Callable, Any], Callable] | None = None
+    wrap_step: Callable[[Callable, Any], Callable] | None = None
+    compiler_options: Callable[[Any], dict[str, str]] | None = None

@@ -1,22 +1,28 @@
 """Composing the techniques into one jitted train step.
 
-The step is a chain of function transforms over the user's loss (module :mod:`lowmem_jax`):
+The step is a chain of function transforms over the user's loss; at each stage every
+registered technique's hook (:data:`lowmem_jax.techniques.TECHNIQUES`, in order) wraps what the
+stage has:
 
     loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))
-      -> precision.cast_loss_fn     params and batch cast to the compute dtype, loss back to fp32
+      -> wrap_loss                  precision: params and batch cast to the compute dtype,
+                                    loss back to fp32
       -> base.differentiated_loss   the model's parameters from the stored ones (the optimizer's
                                     storage: identity, or e.g. dense weights from sparse values)
+      -> wrap_stored_loss           shard (zero3): the parameters gathered where the loss reads
       -> scaled_grad_fn             grad of (loss x S), divided by S (S from the loss-scale state)
-      -> accumulate_gradients       lax.scan over k microbatches, BatchNorm state threaded in order
+      -> wrap_grad_fn               microbatches: lax.scan over k microbatches, BatchNorm state
+                                    threaded in order; shard (zero2): the gradients partitioned
       = grad_fn(params, model_state, batch, rng) -> (grads, model_state, metrics)
     optimizer (any optax transformation, or a plan's wrap_optimizer): grads -> updates -> params
     if any gradient, update or new parameter is non-finite: keep the old params, optimizer
     state and model state (the whole update is skipped, the optimizer's own step counter
     included) and count the skip; the loss-scale state backs off on non-finite gradients;
     no host sync.
+      -> wrap_step                  shard: the state laid out over the mesh in and out, the
+                                    batch split over the devices, offloaded state moved
 
-Remat lives in the model (per block, see :mod:`lowmem_jax.remat`); :meth:`Plan.configure_model`
-sets it, and the compute dtype, on models that have ``remat`` / ``dtype`` attributes.
+Remat, the compute dtype and factorized layers live in the model (:meth:`Plan.configure_model`).
 """
 
 from __future__ import annotations
@@ -28,24 +34,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import PartitionSpec
 
 from lowmem_jax import loss_scale as loss_scale_lib
-from lowmem_jax import microbatch as microbatch_lib
-from lowmem_jax import precision as precision_lib
-from lowmem_jax import scanned_blocks
-from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer, differentiated_loss
 from lowmem_jax.plan import Plan
+from lowmem_jax.techniques import TECHNIQUES
 
-__all__ = [
-    "TrainState",
-    "scaled_grad_fn",
-    "make_train_step",
-    "make_plain_train_step",
-    "state_specs",
-    "state_shardings",
-]
+__all__ = ["TrainState", "scaled_grad_fn", "make_train_step", "make_plain_train_step"]
 
 
 class TrainState(struct.PyTreeNode):
@@ -132,34 +127,6 @@ def scaled_grad_fn(loss_fn: LossFn, loss_scale: loss_scale_lib.LossScale):
     return grad_fn
 
 
-def state_specs(state: TrainState, plan: Plan, num_shards: int) -> TrainState:
-    """A :class:`~jax.sharding.PartitionSpec` per leaf of ``state`` (arrays or shapes) under
-    ``plan.shard``: the optimizer state partitioned from ``zero1`` on, the parameters at
-    ``zero3`` (:func:`lowmem_jax.sharding.leaf_spec`), everything else replicated."""
-    stage = sharding_lib.stage(plan.shard)
-    specs = sharding_lib.tree_specs(state, num_shards, partition=False)
-    return specs.replace(
-        params=sharding_lib.tree_specs(state.params, num_shards, stage.parameters),
-        opt_state=sharding_lib.tree_specs(state.opt_state, num_shards, stage.optimizer_state),
-    )
-
-
-def state_shardings(state: TrainState, plan: Plan) -> TrainState | None:
-    """:func:`state_specs` as ``NamedSharding`` on ``plan.mesh()``, the optimizer state's in
-    ``plan.optimizer_memory``; ``None`` without a mesh."""
-    mesh = plan.mesh()
-    if mesh is None:
-        return None
-    specs = state_specs(state, plan, mesh.size)
-    return sharding_lib.named(mesh, specs).replace(
-        opt_state=sharding_lib.named(mesh, specs.opt_state, plan.optimizer_memory)
-    )
-
-
-def _in_stack(path) -> bool:
-    return scanned_blocks.in_stack([getattr(key, "key", None) for key in path])
-
-
 def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation | Optimizer,
@@ -174,16 +141,9 @@ def make_train_step(
     may store the parameters in another form, e.g. compressed sparse: the model then sees
     ``tx.materialize(state.params, state.opt_state)``, built inside the step, so transiently).
 
-    With ``plan.shard`` set, the step is one SPMD program over ``plan.mesh()``: the batch is
-    split over the devices, the state laid out by :func:`state_specs` on the way in and out,
-    and from ``zero2`` on the gradients are partitioned as the optimizer state is (XLA then
-    reduce-scatters them). Microbatches are taken from each device's examples
-    (:func:`lowmem_jax.microbatch.split_batch` with ``shards``).
-
-    With ``plan.optimizer_memory="pinned_host"`` the optimizer state arrives in host memory,
-    is moved to the device for the update, and the new state is moved back (its layout as
-    above): the device holds it only during the update (ZeRO-Offload keeps it on the host and
-    updates there; XLA cannot run the update on the host, so it is streamed instead).
+    The registered techniques' step hooks compose it (module docstring; e.g. with
+    ``plan.shard`` the step is one SPMD program over ``plan.mesh()``, see
+    :mod:`lowmem_jax.techniques.shard`).
 
     ``metrics`` holds the loss function's metrics (averaged over microbatches, float32) plus
     ``loss_scale`` (the scale used in this step), ``grads_finite`` and ``update_finite``
@@ -191,47 +151,14 @@ def make_train_step(
     applied iff both) and ``skipped_steps`` (running count).
     """
     opt = as_optimizer(tx)
-    policy_loss_fn = precision_lib.cast_loss_fn(loss_fn, plan.policy)
-    mesh = plan.mesh()
-    shards = 1 if mesh is None else mesh.size
-    stage = sharding_lib.stage(plan.shard)
-    offload = plan.optimizer_memory != "device"
-
-    def layout(tree, specs):
-        return tree if mesh is None else sharding_lib.constrain(tree, mesh, specs)
-
-    def gathered(loss):
-        # zero3: the partitioned parameters are gathered whole where the loss reads them (the
-        # transpose reduce-scatters their gradient); left to itself, XLA's partitioner lets
-        # the parameters' layout split the convolutions' channels instead of the batch. The
-        # stacks of scanned blocks stay partitioned here: a configured model gathers one
-        # block's inside its loop (Plan.configure_model).
-        def loss_of_gathered(p, *args):
-            specs = jax.tree_util.tree_map_with_path(
-                lambda path, spec: spec if _in_stack(path) else PartitionSpec(),
-                sharding_lib.tree_specs(p, shards),
-                is_leaf=lambda x: isinstance(x, PartitionSpec),
-            )
-            return loss(layout(p, specs), *args)
-
-        return loss_of_gathered
+    model_loss = _fold(loss_fn, "wrap_loss", plan)
 
     def train_step(state: TrainState, batch: PyTree):
-        specs = state_specs(state, plan, shards)
-        if offload:  # the update runs on the device: the state comes in from host memory
-            state = state.replace(
-                opt_state=sharding_lib.to_memory(state.opt_state, mesh, specs.opt_state, "device")
-            )
-        state = layout(state, specs)
-        batch = layout(batch, sharding_lib.batch_spec(batch))
         rng = jax.random.fold_in(state.rng, state.step)
-        loss, wrt = differentiated_loss(policy_loss_fn, opt, state.params, state.opt_state)
-        if stage.parameters:
-            loss = gathered(loss)
-        grad_fn = scaled_grad_fn(loss, state.loss_scale)
-        grad_fn = microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches, shards)
+        loss, wrt = differentiated_loss(model_loss, opt, state.params, state.opt_state)
+        loss = _fold(loss, "wrap_stored_loss", plan)
+        grad_fn = _fold(scaled_grad_fn(loss, state.loss_scale), "wrap_grad_fn", plan)
         grads, model_state, metrics = grad_fn(wrt, state.model_state, batch, rng)
-        grads = layout(grads, sharding_lib.tree_specs(grads, shards, stage.gradients))
 
         grads_finite = loss_scale_lib.all_finite(grads)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
@@ -254,13 +181,6 @@ def make_train_step(
             loss_scale=state.loss_scale.adjust(grads_finite),  # the scale answers to overflow
             skipped_steps=skipped,
         )
-        new_state = layout(new_state, specs)
-        if offload:
-            new_state = new_state.replace(
-                opt_state=sharding_lib.to_memory(
-                    new_state.opt_state, mesh, specs.opt_state, plan.optimizer_memory
-                )
-            )
         metrics = {
             **metrics,
             "loss_scale": state.loss_scale.loss_scale,
@@ -270,13 +190,23 @@ def make_train_step(
         }
         return new_state, metrics
 
+    step = _fold(train_step, "wrap_step", plan)
     if not jit:
-        return train_step
+        return step
     return jax.jit(
-        train_step,
+        step,
         donate_argnums=(0,) if donate else (),
         compiler_options=plan.compiler_options() or None,
     )
+
+
+def _fold(fn: Callable, hook: str, plan: Plan) -> Callable:
+    """``fn`` wrapped by each registered technique's ``hook``, in the registry's order."""
+    for technique in TECHNIQUES:
+        wrap = getattr(technique, hook)
+        if wrap is not None:
+            fn = wrap(fn, plan)
+    return fn
 
 
 def make_plain_train_step(

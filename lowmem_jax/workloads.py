@@ -40,7 +40,8 @@ from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer
 from lowmem_jax.data import cifar10
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
-from lowmem_jax.train import TrainState, make_plain_train_step, make_train_step, state_shardings
+from lowmem_jax.techniques.shard import state_shardings
+from lowmem_jax.train import TrainState, make_plain_train_step, make_train_step
 
 __all__ = [
     "Workload",

@@ -4,6 +4,7 @@ the envelopes and the report grid, and a forgotten wire fails here."""
 import argparse
 import ast
 import dataclasses
+import functools
 import pathlib
 
 import pytest
@@ -143,3 +144,43 @@ def test_technique_modules_import_no_other_technique_nor_the_composer():
                 continue
             for name in names:
                 assert not name.startswith(forbidden), f"{path.name} imports {name}"
+
+
+#: A setting of each technique the planner does not search (an axis' values are taken from it).
+UNSEARCHED = {
+    "loss_scale": lm.Plan(loss_scale="static"),
+    "shard": lm.Plan(shard="zero1", devices=1),
+    "input_dtype": lm.Plan(input_dtype="uint8"),
+}
+
+
+def _settings():
+    for t in TECHNIQUES:
+        if t.axis is None:
+            yield t.name, UNSEARCHED[t.name]
+            continue
+        for value in t.axis.space(8):
+            if value not in t.axis.families and plan_of({t.axis.key: value}) != lm.Plan():
+                yield t.name, plan_of({t.axis.key: value})
+
+
+def test_every_technique_has_a_setting_here():
+    assert {name for name, _ in _settings()} == {t.name for t in TECHNIQUES}
+
+
+@pytest.mark.parametrize("name,plan", list(_settings()), ids=lambda x: getattr(x, "name", x))
+def test_every_setting_changes_the_step_it_builds(name, plan):
+    """Through Plan.configure_model, Plan.wrap_optimizer and make_train_step's hooks, each
+    setting of each technique reaches the program (a technique whose hooks were not wired would
+    build the default step)."""
+    work = lm.workload("wrn-10-1", 8).with_input_dtype(plan.input_dtype)
+    setup = lm.build(work, plan)
+    text = setup.step.lower(setup.abstract_state(), work.batch).as_text()
+    assert text != _default_program()
+
+
+@functools.cache
+def _default_program() -> str:
+    work = lm.workload("wrn-10-1", 8)
+    setup = lm.build(work, lm.Plan())
+    return setup.step.lower(setup.abstract_state(), work.batch).as_text()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from flax import nnx
+
 from lowmem_jax.factorization import METHODS, RANK_RULES, FactorConfig
 from lowmem_jax.technique import Axis, EnvelopeRule, Flags, Technique
 
@@ -15,6 +17,18 @@ def _validate(plan) -> None:
             f"factorize must be a lowmem_jax.factorization.FactorConfig or None, got "
             f"{type(plan.factorize).__name__}"
         )
+
+
+def _configure_model(model, plan):
+    if plan.factorize is None:
+        return model
+    if isinstance(model, nnx.Module) or not hasattr(model, "factorize"):
+        raise ValueError(
+            f"factorize needs a Linen model with a `factorize` field (the bundled WideResNet "
+            f"and DynamicConvTransformer); {type(model).__name__} has none: build it with "
+            f"lowmem_jax.factorization.FactorizedConv / LowRankDense instead"
+        )
+    return model.clone(factorize=plan.factorize)
 
 
 def _add_flags(parser: argparse.ArgumentParser, base) -> None:
@@ -92,6 +106,7 @@ TECHNIQUE = Technique(
         argv=_argv,
         given=lambda args: ["--factorize"] if args.factorize != "none" else [],
     ),
+    configure_model=_configure_model,
     # The report did not study factorized layers: outside its envelope.
     envelope=EnvelopeRule(
         "factorize",

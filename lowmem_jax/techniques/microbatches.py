@@ -11,11 +11,20 @@ def _outside(config, limit):
     return None
 
 
+def _accumulate(grad_fn, plan):
+    """``grad_fn`` accumulated over ``plan.microbatches`` slices (``lax.scan``); over a mesh each
+    microbatch takes its examples from every device's shard (``split_batch``'s ``shards``)."""
+    mesh = plan.mesh()
+    shards = 1 if mesh is None else mesh.size
+    return microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches, shards)
+
+
 TECHNIQUE = Technique(
     name="microbatches",
     fields=("microbatches",),
     validate=lambda plan: microbatch_lib.check_num_microbatches(plan.microbatches),
     label=lambda plan: f"mb {plan.microbatches}" if plan.microbatches > 1 else None,
+    wrap_grad_fn=_accumulate,
     # The report kept accuracy down to microbatches of about 8 examples (BatchNorm statistics
     # per microbatch); applied to every model, which is conservative for those without it.
     envelope=EnvelopeRule("min_microbatch_examples", {"report": 8, "any": 1}, _outside),

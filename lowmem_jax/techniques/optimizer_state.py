@@ -1,5 +1,7 @@
 """Low-bit optimizer state (:mod:`lowmem_jax.optimizer_state`): ``optimizer_state``."""
 
+import jax.numpy as jnp
+
 from lowmem_jax import optimizer_state as optimizer_state_lib
 from lowmem_jax.technique import Axis, EnvelopeRule, Technique
 
@@ -9,11 +11,34 @@ def _outside(config, limit):
     return None if state in limit else f"optimizer state {state}"
 
 
+def _float_state(tx, plan, params):
+    """A 16- or 32-bit stored state wraps the user's transformation innermost: under sparse
+    training its slots keep the parameters' shapes (sparse training resets them itself) and
+    the rewiring reads the stored parameters without float32 copies. ``auto`` with 16-bit
+    parameters stores it in bfloat16; with float32 parameters leaves it as ``tx`` makes it."""
+    fmt = plan.optimizer_state
+    if fmt in optimizer_state_lib.QUANTIZED_FORMATS:
+        return tx
+    if fmt == "auto" and plan.policy.param_dtype == jnp.float32:
+        return tx
+    return optimizer_state_lib.quantized_state(tx, fmt)
+
+
+def _quantized_state(opt, plan, params):
+    """``int8`` / ``int4`` wrap the optimizer so far (sparse training's reset of regrown
+    weights' slots then runs on the decoded float32 state)."""
+    if plan.optimizer_state not in optimizer_state_lib.QUANTIZED_FORMATS:
+        return opt
+    return optimizer_state_lib.quantized_state(opt, plan.optimizer_state)
+
+
 TECHNIQUE = Technique(
     name="optimizer_state",
     fields=("optimizer_state",),
     validate=lambda plan: optimizer_state_lib.check_format(plan.optimizer_state),
     label=lambda plan: None if plan.optimizer_state == "auto" else f"state {plan.optimizer_state}",
+    inner_optimizer=_float_state,
+    wrap_optimizer=_quantized_state,
     # 8 bits or more: Dettmers et al. 2022 matched 32-bit Adam; 4-bit states lose accuracy.
     envelope=EnvelopeRule(
         "optimizer_states",

@@ -1,7 +1,23 @@
 """Low precision (:mod:`lowmem_jax.precision`): the ``precision`` policy."""
 
+from flax import nnx
+
 from lowmem_jax import precision as precision_lib
 from lowmem_jax.technique import Axis, EnvelopeRule, Technique
+
+
+def _configure_model(model, plan):
+    """The compute dtype on a Linen model with a ``dtype`` field, and on every layer of an NNX
+    model (a copy) whose ``dtype`` is ``None`` (else e.g. ``nnx.BatchNorm`` computes in the
+    dtype of its float32 statistics); layers with an explicit ``dtype`` keep it."""
+    dtype = plan.policy.compute_dtype
+    if isinstance(model, nnx.Module):
+        configured = nnx.clone(model)  # the user's module stays as it was
+        for _, layer in nnx.iter_graph(configured):
+            if isinstance(layer, nnx.Module) and getattr(layer, "dtype", False) is None:
+                layer.dtype = dtype
+        return configured
+    return model.clone(dtype=dtype) if hasattr(model, "dtype") else model
 
 
 def _outside(config, limit):
@@ -13,6 +29,8 @@ TECHNIQUE = Technique(
     fields=("precision",),
     validate=lambda plan: precision_lib.get_policy(plan.precision),
     label=lambda plan: plan.precision,
+    configure_model=_configure_model,
+    wrap_loss=lambda loss_fn, plan: precision_lib.cast_loss_fn(loss_fn, plan.policy),
     # The report kept float32 master weights (fp16 compute with loss scaling).
     envelope=EnvelopeRule(
         "precisions",

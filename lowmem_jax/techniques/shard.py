@@ -1,8 +1,29 @@
 """ZeRO-style partitioning and offload (:mod:`lowmem_jax.sharding`): ``shard``, ``devices``,
-``optimizer_memory``."""
+``optimizer_memory``.
 
+With ``plan.shard`` set, the step is one SPMD program over ``plan.mesh()``: the batch is split
+over the devices, the state laid out by :func:`state_specs` on the way in and out, and from
+``zero2`` on the gradients are partitioned as the optimizer state is (XLA then reduce-scatters
+them). With ``plan.optimizer_memory="pinned_host"`` the optimizer state arrives in host memory,
+is moved to the device for the update, and the new state is moved back (its layout as above):
+the device holds it only during the update (ZeRO-Offload keeps it on the host and updates
+there; XLA cannot run the update on the host, so it is streamed instead).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from lowmem_jax import scanned_blocks
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.technique import Technique
+
+__all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
 
 
 def _validate(plan) -> None:
@@ -13,10 +34,118 @@ def _validate(plan) -> None:
     sharding_lib.check_memory_kind(plan.optimizer_memory, "optimizer_memory")
 
 
+def state_specs(state: Any, plan: Any, num_shards: int) -> Any:
+    """A :class:`~jax.sharding.PartitionSpec` per leaf of ``state`` (a
+    :class:`lowmem_jax.TrainState` of arrays or shapes) under ``plan.shard``: the optimizer
+    state partitioned from ``zero1`` on, the parameters at ``zero3``
+    (:func:`lowmem_jax.sharding.leaf_spec`), everything else replicated."""
+    stage = sharding_lib.stage(plan.shard)
+    specs = sharding_lib.tree_specs(state, num_shards, partition=False)
+    return specs.replace(
+        params=sharding_lib.tree_specs(state.params, num_shards, stage.parameters),
+        opt_state=sharding_lib.tree_specs(state.opt_state, num_shards, stage.optimizer_state),
+    )
+
+
+def state_shardings(state: Any, plan: Any) -> Any:
+    """:func:`state_specs` as ``NamedSharding`` on ``plan.mesh()``, the optimizer state's in
+    ``plan.optimizer_memory``; ``None`` without a mesh."""
+    mesh = plan.mesh()
+    if mesh is None:
+        return None
+    specs = state_specs(state, plan, mesh.size)
+    return sharding_lib.named(mesh, specs).replace(
+        opt_state=sharding_lib.named(mesh, specs.opt_state, plan.optimizer_memory)
+    )
+
+
+def _configure_model(model, plan):
+    """zero3: a model with a ``param_layout`` field (the bundled ones) gathers each scanned
+    block's partitioned parameters inside its loop, so one block's, not the whole model's, are
+    whole on a device at a time."""
+    if not sharding_lib.stage(plan.shard).parameters or isinstance(model, nnx.Module):
+        return model
+    if not hasattr(model, "param_layout"):
+        return model
+    return model.clone(param_layout=functools.partial(sharding_lib.replicate, mesh=plan.mesh()))
+
+
+def _in_stack(path) -> bool:
+    return scanned_blocks.in_stack([getattr(key, "key", None) for key in path])
+
+
+def _gathered(loss, plan):
+    """zero3: the partitioned parameters are gathered whole where the loss reads them (the
+    transpose reduce-scatters their gradient); left to itself, XLA's partitioner lets the
+    parameters' layout split the convolutions' channels instead of the batch. The stacks of
+    scanned blocks stay partitioned here: a configured model gathers one block's inside its
+    loop (:func:`_configure_model`)."""
+    if not sharding_lib.stage(plan.shard).parameters:
+        return loss
+    mesh = plan.mesh()
+
+    def loss_of_gathered(p, *args):
+        specs = jax.tree_util.tree_map_with_path(
+            lambda path, spec: spec if _in_stack(path) else PartitionSpec(),
+            sharding_lib.tree_specs(p, mesh.size),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+        return loss(sharding_lib.constrain(p, mesh, specs), *args)
+
+    return loss_of_gathered
+
+
+def _partitioned_grads(grad_fn, plan):
+    """From ``zero2`` on, the gradients laid out as the optimizer state (reduce-scattered)."""
+    mesh = plan.mesh()
+    if mesh is None:
+        return grad_fn
+    partition = sharding_lib.stage(plan.shard).gradients
+
+    def partitioned(*args):
+        grads, model_state, metrics = grad_fn(*args)
+        specs = sharding_lib.tree_specs(grads, mesh.size, partition)
+        return sharding_lib.constrain(grads, mesh, specs), model_state, metrics
+
+    return partitioned
+
+
+def _laid_out(step, plan):
+    """The state laid out over the mesh on the way in and out, the batch split over the
+    devices; the optimizer state moved from and back to ``plan.optimizer_memory``."""
+    mesh = plan.mesh()
+    if mesh is None:
+        return step
+    offload = plan.optimizer_memory != "device"
+
+    @functools.wraps(step)  # the program keeps the step's name
+    def laid_out_step(state, batch):
+        specs = state_specs(state, plan, mesh.size)
+        if offload:  # the update runs on the device: the state comes in from host memory
+            opt_state = sharding_lib.to_memory(state.opt_state, mesh, specs.opt_state, "device")
+            state = state.replace(opt_state=opt_state)
+        state = sharding_lib.constrain(state, mesh, specs)
+        batch = sharding_lib.constrain(batch, mesh, sharding_lib.batch_spec(batch))
+        new_state, metrics = step(state, batch)
+        new_state = sharding_lib.constrain(new_state, mesh, specs)
+        if offload:
+            opt_state = sharding_lib.to_memory(
+                new_state.opt_state, mesh, specs.opt_state, plan.optimizer_memory
+            )
+            new_state = new_state.replace(opt_state=opt_state)
+        return new_state, metrics
+
+    return laid_out_step
+
+
 TECHNIQUE = Technique(
     name="shard",
     fields=("shard", "devices", "optimizer_memory"),
     validate=_validate,
     envelope=None,  # the same step over more devices: no accuracy limit
     axis=None,  # not searched: the planner plans one device
+    configure_model=_configure_model,
+    wrap_stored_loss=_gathered,
+    wrap_grad_fn=_partitioned_grads,
+    wrap_step=_laid_out,
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from lowmem_jax import scanned_blocks
 from lowmem_jax.sparsity import (
     ALGORITHMS,
     DISTRIBUTIONS,
@@ -11,6 +12,7 @@ from lowmem_jax.sparsity import (
     REGROW_POOLS,
     SparseConfig,
     report_sparsity,
+    sparse_training,
 )
 from lowmem_jax.technique import Axis, EnvelopeRule, Flags, Technique
 
@@ -21,6 +23,17 @@ def _validate(plan) -> None:
             f"sparsity must be a lowmem_jax.sparsity.SparseConfig or None, got "
             f"{type(plan.sparsity).__name__}"
         )
+
+
+def _sparse_training(opt, plan, params):
+    """Sparse training around the optimizer so far, told which leaves belong to scanned stacks
+    (:func:`scanned_blocks.in_stack`): in compressed storage the step hands those to the model
+    compressed, and each block densifies its own weights inside its remat."""
+    if plan.sparsity is None:
+        return opt
+    if params is None:
+        raise ValueError("a plan with sparsity needs params in wrap_optimizer(tx, params)")
+    return sparse_training(opt, plan.sparsity, params, stacked=scanned_blocks.in_stack)
 
 
 def _add_flags(parser: argparse.ArgumentParser, base) -> None:
@@ -118,6 +131,7 @@ TECHNIQUE = Technique(
         argv=_argv,
         given=lambda args: ["--sparsity"] if args.sparsity else [],
     ),
+    wrap_optimizer=_sparse_training,
     # DSR kept WRN-28-2 within 0.3 points of dense up to 70-80% sparsity (Mostafa & Wang).
     envelope=EnvelopeRule("max_sparsity", {"report": 0.7, "any": 0.99}, _outside),
     # A fraction of zeros: 0 is dense, else the report's sparse training (DSR, compressed).
