@@ -50,7 +50,7 @@ import numpy as np
 import optax
 from jax.extend import core as jex_core
 
-from lowmem_jax import precision, remat
+from lowmem_jax import remat
 from lowmem_jax.base import BlockwiseLeaf, Optimizer, as_optimizer
 from lowmem_jax.flops import count_flops, xla_flops
 from lowmem_jax.plan import Plan
@@ -380,7 +380,7 @@ def analyze(
     """
     microbatches = 1 if plan is None else plan.microbatches
     if loss_fn is not None and plan is not None:
-        loss_fn = precision.cast_loss_fn(loss_fn, plan.policy)
+        loss_fn = plan.model_loss(loss_fn)
     step = train_step if hasattr(train_step, "lower") else jax.jit(train_step)
     lowered = step.lower(state, batch)
     compiled = lowered.compile()

@@ -21,7 +21,6 @@ import functools
 from typing import Any
 
 from lowmem_jax import memory, remat_schedule
-from lowmem_jax import precision as precision_lib
 from lowmem_jax.envelope import Envelope
 from lowmem_jax.flops import count_flops
 from lowmem_jax.plan import Plan
@@ -147,7 +146,7 @@ class Search:
         setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
             state=setup.abstract_state(), batch=self.work.batch,
-            loss_fn=precision_lib.cast_loss_fn(setup.loss_fn, plan.policy),
+            loss_fn=plan.model_loss(setup.loss_fn),
             microbatches=microbatches, tx=setup.tx,
         )  # fmt: skip
         return analytic["activation_bytes"]

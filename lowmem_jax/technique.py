@@ -18,11 +18,41 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Technique", "Flags", "EnvelopeRule", "Axis"]
+__all__ = ["Technique", "PlanField", "Flags", "EnvelopeRule", "Axis"]
 
 
 def _no_label(plan: Any) -> str | None:
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanField:
+    """One field of :class:`lowmem_jax.Plan`, declared by the technique that owns it.
+
+    Attributes:
+      name: the field's name.
+      type: its annotation.
+      default: its default (the technique off).
+      doc: its entry in ``Plan``'s docstring.
+      help: the help text of its ``--field-name`` flag; ``None``: no flag of its own.
+      choices: the flag's allowed values (``None``: any of ``type``).
+      omit_default: :meth:`Plan.to_dict` leaves the field out at its default.
+    """
+
+    name: str
+    type: Any
+    default: Any
+    doc: str
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+    omit_default: bool = False
+
+    def field(self) -> dataclasses.Field:
+        """The ``dataclasses`` field (``help`` and ``choices`` in its metadata when a flag)."""
+        metadata: dict[str, Any] = {"omit_default": self.omit_default, "doc": self.doc}
+        if self.help is not None:
+            metadata.update(help=self.help, choices=self.choices)
+        return dataclasses.field(default=self.default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +125,10 @@ class Technique:
 
     Attributes:
       name: the registry key (the name of its main ``Plan`` field).
-      fields: the ``Plan`` fields it owns (each field is owned by one technique).
+      order: its place in the registry (:data:`lowmem_jax.techniques.TECHNIQUES` is sorted by
+        it): where its hooks act in the step, its fields in ``Plan``, its label in a plan's
+        name.
+      fields: the ``Plan`` fields it owns (:class:`PlanField`; ``Plan`` is made of them).
       validate: ``validate(plan)`` raises ``ValueError`` naming the field and the allowed
         values; called by ``Plan`` on construction.
       label: ``label(plan) -> text | None``: its part of a plan's short name (``"mb 4"``),
@@ -125,7 +158,8 @@ class Technique:
     """
 
     name: str
-    fields: tuple[str, ...]
+    order: int
+    fields: tuple[PlanField, ...]
     validate: Callable[[Any], None]
     envelope: EnvelopeRule | None = dataclasses.field(kw_only=True)
     axis: Axis | None = dataclasses.field(kw_only=True)

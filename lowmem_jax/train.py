@@ -151,7 +151,7 @@ def make_train_step(
     applied iff both) and ``skipped_steps`` (running count).
     """
     opt = as_optimizer(tx)
-    model_loss = _fold(loss_fn, "wrap_loss", plan)
+    model_loss = plan.model_loss(loss_fn)
 
     def train_step(state: TrainState, batch: PyTree):
         rng = jax.random.fold_in(state.rng, state.step)

@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax import losses, memory, models, precision, remat, sparsity
+from lowmem_jax import losses, memory, models, remat, sparsity
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer
 from lowmem_jax.data import cifar10
@@ -264,7 +264,7 @@ class Setup:
         model_state = {k: v for k, v in variables.items() if k != "params"}
         grads = None
         if self.tx.needs_init_grads:  # SNIP: the gradient of the loss on this batch
-            loss_fn = precision.cast_loss_fn(self.loss_fn, self.plan.policy)
+            loss_fn = self.plan.model_loss(self.loss_fn)
             params = self.plan.policy.cast_to_param(params)
             grads = jax.grad(lambda p: loss_fn(p, model_state, batch, None)[0])(params)
         return TrainState.create(

@@ -1,41 +1,50 @@
 """The registry: every technique the library composes, in order
 (:class:`~lowmem_jax.technique.Technique`).
 
-The order is meaning: the precision cast comes before loss scaling, loss scaling before the
-microbatch loop, sparse training inside the optimizer-state format; a plan's label, the
-envelope's limits and the CLI's flag groups read in this order. Generic code (``Plan``'s
-validation, the CLI flags, the envelopes, the planner's axes) iterates :data:`TECHNIQUES`;
-no other module lists the techniques.
+Each module of this package declares one technique as ``TECHNIQUE``; :data:`TECHNIQUES` holds
+them all, sorted by :attr:`Technique.order`. The order is meaning: the precision cast comes
+before loss scaling, loss scaling before the microbatch loop, sparse training inside the
+optimizer-state format; ``Plan``'s fields, a plan's label, the envelope's limits and the CLI's
+flags read in this order. Generic code (``Plan``, the step, the CLI flags, the envelopes, the
+planner's axes) iterates :data:`TECHNIQUES`; adding a technique is adding a module here.
+
+=====  =================  ====================================================================
+order  technique          acts on
+=====  =================  ====================================================================
+10     precision          the model's compute dtype; the loss (casts in, float32 out)
+20     loss_scale         the gradient (scale, unscale, skip, adjust): the step's core
+30     microbatches       the gradient (``lax.scan`` accumulation)
+40     remat              the model, per block
+50     sparsity           the optimizer and the parameters' storage
+60     optimizer_state    the optimizer state's stored format
+70     factorize          the model's layers
+80     shard              the step's layouts over a device mesh; zero3's gathering
+90     input_dtype        the batch's stored images (the data pipeline and the model)
+=====  =================  ====================================================================
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from lowmem_jax.technique import Technique
-from lowmem_jax.techniques import (
-    factorize,
-    input_dtype,
-    loss_scale,
-    microbatches,
-    optimizer_state,
-    precision,
-    remat,
-    shard,
-    sparsity,
-)
 
 __all__ = ["TECHNIQUES", "technique"]
 
-TECHNIQUES: tuple[Technique, ...] = (
-    precision.TECHNIQUE,
-    loss_scale.TECHNIQUE,
-    microbatches.TECHNIQUE,
-    remat.TECHNIQUE,
-    sparsity.TECHNIQUE,
-    optimizer_state.TECHNIQUE,
-    factorize.TECHNIQUE,
-    shard.TECHNIQUE,
-    input_dtype.TECHNIQUE,
-)
+
+def _discover() -> tuple[Technique, ...]:
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found.append(module.TECHNIQUE)
+    orders = [t.order for t in found]
+    if len(set(orders)) != len(orders):
+        raise ImportError(f"two techniques share an order: {sorted(orders)}")
+    return tuple(sorted(found, key=lambda t: t.order))
+
+
+TECHNIQUES: tuple[Technique, ...] = _discover()
 
 
 def technique(name: str) -> Technique:

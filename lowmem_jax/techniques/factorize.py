@@ -8,7 +8,7 @@ import argparse
 from flax import nnx
 
 from lowmem_jax.factorization import METHODS, RANK_RULES, FactorConfig
-from lowmem_jax.technique import Axis, EnvelopeRule, Flags, Technique
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique
 
 
 def _validate(plan) -> None:
@@ -93,7 +93,16 @@ def _argv(plan) -> list[str]:
 
 TECHNIQUE = Technique(
     name="factorize",
-    fields=("factorize",),
+    order=70,
+    fields=(
+        PlanField(
+            "factorize",
+            FactorConfig | None,
+            None,
+            "a :class:`lowmem_jax.factorization.FactorConfig` (CP / Tucker-2 / low-rank layers, "
+            "for a model with a ``factorize`` field: the bundled ones), or ``None``.",
+        ),
+    ),
     validate=_validate,
     label=lambda plan: (
         None

@@ -1,7 +1,7 @@
 """The batch's stored images (``input_dtype``): ``uint8`` raw pixels, normalised inside the
 step by the model (:func:`lowmem_jax.workloads.build` honours it)."""
 
-from lowmem_jax.technique import Technique
+from lowmem_jax.technique import PlanField, Technique
 
 #: How a batch may store its images (``Plan.input_dtype``).
 INPUT_DTYPES = ("float32", "uint8")
@@ -16,7 +16,23 @@ def _validate(plan) -> None:
 
 TECHNIQUE = Technique(
     name="input_dtype",
-    fields=("input_dtype",),
+    order=90,
+    fields=(
+        PlanField(
+            "input_dtype",
+            str,
+            "float32",
+            "how the batch's images are stored: ``float32`` (normalised by the data pipeline) or "
+            "``uint8`` (raw pixels, 4x fewer bytes; the model normalises each microbatch inside "
+            "the step: the bundled WideResNet's ``pixel_mean`` / ``pixel_std``). A contract "
+            "between the data and the model: :func:`lowmem_jax.workloads.build` and the image "
+            "tasks honour it; ``make_train_step`` takes the batch it is given.",
+            help="how batches store images: float32 (normalised by the data pipeline) or uint8 "
+            "(raw pixels, 4x smaller; the model normalises each microbatch inside the step)",
+            choices=INPUT_DTYPES,
+            omit_default=True,
+        ),
+    ),
     validate=_validate,
     # Raw pixels normalised inside the step are the same images: inside every envelope.
     envelope=None,

@@ -1,7 +1,7 @@
 """Loss scaling (:mod:`lowmem_jax.loss_scale`): ``loss_scale`` and its settings."""
 
 from lowmem_jax import loss_scale as loss_scale_lib
-from lowmem_jax.technique import Technique
+from lowmem_jax.technique import PlanField, Technique
 
 
 def _validate(plan) -> None:
@@ -21,12 +21,24 @@ def _validate(plan) -> None:
 
 TECHNIQUE = Technique(
     name="loss_scale",
+    order=20,
     fields=(
-        "loss_scale",
-        "initial_loss_scale",
-        "loss_scale_period",
-        "loss_scale_factor",
-        "min_loss_scale",
+        PlanField(
+            "loss_scale",
+            str,
+            "auto",
+            '``"auto"`` (dynamic when computing in float16, else none), ``"none"``, '
+            '``"static"`` or ``"dynamic"``.',
+            help="loss scaling; auto = dynamic when computing in float16, else none. Non-finite "
+            "gradients skip the whole update",
+            choices=("auto", *loss_scale_lib.LOSS_SCALES),
+        ),
+        PlanField("initial_loss_scale", float, 2.0**15, "the first loss scale (2**15)."),
+        PlanField(
+            "loss_scale_period", int, 2000, "finite steps before a dynamic scale grows (2000)."
+        ),
+        PlanField("loss_scale_factor", float, 2.0, "a dynamic scale's growth and back-off (2)."),
+        PlanField("min_loss_scale", float, 1.0, "a dynamic scale's floor (1)."),
     ),
     validate=_validate,
     # Accuracy-neutral by design: a step with non-finite gradients is skipped and counted.

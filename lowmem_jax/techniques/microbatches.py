@@ -1,7 +1,7 @@
 """Microbatching (:mod:`lowmem_jax.microbatch`): ``microbatches``, a count per batch."""
 
 from lowmem_jax import microbatch as microbatch_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, Technique
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique
 
 
 def _outside(config, limit):
@@ -21,7 +21,17 @@ def _accumulate(grad_fn, plan):
 
 TECHNIQUE = Technique(
     name="microbatches",
-    fields=("microbatches",),
+    order=30,
+    fields=(
+        PlanField(
+            "microbatches",
+            int,
+            1,
+            "``k >= 1`` slices per batch, accumulated with ``lax.scan``.",
+            help="split each batch into K microbatches and accumulate gradients with lax.scan "
+            "(BatchNorm uses per-microbatch statistics)",
+        ),
+    ),
     validate=lambda plan: microbatch_lib.check_num_microbatches(plan.microbatches),
     label=lambda plan: f"mb {plan.microbatches}" if plan.microbatches > 1 else None,
     wrap_grad_fn=_accumulate,

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 
 from lowmem_jax import optimizer_state as optimizer_state_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, Technique
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique
 
 
 def _outside(config, limit):
@@ -34,7 +34,23 @@ def _quantized_state(opt, plan, params):
 
 TECHNIQUE = Technique(
     name="optimizer_state",
-    fields=("optimizer_state",),
+    order=60,
+    fields=(
+        PlanField(
+            "optimizer_state",
+            str,
+            "auto",
+            "the stored format of the optimizer's state (a :mod:`lowmem_jax.optimizer_state` "
+            "format): ``auto`` (float32, or bfloat16 when the parameters are 16-bit), ``fp32``, "
+            "``bf16``, ``int8``, ``int4``. The update's arithmetic is float32 whenever the state "
+            "or the parameters are stored in fewer bits.",
+            help="stored format of the optimizer state: auto (fp32; bf16 when the parameters are "
+            "16-bit), fp32, bf16, int8 (block-wise dynamic quantization, Dettmers et al. 2022), "
+            "int4 (Li et al. 2023); leaves under 4096 elements stay fp32. Updates are computed in "
+            "fp32",
+            choices=optimizer_state_lib.FORMATS,
+        ),
+    ),
     validate=lambda plan: optimizer_state_lib.check_format(plan.optimizer_state),
     label=lambda plan: None if plan.optimizer_state == "auto" else f"state {plan.optimizer_state}",
     inner_optimizer=_float_state,

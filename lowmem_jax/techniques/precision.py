@@ -3,7 +3,7 @@
 from flax import nnx
 
 from lowmem_jax import precision as precision_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, Technique
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique
 
 
 def _configure_model(model, plan):
@@ -26,7 +26,19 @@ def _outside(config, limit):
 
 TECHNIQUE = Technique(
     name="precision",
-    fields=("precision",),
+    order=10,
+    fields=(
+        PlanField(
+            "precision",
+            str,
+            "fp32",
+            "a :mod:`lowmem_jax.precision` policy name (``fp32``, ``bf16``, ``fp16``, "
+            "``mixed_bf16``, ``mixed_fp16``).",
+            help="dtype policy: fp32; bf16/fp16 (params and compute half); mixed_bf16/mixed_fp16 "
+            "(fp32 master weights, half compute)",
+            choices=tuple(sorted(precision_lib.POLICIES)),
+        ),
+    ),
     validate=lambda plan: precision_lib.get_policy(plan.precision),
     label=lambda plan: plan.precision,
     configure_model=_configure_model,

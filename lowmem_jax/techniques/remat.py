@@ -3,7 +3,7 @@
 from flax import nnx
 
 from lowmem_jax import remat as remat_lib
-from lowmem_jax.technique import Axis, Technique
+from lowmem_jax.technique import Axis, PlanField, Technique
 
 
 def _validate(plan) -> None:
@@ -30,7 +30,32 @@ def _configure_model(model, plan):
 
 TECHNIQUE = Technique(
     name="remat",
-    fields=("remat", "remat_blocks"),
+    order=40,
+    fields=(
+        PlanField(
+            "remat",
+            str,
+            "none",
+            "a :mod:`lowmem_jax.remat` policy name, applied per block by the model (its "
+            "``remat`` attribute), or, for a model without one, by "
+            ":func:`lowmem_jax.remat.remat_module`.",
+            help="rematerialization policy per block: none, full (save block inputs), dots (save "
+            "conv/matmul outputs), save:NAME[,NAME] (save tagged activations, e.g. "
+            "save:conv_out), offload:NAME[,NAME] (keep them in host memory instead), every:K "
+            "(checkpoint segments of K blocks), sqrt, blocks:P*K,... (one of none/dots/full per "
+            "block, in the order the model runs them, e.g. blocks:full*4,dots*8; what lowmem "
+            "plan chooses)",
+        ),
+        PlanField(
+            "remat_blocks",
+            tuple,
+            (),
+            "for a model without a ``remat`` attribute: the class names of the submodules "
+            'checkpointed one by one (e.g. ``("Block",)``); ``()``: the whole forward under one '
+            "checkpoint (no peak-memory saving by itself, see ``remat_module``).",
+            omit_default=True,
+        ),
+    ),
     validate=_validate,
     label=lambda plan: None if plan.remat == "none" else f"remat {plan.remat}",
     configure_model=_configure_model,

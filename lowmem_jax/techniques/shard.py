@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 from lowmem_jax import scanned_blocks
 from lowmem_jax import sharding as sharding_lib
-from lowmem_jax.technique import Technique
+from lowmem_jax.technique import PlanField, Technique
 
 __all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
 
@@ -140,7 +140,40 @@ def _laid_out(step, plan):
 
 TECHNIQUE = Technique(
     name="shard",
-    fields=("shard", "devices", "optimizer_memory"),
+    order=80,
+    fields=(
+        PlanField(
+            "shard",
+            str,
+            "none",
+            "a :mod:`lowmem_jax.sharding` stage (``none``, ``dp``, ``zero1``, ``zero2``, "
+            "``zero3``): the step runs over a data-parallel mesh with that much of the state "
+            "partitioned; the batch size must divide by the devices (times ``microbatches``).",
+            help="partition over a data-parallel mesh: dp (batch), zero1 (+ optimizer state), "
+            "zero2 (+ gradients), zero3 (+ parameters); figures are per device",
+            choices=sharding_lib.STAGES,
+        ),
+        PlanField(
+            "devices",
+            int,
+            0,
+            "the mesh's device count for ``shard`` (``0``: every device JAX sees).",
+            help="devices in the mesh for --shard (0: all visible)",
+        ),
+        PlanField(
+            "optimizer_memory",
+            str,
+            "device",
+            "the memory the optimizer state stays in between steps (a "
+            ":data:`lowmem_jax.sharding.MEMORY_KINDS` name): ``device``, or ``pinned_host`` "
+            "(host memory; the step moves it to the device for the update and the new state "
+            "back).",
+            help="where the optimizer state lives between steps: device, or pinned_host (host "
+            "memory, moved to the device for the update and back, as ZeRO-Offload places it; "
+            "XLA:CPU has one memory, so the device bytes it saves show on a GPU only)",
+            choices=sharding_lib.MEMORY_KINDS,
+        ),
+    ),
     validate=_validate,
     envelope=None,  # the same step over more devices: no accuracy limit
     axis=None,  # not searched: the planner plans one device

@@ -14,7 +14,7 @@ from lowmem_jax.sparsity import (
     report_sparsity,
     sparse_training,
 )
-from lowmem_jax.technique import Axis, EnvelopeRule, Flags, Technique
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique
 
 
 def _validate(plan) -> None:
@@ -122,7 +122,16 @@ def _outside(config, limit):
 
 TECHNIQUE = Technique(
     name="sparsity",
-    fields=("sparsity",),
+    order=50,
+    fields=(
+        PlanField(
+            "sparsity",
+            SparseConfig | None,
+            None,
+            "a :class:`lowmem_jax.sparsity.SparseConfig` (sparse training, masked or compressed "
+            "storage), or ``None`` for dense training.",
+        ),
+    ),
     validate=_validate,
     label=lambda plan: None if plan.sparsity is None else f"sparse {1 - plan.sparsity.density:.0%}",
     flags=Flags(

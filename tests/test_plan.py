@@ -1,0 +1,79 @@
+"""Plan as a value: made of the techniques' fields, keyword-only, frozen, validated, described."""
+
+import dataclasses
+import pickle
+
+import jax.numpy as jnp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lowmem_jax as lm
+from lowmem_jax.sparsity import report_sparsity
+from lowmem_jax.techniques import TECHNIQUES
+
+
+def test_a_plan_is_a_frozen_keyword_only_hashable_value():
+    plan = lm.Plan(precision="mixed_fp16", microbatches=4)
+    assert plan == lm.Plan(microbatches=4, precision="mixed_fp16")
+    assert hash(plan) == hash(lm.Plan(microbatches=4, precision="mixed_fp16"))
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.precision = "fp16"
+    with pytest.raises(TypeError):
+        lm.Plan("fp16")  # positional: the field order is the registry's, not an API
+
+
+def test_replace_validates_like_construction():
+    with pytest.raises(ValueError, match="microbatches"):
+        dataclasses.replace(lm.Plan(), microbatches=0)
+
+
+@given(k=st.integers(max_value=0))
+def test_microbatches_below_one_are_refused(k):
+    with pytest.raises(ValueError, match="microbatches"):
+        lm.Plan(microbatches=k)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("remat_blocks", ("",)), ("remat_blocks", ["Block"]), ("sparsity", 0.9), ("factorize", "cp"),
+     ("devices", -1), ("devices", True)],
+)  # fmt: skip
+def test_fields_without_choices_are_validated_too(field, value):
+    with pytest.raises(ValueError, match=field):
+        lm.Plan(**{field: value})
+
+
+def test_to_dict_lists_flags_then_settings_then_configs():
+    plan = lm.Plan(precision="fp16", remat_blocks=("Block",), sparsity=report_sparsity(0.5))
+    d = plan.to_dict()
+    keys = list(d)
+    flags = [f.name for f in lm.Plan.flag_fields() if f.name != "input_dtype"]
+    assert keys[: len(flags)] == flags
+    assert keys[len(flags) :] == [
+        "initial_loss_scale", "loss_scale_period", "loss_scale_factor", "min_loss_scale",
+        "remat_blocks", "sparsity",
+    ]  # fmt: skip
+    assert d["loss_scale"] == "dynamic" and d["sparsity"] == plan.sparsity.describe()
+    default = lm.Plan().to_dict()
+    assert "remat_blocks" not in default and "input_dtype" not in default  # omitted at default
+    assert "sparsity" not in default and "factorize" not in default
+    assert lm.Plan(input_dtype="uint8").to_dict()["input_dtype"] == "uint8"
+
+
+def test_the_docstring_documents_every_field():
+    for t in TECHNIQUES:
+        for f in t.fields:
+            assert f"  {f.name}: {f.doc}" in lm.Plan.__doc__
+
+
+def test_model_loss_casts_to_the_compute_dtype_and_back():
+    def loss_fn(params, model_state, batch, rng):
+        assert params["w"].dtype == jnp.float16 and batch["x"].dtype == jnp.float16
+        return (params["w"] * batch["x"]).sum(), (model_state, {"m": params["w"].sum()})
+
+    loss, (_, metrics) = lm.Plan(precision="mixed_fp16").model_loss(loss_fn)(
+        {"w": jnp.ones(3)}, {}, {"x": jnp.ones(3)}, None
+    )
+    assert loss.dtype == jnp.float32 and metrics["m"].dtype == jnp.float32 and loss == 3
