@@ -23,7 +23,8 @@ def classifier_loss_fn(model: nn.Module, *, label_smoothing: float = 0.0) -> Los
 
     ``batch = {"image": [B, H, W, C] float, "label": [B] int}``. The loss is the mean over the
     batch, computed in float32; metrics are ``loss`` and ``accuracy``. Model state collections
-    (``batch_stats``) are updated as in training mode.
+    (``batch_stats``) are updated as in training mode. A label outside ``[0, classes)`` makes
+    the loss NaN (the step is then skipped and counted, not trained on a zero target).
     """
 
     def loss_fn(params, model_state, batch, rng):
@@ -40,10 +41,19 @@ def classifier_loss_fn(model: nn.Module, *, label_smoothing: float = 0.0) -> Los
         labels = batch["label"]
         targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
         loss = optax.softmax_cross_entropy(logits, targets).mean()
+        loss = loss * _nan_unless_in_range(labels, logits.shape[-1])
         accuracy = (logits.argmax(-1) == labels).mean()
         return loss, (dict(new_state), {"loss": loss, "accuracy": accuracy})
 
     return loss_fn
+
+
+def _nan_unless_in_range(labels: jax.Array, classes: int) -> jax.Array:
+    """1.0, or NaN when a label lies outside ``[0, classes)`` (one-hot of such a label is all
+    zeros, a loss of -0.0 that trains on nothing): the loss and its gradient become
+    non-finite, so the train step skips the update and counts it."""
+    in_range = ((labels >= 0) & (labels < classes)).all()
+    return jnp.where(in_range, 1.0, jnp.nan).astype(jnp.float32)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(2,))
@@ -99,7 +109,7 @@ def translation_loss_fn(
         tokens = weights.sum()
         denom = jnp.maximum(tokens, 1.0)  # an all-padding microbatch contributes 0, not NaN
         loss_tok, nll_tok = _token_losses(logits, labels, label_smoothing)
-        loss = (loss_tok * weights).sum() / denom
+        loss = (loss_tok * weights).sum() / denom * _nan_unless_in_range(labels, logits.shape[-1])
         nll = (nll_tok * weights).sum() / denom
         accuracy = ((logits.argmax(-1) == labels) * weights).sum() / denom
         metrics = {"loss": loss, "nll_loss": nll, "accuracy": accuracy, "tokens": tokens}

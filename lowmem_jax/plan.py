@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -111,6 +113,39 @@ class _PlanMethods:
                 tx = technique.wrap_optimizer(tx, self, params)
         return as_optimizer(tx)
 
+    def check_optimizer(self, tx: optax.GradientTransformation | Optimizer, params: PyTree) -> None:
+        """Refuses a raw optax ``tx`` where this plan has optimizer-side work that changes what
+        is stored (16-bit parameters' state format, sparse training, a low-bit state): a raw
+        transformation would silently skip it. An :class:`~lowmem_jax.base.Optimizer` (what
+        :meth:`wrap_optimizer` returns) passes, and so does a raw ``tx`` whose stored
+        parameters and state the plan's optimizer would leave as they are (e.g. plain SGD, which
+        has no state, under ``fp16``).
+
+        Raises:
+          ValueError: naming the techniques and ``plan.wrap_optimizer(tx, params)``.
+        """
+        if isinstance(tx, Optimizer):
+            return
+        wrapped = self.wrap_optimizer(tx, params)
+        if not wrapped.needs_init_grads and _stored_like(as_optimizer(tx), wrapped, params):
+            return
+        skipped = [
+            t.name
+            for t in TECHNIQUES
+            if any(
+                hook is not None and hook(tx, self, params) is not tx
+                for hook in (t.inner_optimizer, t.wrap_optimizer)
+            )
+        ]
+        half = self.policy.param_dtype != jnp.float32
+        raise ValueError(
+            f"a raw optax transformation skips what this plan does to the optimizer "
+            f"({', '.join(skipped)}"
+            + (f"; precision={self.precision!r} stores 16-bit parameters" if half else "")
+            + "): pass tx=plan.wrap_optimizer(tx, params) to TrainState.create and "
+            "make_train_step"
+        )
+
     def model_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``loss_fn(params, model_state, batch, rng)`` as the step runs it on the parameters the
         model sees: every registered technique's ``wrap_loss`` in order (the compute dtype's
@@ -185,3 +220,14 @@ Plan = dataclasses.make_dataclass(
         + "".join(f"  {f.name}: {f.doc}\n" for t in TECHNIQUES for f in t.fields),
     },
 )
+
+
+def _stored_like(a: Optimizer, b: Optimizer, params: PyTree) -> bool:
+    """Whether ``a`` and ``b`` store ``params`` and their initial state in the same arrays
+    (shapes and dtypes; the wrappers around them may differ), traced, nothing computed."""
+
+    def arrays(opt: Optimizer) -> list[tuple]:
+        stored = jax.eval_shape(opt.store, params)
+        return sorted((x.shape, str(x.dtype)) for x in jax.tree.leaves(stored))
+
+    return arrays(a) == arrays(b)

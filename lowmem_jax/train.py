@@ -84,8 +84,13 @@ class TrainState(struct.PyTreeNode):
         ``grads``: the loss's gradient at ``params``, for an optimizer that needs it
         (``tx.needs_init_grads``: SNIP masks); :meth:`lowmem_jax.workloads.Setup.init_state`
         computes it on a batch.
+
+        Raises:
+          ValueError: a raw optax ``tx`` with a plan that has optimizer-side work
+            (:meth:`Plan.check_optimizer`): pass ``plan.wrap_optimizer(tx, params)``.
         """
         params = plan.policy.cast_to_param(params)
+        plan.check_optimizer(tx, params)
         stored, opt_state = as_optimizer(tx).store(params, grads)
         return cls(
             step=jnp.zeros((), jnp.int32),
@@ -154,6 +159,7 @@ def make_train_step(
     model_loss = plan.model_loss(loss_fn)
 
     def train_step(state: TrainState, batch: PyTree):
+        plan.check_optimizer(tx, state.params)  # traced once: the same refusal as create's
         rng = jax.random.fold_in(state.rng, state.step)
         loss, wrt = differentiated_loss(model_loss, opt, state.params, state.opt_state)
         loss = _fold(loss, "wrap_stored_loss", plan)

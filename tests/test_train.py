@@ -165,3 +165,59 @@ def test_plain_optax_transformations_store_parameters_as_they_are():
     jax.tree.map(np.testing.assert_array_equal, state.opt_state, tx.init(params))
     # A typed key is stored as raw key data, so the state converts and checkpoints plainly.
     np.testing.assert_array_equal(state.rng, jax.random.key_data(jax.random.key(1)))
+
+
+def _wide_loss(params, model_state, batch, rng):
+    loss = ((batch["x"] @ params["w"]) ** 2).mean()
+    return loss, (model_state, {"loss": loss})
+
+
+@pytest.mark.parametrize(
+    "plan,why",
+    [
+        (lm.Plan(precision="fp16"), "optimizer_state; precision='fp16' stores 16-bit"),
+        (lm.Plan(optimizer_state="int8"), "optimizer_state"),
+        (lm.Plan(sparsity=lm.sparsity.SparseConfig(density=0.5, is_sparse=lambda p, x: True)),
+         "sparsity"),
+    ],
+)  # fmt: skip
+def test_a_raw_optax_transformation_is_refused_where_the_plan_acts_on_the_optimizer(plan, why):
+    """Pure fp16 with a raw optax.adam skipped every step (fp16 moments overflow), a sparse or
+    int8 plan with one trained dense / float32: each is now refused in one line, at the state's
+    creation and at the step's first call, naming what would be skipped and the fix."""
+    params = {"w": jnp.full((64, 128), 0.01)}
+    batch = {"x": jnp.ones((8, 64))}
+    tx = optax.adam(1e-3)
+    with pytest.raises(ValueError, match=f"\\({why}.*pass tx=plan.wrap_optimizer"):
+        lm.TrainState.create(params=params, tx=tx, plan=plan)
+    wrapped = plan.wrap_optimizer(tx, params)
+    state = lm.TrainState.create(params=params, tx=wrapped, plan=plan)
+    with pytest.raises(ValueError, match="pass tx=plan.wrap_optimizer"):
+        lm.make_train_step(_wide_loss, tx, plan)(state, batch)
+    new, metrics = lm.make_train_step(_wide_loss, wrapped, plan)(state, batch)
+    assert int(metrics["skipped_steps"]) == 0 and int(new.step) == 1
+
+
+def test_a_raw_optax_transformation_passes_where_the_plan_stores_nothing_else():
+    """SGD without momentum has no state: under fp16 its raw and wrapped forms store the same
+    arrays, so the raw one is accepted (and so is any plan without optimizer-side work)."""
+    params = {"w": jnp.full((64, 128), 0.01)}
+    cases = [(lm.Plan(precision="fp16"), optax.sgd(0.1)),
+             (lm.Plan(precision="mixed_fp16", microbatches=2), optax.adam(1e-3))]  # fmt: skip
+    for plan, tx in cases:
+        state = lm.TrainState.create(params=params, tx=tx, plan=plan)
+        _, metrics = lm.make_train_step(_wide_loss, tx, plan)(state, {"x": jnp.ones((8, 64))})
+        assert bool(metrics["grads_finite"])
+
+
+def test_labels_out_of_range_skip_the_step_and_count_it():
+    """A label outside [0, classes) one-hot encodes to zeros (a loss of -0.0 that was
+    applied): the loss is NaN instead, so the step is skipped and counted."""
+    plan = lm.Plan()
+    state, step, batch = _state_and_step(plan, optax.sgd(0.1, momentum=0.9))
+    bad = {**batch, "label": batch["label"].at[0].set(10)}  # BNNet has 10 classes
+    new, metrics = step(state, bad)
+    assert not bool(metrics["grads_finite"]) and int(new.skipped_steps) == 1
+    jax.tree.map(np.testing.assert_array_equal, to_numpy(new.params), to_numpy(state.params))
+    _, metrics = step(state, batch)
+    assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))

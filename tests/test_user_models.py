@@ -3,6 +3,7 @@ or LayerNorm, dropout): the composed step trains on digits, remat lowers XLA's t
 keeps the gradients, microbatching equals the full batch, sparse training keeps its budget."""
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -368,3 +369,16 @@ def test_configure_model_sets_the_compute_dtype_of_nnx_layers_left_to_infer_it()
     split = lm.split_nnx(configured, nnx_loss)  # the dtypes survive split and merge
     block = split.merge(split.params).blocks[0]
     assert block(jnp.ones((2, 8, 8, 16), jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_remat_without_named_blocks_warns_that_it_lowers_nothing():
+    """The whole forward under one checkpoint saves no peak memory (temp ratio 1.00 on a
+    6-block CNN): a plan that does it says so, and for NNX names the repeated classes."""
+    with pytest.warns(UserWarning, match="LinenNet.*whole forward.*remat_blocks"):
+        lm.Plan(remat="full").configure_model(LinenNet())
+    with pytest.warns(UserWarning, match=r"repeated submodule classes: \['BatchNorm', 'Conv', "):
+        lm.Plan(remat="dots").configure_model(NNXNet(rngs=nnx.Rngs(0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # named blocks, or no remat: nothing to say
+        lm.Plan(remat="full", remat_blocks=("LinenBlock",)).configure_model(LinenNet())
+        lm.Plan().configure_model(LinenNet())
