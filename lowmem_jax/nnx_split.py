@@ -12,7 +12,8 @@ pure loss function, and back into a module after training.
   train state: the loss rebuilds it from the step's ``rng`` (the ``i``-th key in tree order is
   ``fold_in(rng, i)``, every count 0), so dropout draws fresh masks each step and microbatch
   as it does for a Linen model (:func:`lowmem_jax.microbatch.accumulate_gradients` folds the
-  microbatch index into ``rng``), and a resumed run draws the same ones. With ``rng=None`` the
+  microbatch index into ``rng``), and a resumed run draws the same ones. Streams split per
+  layer (a key per layer, ``nnx.split_rngs``) get a fresh key per layer. With ``rng=None`` the
   module's own keys are used.
 
 The loss is merged from these inside the traced step, so nothing of the module is mutated
@@ -23,6 +24,7 @@ outside it; the module's mode is the one it was split in (``model.train()`` /
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -107,7 +109,11 @@ def split_nnx(module: nnx.Module, loss: ModuleLoss) -> SplitNNX:
 
 
 def _fresh_rng_state(template: PyTree, rng: jax.Array | None) -> PyTree:
-    """``template`` with its ``i``-th key (tree order) ``fold_in(rng, i)`` and counts 0."""
+    """``template`` with its ``i``-th key leaf (tree order) ``fold_in(rng, i)`` and counts 0.
+
+    A key leaf with a shape (streams split per layer, ``nnx.split_rngs`` + ``nnx.vmap``: one
+    key per layer, scanned over with ``nnx.scan``) gets as many distinct keys, split from that
+    one, in the same shape; counts keep their shapes too."""
     if rng is None:
         return template
     leaves, treedef = jax.tree.flatten(template)
@@ -116,7 +122,10 @@ def _fresh_rng_state(template: PyTree, rng: jax.Array | None) -> PyTree:
     def fresh(index: int, leaf):
         if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(raw, impl=jax.random.key_impl(leaf))
-            return jax.random.fold_in(key, index)
+            key = jax.random.fold_in(key, index)
+            if leaf.shape:
+                key = jax.random.split(key, math.prod(leaf.shape)).reshape(leaf.shape)
+            return key
         return jnp.zeros_like(leaf)
 
     return jax.tree.unflatten(treedef, [fresh(i, x) for i, x in enumerate(leaves)])

@@ -382,3 +382,60 @@ def test_remat_without_named_blocks_warns_that_it_lowers_nothing():
         warnings.simplefilter("error")  # named blocks, or no remat: nothing to say
         lm.Plan(remat="full", remat_blocks=("LinenBlock",)).configure_model(LinenNet())
         lm.Plan().configure_model(LinenNet())
+
+
+class ScannedBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(8, 8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(nnx.relu(self.linear(x)))
+
+
+class ScanOverLayers(nnx.Module):
+    """The canonical NNX pattern: layers created with nnx.vmap over split RNG streams (a key per
+    layer), applied with nnx.scan."""
+
+    def __init__(self, layers: int, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return ScannedBlock(rngs)
+
+        self.blocks = create(rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return block(x)
+
+        return self.head(forward(x, self.blocks))
+
+
+def _scan_loss(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def test_nnx_per_layer_rng_streams_get_a_fresh_key_per_layer_and_step():
+    """split_nnx's loss with a step rng failed inside nnx.scan (IndexError) when the dropout
+    streams were split per layer: each layer's key is now fresh, per step and microbatch."""
+    split = lm.split_nnx(ScanOverLayers(3, nnx.Rngs(0)), _scan_loss)
+    assert split.rng_state["blocks"]["dropout"]["rngs"]["key"].shape == (3,)
+    batch = {"x": jnp.ones((8, 8)), "y": jnp.zeros(8, jnp.int32)}
+    losses = [float(split.loss_fn(split.params, split.model_state, batch, jax.random.key(r))[0])
+              for r in (1, 2, 1)]  # fmt: skip
+    assert losses[0] == losses[2] != losses[1]  # same rng, same masks; another, others
+    fresh = lm.nnx_split._fresh_rng_state(split.rng_state, jax.random.key(1))
+    keys = jax.random.key_data(fresh["blocks"]["dropout"]["rngs"]["key"])
+    assert len({tuple(np.asarray(k)) for k in keys}) == 3  # one distinct key per layer
+
+    plan = lm.Plan(microbatches=2)
+    tx = plan.wrap_optimizer(optax.adam(1e-2))
+    state = lm.TrainState.create(params=split.params, model_state=split.model_state, tx=tx,
+                                 plan=plan, rng=jax.random.key(0))  # fmt: skip
+    step = lm.make_train_step(split.loss_fn, tx, plan, donate=False)
+    new, metrics = step(state, batch)
+    assert bool(metrics["grads_finite"]) and int(new.skipped_steps) == 0
