@@ -50,6 +50,7 @@ from lowmem_jax.precision import Policy, cast_floating, cast_loss_fn, get_policy
 from lowmem_jax.remat import compiler_options, parse_policy
 from lowmem_jax.scanned_blocks import ScannedBlocks
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
+from lowmem_jax.technique import Verdict
 from lowmem_jax.techniques.shard import state_shardings
 from lowmem_jax.train import (
     TrainState,
@@ -58,12 +59,15 @@ from lowmem_jax.train import (
     model_params,
     scaled_grad_fn,
 )
+from lowmem_jax.verdicts import verdicts
 from lowmem_jax.workloads import analyze_model, build, workload
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Plan",
+    "Verdict",
+    "verdicts",
     "TrainState",
     "make_train_step",
     "make_plain_train_step",

@@ -111,7 +111,7 @@ def _use_devices(args: argparse.Namespace) -> None:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    from lowmem_jax.workloads import analyze_model
+    from lowmem_jax.workloads import analyze_model, build, workload
 
     plan = plan_from_args(args, Plan())
     if args.plain:
@@ -121,8 +121,14 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
                 f"--plain is the step without any technique; it takes no {', '.join(given)}"
             )
         plan = None
-    report = analyze_model(args.model, args.batch_size, plan, seq_len=args.seq_len)
+    found = []
+    if plan is None:
+        report = analyze_model(args.model, args.batch_size, None, seq_len=args.seq_len)
+    else:
+        setup = build(workload(args.model, args.batch_size, seq_len=args.seq_len), plan)
+        report, found = setup.analyze(), setup.verdicts()
     result = {"model": args.model, "batch_size": report.config["batch_size"], **report.to_dict()}
+    result["verdicts"] = [dataclasses.asdict(v) for v in found]
     if plan is not None and plan.shard != "none":  # the one-device step, for comparison
         one = dataclasses.replace(plan, shard="none", devices=0)
         single = analyze_model(args.model, args.batch_size, one, seq_len=args.seq_len).xla
@@ -169,6 +175,12 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         f"      FLOPs: {result['flops']:.4g} per step (jaxpr; XLA cost analysis: "
         f"{result['flops_xla'] or 0:.4g}, loop bodies counted once)"
     )
+    for v in found:
+        said = "took effect" if v.took_effect else "NO EFFECT"
+        print(f"  {v.technique:>15}: {said}: {v.evidence}")
+        if not v.took_effect:
+            warning = f"{v.technique} took no effect: {v.evidence}"
+            print(f"lowmem analyze: warning: {warning}", file=sys.stderr)
     return 0
 
 

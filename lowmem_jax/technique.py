@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Technique", "PlanField", "Flags", "EnvelopeRule", "Axis"]
+__all__ = ["Technique", "PlanField", "Flags", "EnvelopeRule", "Axis", "Evidence", "Verdict"]
 
 
 def _no_label(plan: Any) -> str | None:
@@ -120,6 +120,57 @@ class Axis:
 
 
 @dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether a technique the plan turns on changed the step, and the evidence.
+
+    Attributes:
+      technique: the technique's name.
+      took_effect: ``False`` where the setting is on but the step is as without it (e.g. an
+        int8 state whose every leaf is under the size that gets quantized).
+      evidence: what was found, in one line (counts, bytes, dtypes).
+    """
+
+    technique: str
+    took_effect: bool
+    evidence: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """What a compiled-step check looks at (nothing is run).
+
+    Attributes:
+      state: the train state (arrays or ``jax.ShapeDtypeStruct``).
+      batch: the batch (arrays or shapes).
+      tx: the step's optimizer (an ``lm.Optimizer``).
+      jaxpr: the step's jaxpr (``jax.make_jaxpr(step)(state, batch).jaxpr``).
+    """
+
+    state: Any
+    batch: Any
+    tx: Any
+    jaxpr: Any
+
+    def equations(self) -> list[Any]:
+        """Every equation of the step, those of nested jaxprs (loops, conds, checkpoints,
+        custom derivatives) included, with the number of enclosing loops: ``(eqn, depth)``."""
+        out: list[Any] = []
+
+        def walk(jaxpr, depth: int) -> None:
+            for eqn in jaxpr.eqns:
+                out.append((eqn, depth))
+                inner = depth + (eqn.primitive.name in ("scan", "while"))
+                for value in eqn.params.values():
+                    for sub in value if isinstance(value, (tuple, list)) else (value,):
+                        sub = getattr(sub, "jaxpr", sub)
+                        if hasattr(sub, "eqns"):
+                            walk(sub, inner)
+
+        walk(self.jaxpr, 0)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Technique:
     """One technique, as the library's generic code sees it.
 
@@ -155,6 +206,8 @@ class Technique:
       wrap_step: ``step(state, batch) -> (state, metrics)``, traced inside ``jit`` (e.g. the
         state's layout over a mesh on the way in and out).
       compiler_options: XLA options the jitted step needs.
+      took_effect: ``took_effect(evidence, plan) -> Verdict | None``: whether the setting
+        changed the step (``None`` where the technique is off); :func:`lowmem_jax.verdicts`.
     """
 
     name: str
@@ -173,3 +226,4 @@ class Technique:
     wrap_grad_fn: Callable[[Callable, Any], Callable] | None = None
     wrap_step: Callable[[Callable, Any], Callable] | None = None
     compiler_options: Callable[[Any], dict[str, str]] | None = None
+    took_effect: Callable[[Evidence, Any], Verdict | None] | None = None

@@ -40,8 +40,10 @@ from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer
 from lowmem_jax.data import cifar10
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
+from lowmem_jax.technique import Verdict
 from lowmem_jax.techniques.shard import state_shardings
 from lowmem_jax.train import TrainState, make_plain_train_step, make_train_step
+from lowmem_jax.verdicts import verdicts
 
 __all__ = [
     "Workload",
@@ -312,6 +314,13 @@ class Setup:
             else:
                 out[name] = jax.random.randint(key, leaf.shape, 4, 1000, leaf.dtype)
         return out
+
+    def verdicts(self) -> list[Verdict]:
+        """Whether each technique of the plan took effect on this step
+        (:func:`lowmem_jax.verdicts`: traced at the workload's batch shapes, not compiled)."""
+        return verdicts(
+            self.step, self.abstract_state(), self.abstract_batch(), plan=self.plan, tx=self.tx
+        )
 
     def analyze(self) -> memory.MemoryReport:
         """Compile-only memory analysis of the step at the workload's batch shapes.

@@ -150,7 +150,7 @@ def test_technique_modules_import_no_other_technique_nor_the_composer():
 #: A setting of each technique the planner does not search (an axis' values are taken from it).
 UNSEARCHED = {
     "loss_scale": lm.Plan(loss_scale="static"),
-    "shard": lm.Plan(shard="zero1", devices=1),
+    "shard": lm.Plan(optimizer_memory="pinned_host"),  # zero stages need devices: sharding_cases
     "input_dtype": lm.Plan(input_dtype="uint8"),
 }
 
@@ -170,18 +170,38 @@ def test_every_technique_has_a_setting_here():
 
 
 @pytest.mark.parametrize("name,plan", list(_settings()), ids=lambda x: getattr(x, "name", x))
-def test_every_setting_changes_the_step_it_builds(name, plan):
+def test_every_setting_changes_the_step_and_says_it_took_effect(name, plan):
     """Through Plan.configure_model, Plan.wrap_optimizer and make_train_step's hooks, each
     setting of each technique reaches the program (a technique whose hooks were not wired would
-    build the default step)."""
-    work = lm.workload("wrn-10-1", 8).with_input_dtype(plan.input_dtype)
+    build the default step), and its verdict (lm.verdicts) says it took effect."""
+    work = lm.workload(MODEL, 8).with_input_dtype(plan.input_dtype)
     setup = lm.build(work, plan)
     text = setup.step.lower(setup.abstract_state(), work.batch).as_text()
     assert text != _default_program()
+    found = {v.technique: v for v in setup.verdicts()}
+    assert found[name].took_effect, found[name]
+
+
+def test_a_setting_with_nothing_to_act_on_says_so():
+    """WRN-10-1's Tucker factors, 70% sparse, are all under the 4,096 elements a low-bit state
+    quantizes: int8 is on and changes nothing it stores, and the verdict says so instead of
+    staying silent. A plan that turns nothing on has no verdicts."""
+    tucker, sparse = lm.FactorConfig("tucker", 0.25), lm.sparsity.report_sparsity(0.7)
+    plan = lm.Plan(optimizer_state="int8", factorize=tucker, sparsity=sparse)
+    found = {v.technique: v for v in lm.build(lm.workload("wrn-10-1", 8), plan).verdicts()}
+    assert found["factorize"].took_effect and not found["optimizer_state"].took_effect
+    assert found["optimizer_state"].evidence.startswith("0 of ")
+    assert "under 4,096 elements" in found["optimizer_state"].evidence
+    assert lm.build(lm.workload("wrn-10-1", 8), lm.Plan()).verdicts() == []
+    one = lm.build(lm.workload("wrn-10-1", 8), lm.Plan(shard="zero1", devices=1)).verdicts()
+    assert [(v.technique, v.took_effect) for v in one] == [("shard", False)]
+
+
+MODEL = "wrn-16-2"  # its 3x3 kernels are large enough for a quantized state
 
 
 @functools.cache
 def _default_program() -> str:
-    work = lm.workload("wrn-10-1", 8)
+    work = lm.workload(MODEL, 8)
     setup = lm.build(work, lm.Plan())
     return setup.step.lower(setup.abstract_state(), work.batch).as_text()

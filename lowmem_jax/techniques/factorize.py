@@ -8,7 +8,7 @@ import argparse
 from flax import nnx
 
 from lowmem_jax.factorization import METHODS, RANK_RULES, FactorConfig
-from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict
 
 
 def _validate(plan) -> None:
@@ -91,6 +91,21 @@ def _argv(plan) -> list[str]:
     return argv
 
 
+def _factorized_layers(tree) -> int:
+    if not isinstance(tree, dict):
+        return 0
+    here = int("first" in tree and "last" in tree)
+    return here + sum(_factorized_layers(v) for v in tree.values())
+
+
+def _took_effect(evidence, plan):
+    """The layers whose parameters are factors (``first`` ... ``last``)."""
+    if plan.factorize is None:
+        return None
+    n = _factorized_layers(evidence.state.params)
+    return Verdict("factorize", n > 0, f"{n} layers factorized ({plan.factorize.method})")
+
+
 TECHNIQUE = Technique(
     name="factorize",
     order=70,
@@ -131,4 +146,5 @@ TECHNIQUE = Technique(
         within=lambda value, limit, batch_size: value is None or limit,
         compute=True,
     ),
+    took_effect=_took_effect,
 )

@@ -1,7 +1,10 @@
 """The batch's stored images (``input_dtype``): ``uint8`` raw pixels, normalised inside the
 step by the model (:func:`lowmem_jax.workloads.build` honours it)."""
 
-from lowmem_jax.technique import PlanField, Technique
+import jax
+import jax.numpy as jnp
+
+from lowmem_jax.technique import PlanField, Technique, Verdict
 
 #: How a batch may store its images (``Plan.input_dtype``).
 INPUT_DTYPES = ("float32", "uint8")
@@ -12,6 +15,20 @@ def _validate(plan) -> None:
         raise ValueError(
             f"Unknown input_dtype={plan.input_dtype!r}; allowed values: {list(INPUT_DTYPES)}"
         )
+
+
+def _took_effect(evidence, plan):
+    """The batch's arrays stored in ``input_dtype``."""
+    if plan.input_dtype == "float32":
+        return None
+    dtype = jnp.dtype(plan.input_dtype)
+    stored = [x for x in jax.tree.leaves(evidence.batch) if x.dtype == dtype]
+    nbytes = sum(x.size * x.dtype.itemsize for x in stored)
+    return Verdict(
+        "input_dtype",
+        bool(stored),
+        f"{len(stored)} batch arrays stored as {dtype.name} ({nbytes} B)",
+    )
 
 
 TECHNIQUE = Technique(
@@ -38,4 +55,5 @@ TECHNIQUE = Technique(
     envelope=None,
     # Not searched: the planner's workloads are not all image batches.
     axis=None,
+    took_effect=_took_effect,
 )

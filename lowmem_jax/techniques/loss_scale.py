@@ -1,7 +1,7 @@
 """Loss scaling (:mod:`lowmem_jax.loss_scale`): ``loss_scale`` and its settings."""
 
 from lowmem_jax import loss_scale as loss_scale_lib
-from lowmem_jax.technique import PlanField, Technique
+from lowmem_jax.technique import PlanField, Technique, Verdict
 
 
 def _validate(plan) -> None:
@@ -16,6 +16,18 @@ def _validate(plan) -> None:
         period=plan.loss_scale_period,
         factor=plan.loss_scale_factor,
         min_loss_scale=plan.min_loss_scale,
+    )
+
+
+def _took_effect(evidence, plan):
+    """The loss scale the state carries (``auto`` resolves by the precision)."""
+    kind = plan.loss_scale_kind
+    if plan.loss_scale == "auto" and kind == "none":
+        return None
+    scale = type(evidence.state.loss_scale).__name__
+    took = kind != "none"
+    return Verdict(
+        "loss_scale", took, f"{kind} loss scale ({scale}), from {plan.initial_loss_scale:g}"
     )
 
 
@@ -44,4 +56,5 @@ TECHNIQUE = Technique(
     # Accuracy-neutral by design: a step with non-finite gradients is skipped and counted.
     envelope=None,
     axis=None,  # follows the precision (auto)
+    took_effect=_took_effect,
 )

@@ -1,7 +1,9 @@
 """Microbatching (:mod:`lowmem_jax.microbatch`): ``microbatches``, a count per batch."""
 
+import jax
+
 from lowmem_jax import microbatch as microbatch_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 
 
 def _outside(config, limit):
@@ -17,6 +19,23 @@ def _accumulate(grad_fn, plan):
     mesh = plan.mesh()
     shards = 1 if mesh is None else mesh.size
     return microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches, shards)
+
+
+def _took_effect(evidence, plan):
+    """A loop of ``microbatches`` iterations around the gradient."""
+    k = plan.microbatches
+    if k == 1:
+        return None
+    loops = [
+        eqn for eqn, _ in evidence.equations()
+        if eqn.primitive.name == "scan" and eqn.params.get("length") == k
+    ]  # fmt: skip
+    examples = jax.tree.leaves(evidence.batch)[0].shape[0] // k
+    return Verdict(
+        "microbatches",
+        bool(loops),
+        f"gradients accumulated over {k} microbatches of {examples} examples (lax.scan)",
+    )
 
 
 TECHNIQUE = Technique(
@@ -47,4 +66,5 @@ TECHNIQUE = Technique(
             m for m in range(1, batch_size + 1) if batch_size % m == 0
         ),
     ),
+    took_effect=_took_effect,
 )

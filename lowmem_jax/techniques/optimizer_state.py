@@ -1,9 +1,11 @@
 """Low-bit optimizer state (:mod:`lowmem_jax.optimizer_state`): ``optimizer_state``."""
 
+import jax
 import jax.numpy as jnp
 
 from lowmem_jax import optimizer_state as optimizer_state_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique
+from lowmem_jax.quantization import Quantized, quantized_nbytes
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 
 
 def _outside(config, limit):
@@ -30,6 +32,40 @@ def _quantized_state(opt, plan, params):
     if plan.optimizer_state not in optimizer_state_lib.QUANTIZED_FORMATS:
         return opt
     return optimizer_state_lib.quantized_state(opt, plan.optimizer_state)
+
+
+def _took_effect(evidence, plan):
+    """How many of the optimizer state's arrays are stored in the format (quantized leaves,
+    or floating leaves of its dtype), and their bytes."""
+    fmt = plan.optimizer_state
+    half = plan.policy.param_dtype != jnp.float32
+    if fmt == "auto" and not half:
+        return None
+    if fmt == "fp32" and not half:
+        return Verdict("optimizer_state", False, "float32 parameters: a float32 state either way")
+    leaves = jax.tree.leaves(evidence.state.opt_state, is_leaf=lambda x: isinstance(x, Quantized))
+    arrays = [
+        x
+        for x in leaves
+        if isinstance(x, Quantized) or (jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 0)
+    ]
+    rest = ""
+    if fmt in optimizer_state_lib.QUANTIZED_FORMATS:
+        stored = [x for x in arrays if isinstance(x, Quantized)]
+        nbytes = sum(quantized_nbytes(x) for x in stored)
+        if len(stored) < len(arrays):
+            rest = "; the others stay float32 (under 4,096 elements)"
+    else:
+        dtype = jnp.dtype(jnp.float32 if fmt == "fp32" else jnp.bfloat16)
+        stored = [x for x in arrays if x.dtype == dtype]
+        nbytes = sum(x.size * x.dtype.itemsize for x in stored)
+        fmt = dtype.name
+    return Verdict(
+        "optimizer_state",
+        bool(stored),
+        f"{len(stored)} of {len(arrays)} state arrays stored in {fmt} ({nbytes / 2**20:.2f} MiB)"
+        + rest,
+    )
 
 
 TECHNIQUE = Technique(
@@ -67,4 +103,5 @@ TECHNIQUE = Technique(
         plan_fields=lambda value: {"optimizer_state": value},
         within=lambda value, limit, batch_size: value in limit,
     ),
+    took_effect=_took_effect,
 )

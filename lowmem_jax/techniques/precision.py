@@ -1,9 +1,10 @@
 """Low precision (:mod:`lowmem_jax.precision`): the ``precision`` policy."""
 
+import jax.numpy as jnp
 from flax import nnx
 
 from lowmem_jax import precision as precision_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 
 
 def _configure_model(model, plan):
@@ -22,6 +23,22 @@ def _configure_model(model, plan):
 
 def _outside(config, limit):
     return None if config["precision"] in limit else f"precision {config['precision']}"
+
+
+def _took_effect(evidence, plan):
+    """The matmuls and convolutions of the step (backward included) whose first operand is in
+    the compute dtype."""
+    dtype = jnp.dtype(plan.policy.compute_dtype)
+    if dtype == jnp.float32:
+        return None
+    names = ("dot_general", "conv_general_dilated")
+    ops = [eqn for eqn, _ in evidence.equations() if eqn.primitive.name in names]
+    half = [eqn for eqn in ops if eqn.invars[0].aval.dtype == dtype]
+    return Verdict(
+        "precision",
+        bool(half),
+        f"{len(half)} of {len(ops)} matmuls and convolutions compute in {dtype.name}",
+    )
 
 
 TECHNIQUE = Technique(
@@ -58,4 +75,5 @@ TECHNIQUE = Technique(
         plan_fields=lambda value: {"precision": value},
         within=lambda value, limit, batch_size: value in limit,
     ),
+    took_effect=_took_effect,
 )

@@ -6,7 +6,7 @@ import warnings
 from flax import nnx
 
 from lowmem_jax import remat as remat_lib
-from lowmem_jax.technique import Axis, PlanField, Technique
+from lowmem_jax.technique import Axis, PlanField, Technique, Verdict
 
 
 def _validate(plan) -> None:
@@ -53,6 +53,21 @@ def _configure_model(model, plan):
     return model.clone(remat=plan.remat)
 
 
+def _took_effect(evidence, plan):
+    """The checkpointed regions of the step (``jax.checkpoint``), and how many sit in loops."""
+    if not remat_lib.parse_policy(plan.remat).enabled:
+        return None
+    names = ("remat2", "checkpoint")
+    regions = [depth for eqn, depth in evidence.equations() if eqn.primitive.name in names]
+    looped = sum(1 for depth in regions if depth)
+    return Verdict(
+        "remat",
+        bool(regions),
+        f"{len(regions)} checkpointed regions in the step ({looped} inside loops), policy "
+        f"{plan.remat}",
+    )
+
+
 TECHNIQUE = Technique(
     name="remat",
     order=40,
@@ -95,4 +110,5 @@ TECHNIQUE = Technique(
         compute=True,
         families=("blocks",),
     ),
+    took_effect=_took_effect,
 )

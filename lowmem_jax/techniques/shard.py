@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 from lowmem_jax import scanned_blocks
 from lowmem_jax import sharding as sharding_lib
-from lowmem_jax.technique import PlanField, Technique
+from lowmem_jax.technique import PlanField, Technique, Verdict
 
 __all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
 
@@ -138,6 +138,27 @@ def _laid_out(step, plan):
     return laid_out_step
 
 
+def _took_effect(evidence, plan):
+    """The devices of the mesh and the share of the optimizer state partitioned over them;
+    where the optimizer state lives between steps."""
+    mesh = plan.mesh()
+    if mesh is None:
+        return None
+    parts = []
+    if plan.shard != "none":
+        partitioned = sharding_lib.stage(plan.shard).optimizer_state
+        state = evidence.state.opt_state
+        share = sharding_lib.partitioned_fraction(state, mesh.size) if partitioned else 0.0
+        parts.append(
+            f"{plan.shard} over {mesh.size} devices: {share:.0%} of the optimizer state's "
+            "bytes partitioned"
+        )
+    if plan.optimizer_memory != "device":
+        parts.append(f"the optimizer state in {plan.optimizer_memory} memory between steps")
+    took = mesh.size > 1 or plan.optimizer_memory != "device"
+    return Verdict("shard", took, "; ".join(parts) or "one device: nothing partitioned")
+
+
 TECHNIQUE = Technique(
     name="shard",
     order=80,
@@ -181,4 +202,5 @@ TECHNIQUE = Technique(
     wrap_stored_loss=_gathered,
     wrap_grad_fn=_partitioned_grads,
     wrap_step=_laid_out,
+    took_effect=_took_effect,
 )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import jax
+
 from lowmem_jax import scanned_blocks
 from lowmem_jax.sparsity import (
     ALGORITHMS,
@@ -14,7 +16,8 @@ from lowmem_jax.sparsity import (
     report_sparsity,
     sparse_training,
 )
-from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique
+from lowmem_jax.sparsity.transform import SparseTraining
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict
 
 
 def _validate(plan) -> None:
@@ -120,6 +123,24 @@ def _outside(config, limit):
     return f"sparsity {sparsity:.0%} (> {limit:.0%})" if sparsity > limit + 1e-9 else None
 
 
+def _took_effect(evidence, plan):
+    """The weight leaves sparse training keeps sparse (its layout), and the stored
+    parameters' bytes."""
+    if plan.sparsity is None:
+        return None
+    opt = evidence.tx
+    while not isinstance(opt, SparseTraining) and hasattr(opt, "inner"):
+        opt = opt.inner
+    leaves = opt.layout.leaves if isinstance(opt, SparseTraining) else ()
+    stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(evidence.state.params))
+    return Verdict(
+        "sparsity",
+        bool(leaves),
+        f"{len(leaves)} weight leaves at {plan.sparsity.density:.0%} density, stored "
+        f"{plan.sparsity.storage.name}: parameters {stored / 2**20:.2f} MiB",
+    )
+
+
 TECHNIQUE = Technique(
     name="sparsity",
     order=50,
@@ -150,4 +171,5 @@ TECHNIQUE = Technique(
         plan_fields=lambda value: {"sparsity": report_sparsity(value) if value else None},
         within=lambda value, limit, batch_size: value <= limit + 1e-9,
     ),
+    took_effect=_took_effect,
 )

@@ -1,0 +1,45 @@
+"""Did each technique of a plan take effect? One :class:`~lowmem_jax.technique.Verdict` per
+technique the plan turns on, from the step's jaxpr and state (compile-free).
+
+>>> for v in lm.verdicts(step, state, batch, plan=plan, tx=tx):
+...     print(v.technique, v.took_effect, v.evidence)
+
+A setting that is on but changed nothing (an int8 state whose every array is under the size
+that gets quantized; remat without a checkpointed region) comes back with ``took_effect`` False,
+and :func:`lowmem_jax.memory.analyze` callers (``lowmem analyze``) print it as a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import optax
+
+from lowmem_jax.base import Optimizer, PyTree, as_optimizer
+from lowmem_jax.technique import Evidence, Verdict
+from lowmem_jax.techniques import TECHNIQUES
+
+__all__ = ["verdicts"]
+
+
+def verdicts(
+    train_step: Callable,
+    state: PyTree,
+    batch: PyTree,
+    *,
+    plan,
+    tx: optax.GradientTransformation | Optimizer,
+) -> list[Verdict]:
+    """Each registered technique's :attr:`~lowmem_jax.technique.Technique.took_effect` on the
+    step ``train_step(state, batch)`` (traced, not compiled or run) of ``plan`` with optimizer
+    ``tx``, in the registry's order; techniques the plan leaves off give none."""
+    jaxpr = jax.make_jaxpr(getattr(train_step, "__wrapped__", train_step))(state, batch).jaxpr
+    evidence = Evidence(state=state, batch=batch, tx=as_optimizer(tx), jaxpr=jaxpr)
+    found = []
+    for technique in TECHNIQUES:
+        if technique.took_effect is not None:
+            verdict = technique.took_effect(evidence, plan)
+            if verdict is not None:
+                found.append(verdict)
+    return found
