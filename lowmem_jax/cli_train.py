@@ -49,6 +49,7 @@ def _train_config(args: argparse.Namespace):
         learning_rate=args.lr,
         lr_schedule=args.lr_schedule,
         resume=args.resume,
+        overwrite=args.overwrite,
         tensorboard=not args.no_tensorboard,
         progress=not args.no_progress,
     )
@@ -162,6 +163,12 @@ def add_train_flags(train: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="continue exactly from the newest checkpoint in --checkpoint-dir",
+    )
+    ckpt.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run in a --checkpoint-dir that holds one: the old run is moved aside "
+        "whole to DIR.previous (a new run there is refused without it)",
     )
     ckpt.add_argument(
         "--no-tensorboard",

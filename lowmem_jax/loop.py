@@ -34,6 +34,7 @@ import jax
 from lowmem_jax import tasks as tasks_lib
 from lowmem_jax.checkpointing import (
     check_directory,
+    check_run,
     checkpoint_steps,
     param_checksum,
     restore_model,
@@ -83,7 +84,10 @@ class TrainConfig:
       eval_every: steps between records (``None``: one epoch for classification, 1000 steps
         for translation).
       checkpoint_dir, checkpoint_every, keep_checkpoints, resume: Orbax checkpoints (module
-        docstring); ``keep_checkpoints=None`` keeps ``max(3, average_last)``.
+        docstring); ``keep_checkpoints=None`` keeps ``max(3, average_last)``. The directory
+        records the run's :meth:`identity` (``run.json``): ``resume`` with another identity is
+        refused, and so is a new run in a directory that holds checkpoints, unless
+        ``overwrite`` (the old run is moved aside whole to ``<checkpoint_dir>.previous``).
       decompose_from: a checkpoint directory of the same model trained dense: its newest
         parameters are decomposed into the plan's factorized layers
         (:func:`lowmem_jax.factorization.decompose_params`; BatchNorm statistics copied) and
@@ -131,6 +135,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int | None = None
     resume: bool = False
+    overwrite: bool = False
     decompose_from: str | None = None
     memory_budget: int | None = None
     memory_envelope: str = "report"
@@ -186,6 +191,11 @@ class TrainConfig:
             raise ValueError("memory_budget chooses the plan: leave plan at its default")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs a checkpoint_dir")
+        if self.overwrite and (self.resume or not self.checkpoint_dir):
+            raise ValueError(
+                "overwrite=True starts a new run in a checkpoint_dir: it needs checkpoint_dir "
+                "and cannot go with resume"
+            )
         if self.average_last > 1 and not self.checkpoint_dir:
             raise ValueError(f"average_last={self.average_last} needs a checkpoint_dir")
         if self.average_last > self.keep:
@@ -206,6 +216,16 @@ class TrainConfig:
     def model_name(self) -> str:
         """``model``, or the dataset's default."""
         return self.model or tasks_lib.task_of(self.dataset).DEFAULT_MODEL
+
+    def identity(self) -> dict[str, Any]:
+        """What decides the trained state's structure and meaning, JSON-able: the dataset and
+        its split, the model, the plan (or the budget that chooses it), the recipe's overrides
+        and the seed. Not the run's length, evaluation, checkpointing or output settings: a
+        resumed run may change those."""
+        out = {name: getattr(self, name) for name in _IDENTITY}
+        out["model"] = self.model_name
+        out["plan"] = self.plan.to_dict()
+        return out
 
     @property
     def keep(self) -> int:
@@ -242,6 +262,16 @@ class _Meter:
         return out
 
 
+#: The TrainConfig fields of a run's identity (:meth:`TrainConfig.identity`), besides the model
+#: and the plan.
+_IDENTITY = (
+    "dataset", "batch_size", "max_tokens", "learning_rate", "lr_schedule", "warmup",
+    "weight_decay", "momentum", "label_smoothing", "seed", "image_size", "fold", "folds",
+    "dropout", "model_overrides", "vocab_size", "length_multiple", "decompose_from",
+    "memory_budget", "memory_envelope",
+)  # fmt: skip
+
+
 def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     """Trains ``config.model`` on ``config.dataset``; returns the summary with the history.
 
@@ -251,6 +281,14 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
 
     if config.checkpoint_dir:  # a bad path fails now, not after the data and the compile
         check_directory(config.checkpoint_dir, resume=config.resume)
+        moved = check_run(
+            config.checkpoint_dir,
+            config.identity(),
+            resume=config.resume,
+            overwrite=config.overwrite,
+        )
+        if moved and log:
+            log(f"moved the run that was in {config.checkpoint_dir} to {moved}")
     if config.decompose_from and not checkpoint_steps(config.decompose_from):
         raise FileNotFoundError(
             f"decompose_from: no checkpoint in {os.path.abspath(config.decompose_from)}"

@@ -17,7 +17,9 @@ import lowmem_jax as lm
 from lowmem_jax.checkpointing import (
     Checkpointer,
     CheckpointError,
+    RunMismatchError,
     check_directory,
+    check_run,
     resume_or_start,
 )
 from lowmem_jax.loop import TrainConfig, train_and_evaluate
@@ -188,3 +190,73 @@ def test_checkpoint_directory_is_checked_before_anything_runs(tmp_path):
         check_directory("/proc/lowmem-checkpoints")  # not creatable, even by root
     check_directory(str(tmp_path / "new"))
     assert (tmp_path / "new").is_dir()
+
+
+SHORT = [
+    sys.executable, "-m", "lowmem_jax.cli", "train", "--model", "wrn-10-1", "--steps", "10",
+    "--batch-size", "32", "--image-size", "8", "--no-progress", "--json", "--checkpoint-every", "5",
+]  # fmt: skip
+
+
+def _listing(directory) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")}
+
+
+def test_a_checkpoint_directory_survives_a_wrong_resume_and_a_second_run(tmp_path):
+    """Resuming with one wrong flag renamed every good checkpoint to <step>.corrupt, and a new
+    run in the directory deleted the old run's checkpoints and overwrote its metrics: both are
+    refused in one line (exit 2) before anything is built, and the directory is untouched; the
+    right --resume then continues the run."""
+    run = subprocess.run([*SHORT, "--checkpoint-dir", str(tmp_path)], capture_output=True,
+                         text=True, check=True, timeout=600, env=RUN_ENV)  # fmt: skip
+    first = json.loads(run.stdout)
+    before = _listing(tmp_path)
+    assert {"5", "10", "run.json", "metrics.jsonl"} <= set(before)
+
+    wrong = subprocess.run(
+        [*SHORT, "--model", "wrn-16-2", "--checkpoint-dir", str(tmp_path), "--resume"],
+        capture_output=True, text=True, timeout=600, env=RUN_ENV,
+    )  # fmt: skip
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    assert "model: 'wrn-10-1' in the run, 'wrn-16-2' in this command" in wrong.stderr
+    again = subprocess.run([*SHORT, "--seed", "1", "--checkpoint-dir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=600, env=RUN_ENV)  # fmt: skip
+    assert again.returncode == 2 and "already holds a run (checkpoints at steps 5, 10)" in (
+        again.stderr
+    )
+    assert "--resume" in again.stderr and "--overwrite" in again.stderr
+    assert _listing(tmp_path) == before  # nothing renamed, deleted or overwritten
+
+    resumed = subprocess.run(
+        [*SHORT, "--steps", "15", "--checkpoint-dir", str(tmp_path), "--resume"],
+        capture_output=True, text=True, check=True, timeout=600, env=RUN_ENV,
+    )  # fmt: skip
+    assert json.loads(resumed.stdout)["steps"] == 15 and first["steps"] == 10
+
+
+def test_overwrite_moves_the_old_run_aside_whole(tmp_path):
+    """check_run, the library side: a new run with overwrite moves the old run to
+    <dir>.previous (then .previous-1), records the new identity, and resumes of that identity
+    pass while any other identity is refused naming each difference."""
+    directory = tmp_path / "run"
+    (directory / "5").mkdir(parents=True)
+    (directory / "metrics.jsonl").write_text("{}\n")
+    mine = {"model": "wrn-10-1", "seed": 0, "plan": {"precision": "fp32"}}
+    with pytest.raises(RunMismatchError, match="already holds a run"):
+        check_run(directory, mine, resume=False)
+    moved = check_run(directory, mine, resume=False, overwrite=True)
+    assert moved == str(directory) + ".previous"
+    assert (tmp_path / "run.previous" / "5").is_dir()
+    assert (tmp_path / "run.previous" / "metrics.jsonl").read_text() == "{}\n"
+    assert json.loads((directory / "run.json").read_text()) == mine
+    (directory / "10").mkdir()
+    assert check_run(directory, mine, resume=True) is None
+    other = {**mine, "seed": 1, "plan": {"precision": "fp16"}}
+    with pytest.raises(RunMismatchError, match="plan: .*'fp32'.* in the run, .*'fp16'.*; seed: 0"):
+        check_run(directory, other, resume=True)
+    assert check_run(directory, mine, resume=False, overwrite=True).endswith("run.previous-1")
+
+
+def test_overwrite_and_resume_do_not_go_together():
+    with pytest.raises(ValueError, match="overwrite=True starts a new run"):
+        TrainConfig(checkpoint_dir="x", resume=True, overwrite=True)
