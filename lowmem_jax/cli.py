@@ -62,9 +62,15 @@ def _default_cache_dir() -> str:
 
 def _use_compilation_cache(cache_dir: str) -> None:
     """JAX's persistent compilation cache in ``cache_dir`` (``""``: none): a step compiled
-    once is read back by later runs (compile-only analysis gives the same figures from it)."""
+    once is read back by later runs (compile-only analysis gives the same figures from it).
+
+    Raises:
+      NotADirectoryError, PermissionError: ``cache_dir`` cannot hold the cache (checked like
+        ``--checkpoint-dir``, before anything is built).
+    """
     if not cache_dir:
         return
+    paths.ensure_directory(cache_dir, "--cache-dir")  # else JAX warns and runs without a cache
     import jax
 
     jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -355,8 +361,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _where_to_resume(args: argparse.Namespace) -> str:
+    """After Ctrl-C: the newest complete checkpoint and how to continue from it (checkpoints
+    are written whole or not at all, so the newest listed is good)."""
+    from lowmem_jax.checkpointing import checkpoint_steps
+
+    directory = getattr(args, "checkpoint_dir", None)
+    if not directory:
+        return ""
+    steps = checkpoint_steps(directory)
+    if not steps:
+        return f"; no checkpoint was saved in {directory}"
+    again = "" if getattr(args, "resume", False) else " with --resume"
+    return (
+        f"; the newest checkpoint is step {steps[-1]} in {directory}: run the same command"
+        f"{again} to continue"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs one command; user errors exit 2 and a stalled run 1, each with one line."""
+    """Runs one command; user errors exit 2, a stalled run 1 and Ctrl-C 130, each with one
+    line."""
     from lowmem_jax.checkpointing import CheckpointError
     from lowmem_jax.skip_guard import NoProgressError
 
@@ -385,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         args.parser.error(_one_line(err))
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        args.parser.exit(130, f"{prog}: interrupted{_where_to_resume(args)}\n")
     finally:
         warnings.showwarning = default_showwarning
 

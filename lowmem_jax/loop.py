@@ -289,6 +289,9 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
         )
         if moved and log:
             log(f"moved the run that was in {config.checkpoint_dir} to {moved}")
+    if config.data_dir and not os.path.isdir(config.data_dir):  # TFDS would blame the dataset
+        what = "is a file, not a directory" if os.path.exists(config.data_dir) else "does not exist"
+        raise FileNotFoundError(f"data_dir={config.data_dir} {what}")
     if config.decompose_from and not checkpoint_steps(config.decompose_from):
         raise FileNotFoundError(
             f"decompose_from: no checkpoint in {os.path.abspath(config.decompose_from)}"
@@ -297,6 +300,12 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     # Data, the step and the state.
     task = tasks_lib.make_task(config)
     total_steps = task.total_steps
+    if config.resume and checkpoint_steps(config.checkpoint_dir)[-1] > total_steps:
+        raise ValueError(
+            f"the run in checkpoint_dir={config.checkpoint_dir} is at step "
+            f"{checkpoint_steps(config.checkpoint_dir)[-1]}, past the {total_steps} steps this "
+            "command trains (epochs / steps): give more to continue it"
+        )
     work = task.workload(config)
     recipe = config.recipe(work.recipe)
     plan, dense = config.plan, None

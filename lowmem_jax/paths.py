@@ -38,6 +38,12 @@ def check_writable_file(path: str | os.PathLike, label: str) -> None:
         raise IsADirectoryError(f"{label}={path} is a directory, not a file")
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
+        # The nearest existing ancestor says why: a file where a directory should be, or none.
+        ancestor = parent
+        while ancestor and not os.path.exists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if ancestor and not os.path.isdir(ancestor):
+            raise NotADirectoryError(f"{label}={path}: {ancestor} is a file, not a directory")
         raise FileNotFoundError(f"{label}={path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(f"{label}={path} cannot be written ({parent} is not writable)")

@@ -197,3 +197,19 @@ def test_any_numeric_flag_value_is_accepted_or_refused_in_one_line(flags):
         assert config is None
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert err.startswith("lowmem train: error: ") and "Traceback" not in err
+
+
+def test_paths_that_cannot_work_name_the_real_cause(tmp_path, capsys, nothing_compiles):
+    """--output under a file said the directory "does not exist"; a missing --data-dir got a
+    TFDS message claiming the data was "already prepared"; an unusable --cache-dir was a raw
+    JAX warning and no cache. Each is one line naming the parameter and the cause."""
+    a_file = tmp_path / "afile.txt"
+    a_file.write_text("x")
+    cases = [
+        (["--output", str(a_file / "out.json")], f"--output={a_file}/out.json: {a_file} is a file"),
+        (["--cache-dir", str(a_file)], f"--cache-dir={a_file} is a file, not a directory"),
+    ]  # fmt: skip
+    for argv, match in cases:
+        assert match in _one_line_error([*TRAIN, *argv], capsys)
+    missing = ["train", "--dataset", "cifar10", "--data-dir", str(tmp_path / "nope")]
+    assert f"data_dir={tmp_path / 'nope'} does not exist" in _one_line_error(missing, capsys)

@@ -20,6 +20,7 @@ from lowmem_jax.checkpointing import (
     RunMismatchError,
     check_directory,
     check_run,
+    checkpoint_steps,
     resume_or_start,
 )
 from lowmem_jax.loop import TrainConfig, train_and_evaluate
@@ -260,3 +261,35 @@ def test_overwrite_moves_the_old_run_aside_whole(tmp_path):
 def test_overwrite_and_resume_do_not_go_together():
     with pytest.raises(ValueError, match="overwrite=True starts a new run"):
         TrainConfig(checkpoint_dir="x", resume=True, overwrite=True)
+
+
+def test_ctrl_c_says_where_the_last_checkpoint_is_and_exits_130(tmp_path):
+    """Ctrl-C printed a 21-line traceback: now one line naming the newest checkpoint and how to
+    continue, exit status 130; the directory still resumes."""
+    proc = subprocess.Popen(
+        [*TRAIN, "--checkpoint-dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=RUN_ENV,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not checkpoint_steps(tmp_path):
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("lowmem train: interrupted; the newest checkpoint is step ")
+    assert lines[0].endswith(f"in {tmp_path}: run the same command with --resume to continue")
+    resumed, _ = _run(tmp_path, "--resume")
+    assert resumed["steps"] == 2 * (1437 // 64)
+
+
+def test_resume_with_fewer_steps_than_the_run_has_is_refused(tmp_path):
+    """--resume --steps 5 on a run at step 10 said nothing (and trained nothing)."""
+    subprocess.run([*SHORT, "--checkpoint-dir", str(tmp_path)], capture_output=True, text=True,
+                   check=True, timeout=600, env=RUN_ENV)  # fmt: skip
+    out = subprocess.run([*SHORT, "--steps", "5", "--checkpoint-dir", str(tmp_path), "--resume"],
+                         capture_output=True, text=True, timeout=600, env=RUN_ENV)  # fmt: skip
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"the run in checkpoint_dir={tmp_path} is at step 10, past the 5 steps" in out.stderr

@@ -77,3 +77,18 @@ def test_model_loss_casts_to_the_compute_dtype_and_back():
         {"w": jnp.ones(3)}, {}, {"x": jnp.ones(3)}, None
     )
     assert loss.dtype == jnp.float32 and metrics["m"].dtype == jnp.float32 and loss == 3
+
+
+@pytest.mark.parametrize(
+    "field,value,why",
+    [("loss_scale_period", 0, "loss_scale_period must be an integer >= 1"),
+     ("loss_scale_period", 2.5, "loss_scale_period must be an integer >= 1"),
+     ("loss_scale_factor", 0.5, "loss_scale_factor must be > 1"),
+     ("initial_loss_scale", 0.0, "initial_loss_scale must be > 0"),
+     ("min_loss_scale", 2.0**16, r"min_loss_scale must be in \(0, initial_loss_scale=32768.0\]")],
+)  # fmt: skip
+def test_loss_scale_settings_are_refused_on_construction_at_any_precision(field, value, why):
+    """Plan(loss_scale_period=0) was accepted and refused only later, under float16."""
+    for precision in ("fp32", "fp16"):
+        with pytest.raises(ValueError, match=why):
+            lm.Plan(precision=precision, **{field: value})

@@ -5,18 +5,25 @@ from lowmem_jax.technique import PlanField, Technique, Verdict
 
 
 def _validate(plan) -> None:
+    """Every setting on construction, whatever the precision (a settings mistake should not
+    wait for the float16 run that reads it), each error naming its Plan field."""
     if plan.loss_scale != "auto" and plan.loss_scale not in loss_scale_lib.LOSS_SCALES:
         raise ValueError(
             f"Unknown loss_scale={plan.loss_scale!r}; allowed values: "
             f"{['auto', *loss_scale_lib.LOSS_SCALES]}"
         )
-    loss_scale_lib.check_settings(
-        plan.loss_scale_kind,
-        initial_scale=plan.initial_loss_scale,
-        period=plan.loss_scale_period,
-        factor=plan.loss_scale_factor,
-        min_loss_scale=plan.min_loss_scale,
-    )
+    initial, period = plan.initial_loss_scale, plan.loss_scale_period
+    if not initial > 0:
+        raise ValueError(f"initial_loss_scale must be > 0, got {initial}")
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        raise ValueError(f"loss_scale_period must be an integer >= 1, got {period!r}")
+    if not plan.loss_scale_factor > 1:
+        raise ValueError(f"loss_scale_factor must be > 1, got {plan.loss_scale_factor}")
+    if not 0 < plan.min_loss_scale <= initial:
+        raise ValueError(
+            f"min_loss_scale must be in (0, initial_loss_scale={initial}], got "
+            f"{plan.min_loss_scale}"
+        )
 
 
 def _took_effect(evidence, plan):
