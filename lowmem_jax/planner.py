@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lowmem_jax import memory
 from lowmem_jax.envelope import ENVELOPES, Envelope
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_descent import descend
@@ -62,7 +63,7 @@ from lowmem_jax.plan_search import MIB, Search, calibration_key, plan_name, plan
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.remat import parse_policy
 from lowmem_jax.techniques import TECHNIQUES
-from lowmem_jax.workloads import Workload, workload
+from lowmem_jax.workloads import Workload, build, workload
 
 __all__ = [
     "OBJECTIVES",
@@ -197,6 +198,7 @@ def plan_for_budget(
     env = ENVELOPES[envelope]
     axes = _axes(env, work.batch_size, SPACE if space is None else space)
     search = Search(work, budget_bytes, env, log, recipe)
+    _refuse_below_the_least_state(search, axes)
     reference = search.flops(Plan())
     classes = []
     for remat, factorize in itertools.product(axes["remat"], axes["factorize"]):
@@ -215,6 +217,34 @@ def plan_for_budget(
     if found is None:
         raise NoPlanFits(_smallest_message(search, budget_bytes, env))
     return _answer(search, found, reference, start)
+
+
+def _refuse_below_the_least_state(search: Search, axes: dict[str, tuple]) -> None:
+    """Refuses, before anything compiles, a budget under what the step's arguments alone take
+    at their smallest: the stored parameters, optimizer state and batch of each precision at
+    the most sparsity, the last state format and factorization the search allows. XLA's total
+    (argument + output + temp - alias) is never below its arguments.
+
+    Raises:
+      NoPlanFits: naming the least argument bytes and the plan that has them.
+    """
+    least, smallest = None, None
+    for precision in axes["precision"]:
+        plan = plan_of({"precision": precision, "sparsity": max(axes["sparsity"]),
+                        "optimizer_state": axes["optimizer_state"][-1],
+                        "factorize": axes["factorize"][-1]})  # fmt: skip
+        setup = build(search.work, plan, recipe=search.recipe)
+        total = memory.tree_bytes(setup.abstract_state()) + memory.tree_bytes(search.work.batch)
+        if least is None or total < least:
+            least, smallest = total, plan
+    if least > search.budget:
+        argv = analyze_argv(search.work.name, search.work.batch_size, smallest, search.seq_len())
+        raise NoPlanFits(
+            f"budget {search.budget / MIB:.3f} MiB is below what the step's arguments alone take "
+            f"at their smallest in the {search.envelope.name!r} envelope: {least / MIB:.3f} MiB "
+            f"of parameters, optimizer state and batch (`lowmem analyze {shlex.join(argv)}`); "
+            "nothing was compiled"
+        )
 
 
 def _first_fit_per_class(

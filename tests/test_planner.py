@@ -282,3 +282,17 @@ def test_a_deferred_class_is_probed_only_for_a_real_saving(monkeypatch):
     monkeypatch.setattr(planner, "_PROBE_GAIN", 0.0)
     result = planner.plan_for_budget(work, budget, space=space)
     assert result.plan == lm.Plan() and result.flops_overhead == pytest.approx(1.0)
+
+
+def test_a_budget_below_the_least_state_is_refused_before_compiling(monkeypatch):
+    """--budget 1KiB compiled for minutes before its error: a budget under the arguments'
+    bytes at their smallest (parameters, optimizer state and batch, which XLA's total always
+    holds) is refused at once, naming that floor."""
+
+    def refuse(self, plan):
+        raise AssertionError("compiled for a budget that cannot fit")
+
+    monkeypatch.setattr(plan_search.Search, "compile", refuse)
+    work = lm.workload(MODEL, 8)
+    with pytest.raises(planner.NoPlanFits, match=r"budget 0\.001 MiB is below .* nothing was"):
+        planner.plan_for_budget(work, 1024)
