@@ -351,7 +351,8 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     )
 
     # The step loop.
-    history, meter = [], _Meter()
+    # A resumed run's history is the whole run's: the records written before the resume first.
+    history, meter = list(metrics_writer.kept) if metrics_writer else [], _Meter()
     start = last = time.perf_counter()
     start_skipped, save_due = int(state.skipped_steps), False
     bar = tqdm(total=total_steps, initial=start_step, disable=not config.progress, leave=False)
@@ -425,6 +426,8 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
         **task.summary(evaluator, state, params, history, checkpointer, materialize),
         "history": history,
     }
+    if start_step:
+        summary["resumed_from_step"] = start_step
     if checkpointer:
         checkpointer.close()
     if metrics_writer:

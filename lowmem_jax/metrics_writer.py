@@ -73,6 +73,10 @@ class MetricsWriter:
       start_step: the step the run starts from (its resumed checkpoint's, or 0): JSON records
         after it are dropped and TensorBoard events after it purged (module docstring).
       tensorboard: also write TensorBoard event files (``False``: JSON lines only).
+
+    Attributes:
+      kept: the records of ``metrics.jsonl`` up to ``start_step`` (a resumed run's history so
+        far).
     """
 
     def __init__(self, directory: str, *, start_step: int = 0, tensorboard: bool = True):
@@ -80,6 +84,7 @@ class MetricsWriter:
         self.directory = directory
         self.jsonl_path = os.path.join(directory, JSONL_NAME)
         kept = [r for r in read_jsonl(self.jsonl_path) if r.get("step", 0) <= start_step]
+        self.kept = kept  # the records of the run up to start_step, as written then
         tmp = self.jsonl_path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)

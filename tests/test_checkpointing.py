@@ -232,7 +232,11 @@ def test_a_checkpoint_directory_survives_a_wrong_resume_and_a_second_run(tmp_pat
         [*SHORT, "--steps", "15", "--checkpoint-dir", str(tmp_path), "--resume"],
         capture_output=True, text=True, check=True, timeout=600, env=RUN_ENV,
     )  # fmt: skip
-    assert json.loads(resumed.stdout)["steps"] == 15 and first["steps"] == 10
+    resumed = json.loads(resumed.stdout)
+    assert resumed["steps"] == 15 and first["steps"] == 10
+    # The summary's history is the whole run's, and says where it resumed.
+    assert resumed["resumed_from_step"] == 10 and "resumed_from_step" not in first
+    assert [r["step"] for r in resumed["history"]] == [r["step"] for r in first["history"]] + [15]
 
 
 def test_overwrite_moves_the_old_run_aside_whole(tmp_path):
