@@ -48,6 +48,7 @@ __all__ = [
     "average_checkpoints",
     "average_last_checkpoints",
     "param_checksum",
+    "tree_checksum",
     "restore_model",
 ]
 
@@ -56,6 +57,11 @@ PyTree = Any
 
 class CheckpointError(RuntimeError):
     """No checkpoint in a directory restores; the message names each step and its cause."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint that reads but holds another state than the one asked for (other leaves
+    or shapes): made by another configuration, not corrupt."""
 
 
 def _cause(err: BaseException) -> str:
@@ -132,7 +138,7 @@ def check_run(
       RunMismatchError: one line naming the differences (resume) or the checkpoints found and
         the three ways on (a new run); nothing is renamed, deleted or overwritten.
     """
-    path = os.path.abspath(directory)
+    path = ensure_directory(directory, "checkpoint_dir")
     run_file = os.path.join(path, RUN_FILE)
     identity = json.loads(json.dumps(identity))  # tuples as lists, as read back
     recorded = None
@@ -203,19 +209,55 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
-        """Saves ``state`` as ``step`` if due (or forced); returns whether it saved."""
+        """Saves ``state`` as ``step`` if due (or forced); returns whether it saved. The
+        state's checksum (:func:`tree_checksum`) goes beside it, in ``<step>.sha256``."""
         if not force and step % self.every:
             return False
         if step in self._manager.all_steps():
             return False
-        return bool(self._manager.save(step, args=ocp.args.StandardSave(state), force=True))
+        saved = bool(self._manager.save(step, args=ocp.args.StandardSave(state), force=True))
+        if saved:
+            _write_atomically(self._checksum_path(step), tree_checksum(state))
+            kept = {str(s) for s in self._manager.all_steps()}
+            for name in os.listdir(self.directory):  # those of checkpoints Orbax deleted
+                if name.endswith(".sha256") and name[: -len(".sha256")] not in kept:
+                    os.remove(os.path.join(self.directory, name))
+        return saved
 
     def restore(self, target: Any, step: int | None = None) -> Any:
-        """Restores ``step`` (default: the latest) into the structure of ``target``."""
+        """Restores ``step`` (default: the latest) into the structure of ``target``.
+
+        Raises:
+          CheckpointError: the restored values fail the checksum saved with them (a flipped
+            bit that the array files' format does not detect).
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        return self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        restored = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        why = _difference(_paths_and_shapes(restored), _paths_and_shapes(target))
+        if why is not None:  # Orbax restores the saved shapes whatever the target's
+            raise CheckpointMismatchError(why)
+        path = self._checksum_path(step)
+        if os.path.exists(path):  # checkpoints saved before checksums restore unchecked
+            with open(path) as f:
+                expected = f.read().strip()
+            if tree_checksum(restored) != expected:
+                raise CheckpointError(f"its values fail the checksum saved with them ({path})")
+        return restored
+
+    def _checksum_path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{step}.sha256")
+
+    def _mismatch(self, target: Any, step: int) -> str | None:
+        """Why ``step``'s saved tree has other leaves or shapes than ``target``'s, from its
+        metadata; ``None`` when they agree or the metadata cannot be read (corruption, not a
+        mismatch)."""
+        try:
+            saved = _paths_and_shapes(self._manager.item_metadata(step))
+        except Exception:  # noqa: BLE001 - unreadable metadata is the corrupt case
+            return None
+        return _difference(saved, _paths_and_shapes(target))
 
     def restore_newest(self, target: Any) -> Any:
         """Restores the newest checkpoint that restores into the structure of ``target``.
@@ -237,6 +279,14 @@ class Checkpointer:
                 with _unraisable_silenced():
                     return self.restore(target, step)
             except Exception as err:  # noqa: BLE001 - any failure to read is a bad checkpoint
+                why = str(err) if isinstance(err, CheckpointMismatchError) else None
+                why = why or self._mismatch(target, step)
+                if why is not None:  # the command differs from the run: nothing is moved
+                    raise CheckpointError(
+                        f"checkpoint step {step} in {self.directory} holds a state of another "
+                        f"structure than this command builds ({why}): it was made by another "
+                        "configuration; resume with that one's settings (nothing was moved)"
+                    ) from err
                 failures.append(f"step {step} ({_cause(err)})")
                 aside = self._move_aside(step)
                 warnings.warn(
@@ -258,6 +308,47 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def tree_checksum(tree: PyTree) -> str:
+    """SHA-256 over every leaf's shape, dtype and bytes, in tree order (host copies)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        array = np.asarray(leaf)
+        digest.update(f"{array.shape}{array.dtype}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _difference(saved: dict[str, tuple | None], wanted: dict[str, tuple | None]) -> str | None:
+    """How a saved tree's leaves and shapes differ from the wanted ones, or ``None``."""
+    missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+    if missing or extra:
+        return f"leaves only in this command's state: {missing[:3]}; only saved: {extra[:3]}"
+    for path, shape in wanted.items():
+        if saved[path] is not None and shape is not None and tuple(saved[path]) != tuple(shape):
+            return f"{path} saved with shape {tuple(saved[path])}, {tuple(shape)} here"
+    return None
+
+
+def _paths_and_shapes(tree: Any) -> dict[str, tuple | None]:
+    """``{"params/w": shape}`` of a tree's leaves (a state, or Orbax's metadata of one)."""
+
+    def name(key) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(name(k) for k in path): getattr(v, "shape", None) for path, v in leaves}
 
 
 def resume_or_start(
