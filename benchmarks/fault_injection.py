@@ -64,7 +64,8 @@ def _snapshot(directory: str) -> dict[str, bytes]:
 
 
 def _saved_run(directory: str) -> dict[str, bytes]:
-    from lowmem_jax.checkpointing import Checkpointer, check_run
+    from lowmem_jax.checkpointing import Checkpointer
+    from lowmem_jax.run_identity import check_run
 
     check_run(directory, IDENTITY, resume=False)
     ckpt = Checkpointer(directory, every=1, keep=5)
@@ -76,7 +77,8 @@ def _saved_run(directory: str) -> dict[str, bytes]:
 
 def _resume(directory: str) -> tuple[str, bool | None]:
     """Resume as the loop does: (what the user sees, restored values equal the saved ones)."""
-    from lowmem_jax.checkpointing import Checkpointer, CheckpointError, check_run
+    from lowmem_jax.checkpointing import Checkpointer, CheckpointError
+    from lowmem_jax.run_identity import check_run
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -212,7 +214,7 @@ def case_full_disk(work: str) -> dict[str, Any]:
 
 
 def case_second_run(work: str) -> dict[str, Any]:
-    from lowmem_jax.checkpointing import RunMismatchError, check_run
+    from lowmem_jax.run_identity import RunMismatchError, check_run
 
     before = _saved_run(work)
     try:
@@ -224,7 +226,7 @@ def case_second_run(work: str) -> dict[str, Any]:
 
 
 def case_identity_changed(work: str, field: str, value: Any) -> dict[str, Any]:
-    from lowmem_jax.checkpointing import RunMismatchError, check_run
+    from lowmem_jax.run_identity import RunMismatchError, check_run
 
     before = _saved_run(work)
     identity = json.loads(json.dumps(IDENTITY))

@@ -34,7 +34,6 @@ import jax
 from lowmem_jax import tasks as tasks_lib
 from lowmem_jax.checkpointing import (
     check_directory,
-    check_run,
     checkpoint_steps,
     param_checksum,
     restore_model,
@@ -44,6 +43,7 @@ from lowmem_jax.factorization import decompose_params, select_ranks
 from lowmem_jax.plan import Plan
 from lowmem_jax.planner import plan_for_budget
 from lowmem_jax.recipes import Recipe
+from lowmem_jax.run_identity import check_run
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
 from lowmem_jax.train import model_params
 from lowmem_jax.workloads import build, variable_shapes, workload

@@ -17,13 +17,12 @@ import lowmem_jax as lm
 from lowmem_jax.checkpointing import (
     Checkpointer,
     CheckpointError,
-    RunMismatchError,
     check_directory,
-    check_run,
     checkpoint_steps,
     resume_or_start,
 )
 from lowmem_jax.loop import TrainConfig, train_and_evaluate
+from lowmem_jax.run_identity import RunMismatchError, check_run
 
 # The digits at their original 8x8 pixels: the same 44 steps as at 32x32, ~10x cheaper.
 TRAIN = [
