@@ -205,8 +205,9 @@ def _listing(directory) -> dict[str, int]:
 def test_a_checkpoint_directory_survives_a_wrong_resume_and_a_second_run(tmp_path):
     """Resuming with one wrong flag renamed every good checkpoint to <step>.corrupt, and a new
     run in the directory deleted the old run's checkpoints and overwrote its metrics: both are
-    refused in one line (exit 2) before anything is built, and the directory is untouched; the
-    right --resume then continues the run."""
+    refused in one line (exit 2) before anything is built, and the directory is untouched (and
+    so is --resume with fewer steps than the run has, which trained nothing and said nothing);
+    the right --resume then continues the run."""
     run = subprocess.run([*SHORT, "--checkpoint-dir", str(tmp_path)], capture_output=True,
                          text=True, check=True, timeout=600, env=RUN_ENV)  # fmt: skip
     first = json.loads(run.stdout)
@@ -225,6 +226,10 @@ def test_a_checkpoint_directory_survives_a_wrong_resume_and_a_second_run(tmp_pat
         again.stderr
     )
     assert "--resume" in again.stderr and "--overwrite" in again.stderr
+    fewer = subprocess.run([*SHORT, "--steps", "5", "--checkpoint-dir", str(tmp_path), "--resume"],
+                           capture_output=True, text=True, timeout=600, env=RUN_ENV)  # fmt: skip
+    assert fewer.returncode == 2 and len(fewer.stderr.strip().splitlines()) == 1, fewer.stderr
+    assert f"the run in checkpoint_dir={tmp_path} is at step 10, past the 5 steps" in fewer.stderr
     assert _listing(tmp_path) == before  # nothing renamed, deleted or overwritten
 
     resumed = subprocess.run(
@@ -286,13 +291,3 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_exits_130(tmp_path):
     assert lines[0].endswith(f"in {tmp_path}: run the same command with --resume to continue")
     resumed, _ = _run(tmp_path, "--resume")
     assert resumed["steps"] == 2 * (1437 // 64)
-
-
-def test_resume_with_fewer_steps_than_the_run_has_is_refused(tmp_path):
-    """--resume --steps 5 on a run at step 10 said nothing (and trained nothing)."""
-    subprocess.run([*SHORT, "--checkpoint-dir", str(tmp_path)], capture_output=True, text=True,
-                   check=True, timeout=600, env=RUN_ENV)  # fmt: skip
-    out = subprocess.run([*SHORT, "--steps", "5", "--checkpoint-dir", str(tmp_path), "--resume"],
-                         capture_output=True, text=True, timeout=600, env=RUN_ENV)  # fmt: skip
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert f"the run in checkpoint_dir={tmp_path} is at step 10, past the 5 steps" in out.stderr
