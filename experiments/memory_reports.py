@@ -29,7 +29,7 @@ def command(model: str) -> str:
     return (
         f"lowmem report --model {model} --batch-size {batch} "
         f"--out-dir experiments/results/{folder}{extra} "
-        f"--shard-devices {','.join(map(str, devices)) or 'none'}"
+        f"--shard-devices {','.join(map(str, devices)) or 'none'} --grid full"
     )
 
 

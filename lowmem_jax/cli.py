@@ -37,6 +37,7 @@ from lowmem_jax.plan_flags import (
     given_technique_flags,
     plan_from_args,
 )
+from lowmem_jax.report import GRIDS
 
 MIB = 2.0**20
 
@@ -82,10 +83,11 @@ def _use_compilation_cache(cache_dir: str) -> None:
 _AUTO_SHARD_DEVICES = (2, 4, 8)
 
 
-def _device_counts(text: str) -> tuple[int, ...] | None:
-    """``--shard-devices``: ``auto`` (``None``), ``none`` or comma-separated counts."""
-    if text in ("auto", "none"):
-        return None if text == "auto" else ()
+def _device_counts(text: str) -> tuple[int, ...] | str | None:
+    """``--shard-devices``: ``auto`` (``None``), ``none`` or comma-separated counts; left out,
+    ``"grid"`` (auto with ``--grid full``, none with ``--grid quick``: :func:`_use_devices`)."""
+    if text in ("auto", "none", "grid"):
+        return {"auto": None, "none": (), "grid": "grid"}[text]
     try:
         counts = tuple(sorted({int(n) for n in text.split(",")}))
     except ValueError:
@@ -102,6 +104,8 @@ def _use_devices(args: argparse.Namespace) -> None:
     CPU, asked for before JAX starts."""
     from lowmem_jax.sharding import set_cpu_devices  # imports no JAX backend
 
+    if getattr(args, "shard_devices", ()) == "grid":  # left out: the grid decides
+        args.shard_devices = None if args.grid == "full" else ()
     if getattr(args, "shard_devices", ()) != ():
         # auto takes what the backend then has (e.g. one GPU: no section); counts are required
         auto = args.shard_devices is None
@@ -191,7 +195,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from lowmem_jax.report import run_report, to_markdown, write_report
+    from lowmem_jax.report import model_grid, run_report, to_markdown, write_report
     from lowmem_jax.workloads import workload
 
     batch_size = workload(args.model, args.batch_size, seq_len=args.seq_len).batch_size
@@ -205,11 +209,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
         shard_devices = tuple(
             n for n in _AUTO_SHARD_DEVICES if batch_size % n == 0 and n <= visible
         )
-    result = run_report(args.model, batch_size, seq_len=args.seq_len, shard_devices=shard_devices)
+    grid = model_grid(args.model, batch_size, args.grid)
+    result = run_report(
+        args.model, batch_size, grid, seq_len=args.seq_len, shard_devices=shard_devices
+    )
     command = "lowmem report " + " ".join(
         [f"--model {args.model}", f"--batch-size {batch_size}", f"--out-dir {args.out_dir}"]
         + ([f"--seq-len {args.seq_len}"] if args.model.startswith("dynamicconv") else [])
         + [f"--shard-devices {','.join(map(str, shard_devices)) or 'none'}"]
+        + [f"--grid {args.grid}"]
     )
     written = write_report(result, args.out_dir, command=command)
     print(to_markdown(result))
@@ -316,13 +324,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_flags(report)
     report.add_argument("--out-dir", default="lowmem_report", help="Default: %(default)s")
     report.add_argument(
+        "--grid",
+        choices=GRIDS,
+        default="quick",
+        help="quick: the plain step, the baseline, each technique alone and the combined rows "
+        "the headline comes from (about a quarter of the compiles); full: every row of the "
+        "study (the committed reports). Default: %(default)s",
+    )
+    report.add_argument(
         "--shard-devices",
         type=_device_counts,
-        default="auto",
+        default="grid",
         help="device counts for the sharding section (per-device bytes of the baseline under "
         "each ZeRO stage; host devices on CPU), e.g. 2,4,8; auto: those of 2, 4, 8 that divide "
-        "the batch and the backend has (host devices on CPU); none: no section. Default: "
-        "%(default)s",
+        "the batch and the backend has (host devices on CPU); none: no section. Default: auto "
+        "with --grid full, none with --grid quick",
     )
     report.set_defaults(func=_cmd_report)
 

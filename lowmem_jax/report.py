@@ -161,12 +161,45 @@ def standard_grid(
     return grid
 
 
-def model_grid(model: str, batch_size: int) -> list[GridRow]:
-    """:func:`standard_grid` for a named model: the remat row saves its tagged outputs
-    (``dot_out`` in the DynamicConv Transformer, else ``conv_out``); ``uint8 input`` rows for
-    image models."""
+#: Which rows a report analyses: ``quick`` (``lowmem report``'s default) the plain step, the
+#: baseline, each technique alone at the report's setting and the combined rows the headline
+#: comes from; ``full`` the whole :func:`standard_grid`.
+GRIDS = ("quick", "full")
+
+
+def quick_rows(grid: list[GridRow]) -> list[GridRow]:
+    """The rows of ``grid`` that ``--grid quick`` keeps: ``plain`` and ``baseline``;
+    ``mixed_fp16``, the microbatch row nearest 8 examples, ``remat full``, ``sparse 70% dsr``,
+    ``state int8``, ``uint8 input`` and ``factorize tucker 25%``; of the combined rows, the
+    in-envelope ones (``mixed_fp16`` with the most techniques; ``lowmem plan``'s float32 answer)
+    and the least-memory ones at 90% sparsity or with a static mask (the last two)."""
+    singles = {"mixed_fp16", "remat full", "sparse 70% dsr", "state int8", "uint8 input",
+               "factorize tucker 25%"}  # fmt: skip
+    micro = [name for name, group, _ in grid if group == "microbatching"]
+    if micro:
+        singles.add(min(micro, key=lambda n: abs(int(n.split()[-1]) - 8)))
+    combined = [name for name, group, _ in grid if group == "combined"]
+    inside = [n for n in combined if n.startswith("mixed_fp16 + ") and "sparse 70%" in n]
+    planned = [n for n in combined if "remat dots + state bf16" in n]  # lowmem plan's answer
+    least = [n for n in combined if n.startswith("fp16 + ") and
+             ("sparse 90%" in n or "static sparse" in n) and "state" not in n]  # fmt: skip
+    keep = {"plain", "baseline", *singles, *inside[-1:], *planned, *least[-2:]}
+    return [row for row in grid if row[0] in keep]
+
+
+def model_grid(model: str, batch_size: int, grid: str = "full") -> list[GridRow]:
+    """:func:`standard_grid` for a named model (``grid="quick"``: its :func:`quick_rows`): the
+    remat row saves its tagged outputs (``dot_out`` in the DynamicConv Transformer, else
+    ``conv_out``); ``uint8 input`` rows for image models.
+
+    Raises:
+      ValueError: a ``grid`` not in :data:`GRIDS`.
+    """
+    if grid not in GRIDS:
+        raise ValueError(f"Unknown grid={grid!r}; allowed values: {list(GRIDS)}")
     images = not model.startswith("dynamicconv")
-    return standard_grid(batch_size, CONV_OUT if images else DOT_OUT, images=images)
+    rows = standard_grid(batch_size, CONV_OUT if images else DOT_OUT, images=images)
+    return rows if grid == "full" else quick_rows(rows)
 
 
 def in_envelope(config: dict[str, Any]) -> bool:

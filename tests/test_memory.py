@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -338,3 +339,24 @@ def test_analyze_cli_rejects_bad_sparsity(value, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["analyze", "--batch-size", "8", "--sparsity", value])
     assert exc.value.code == 2 and "--sparsity" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "model,batch,folder",
+    [("wrn-28-2", 128, "memory_report"), ("dynamicconv-iwslt", 100, "memory_report_dynamicconv")],
+)
+def test_the_quick_grid_holds_each_technique_and_the_committed_headline_rows(model, batch, folder):
+    """lowmem report's default grid is a quarter of the full one and still answers its
+    question: the plain step, the baseline, each technique alone, and the rows the committed
+    full reports chose as best and best inside the envelope."""
+    quick = [name for name, _, _ in model_grid(model, batch, "quick")]
+    full = [name for name, _, _ in model_grid(model, batch)]
+    assert quick == [n for n in full if n in quick] and len(quick) <= len(full) // 3
+    results = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results"
+    committed = json.loads((results / folder / "report.json").read_text())
+    assert committed["best"]["name"] in quick and committed["best_in_envelope"]["name"] in quick
+    groups = {group for name, group, _ in model_grid(model, batch, "quick")}
+    assert {"plain", "baseline", "precision", "microbatching", "remat", "sparsity",
+            "optimizer state", "factorization", "combined"} <= groups  # fmt: skip
+    with pytest.raises(ValueError, match="Unknown grid='tiny'; allowed values"):
+        model_grid(model, batch, "tiny")
