@@ -429,7 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             raise
-        args.parser.exit(130, f"{prog}: interrupted{_where_to_resume(args)}\n")
+        print(f"{prog}: interrupted{_where_to_resume(args)}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The loop has closed its checkpoints and records; an interpreter shutdown would let
+        # Orbax's interrupted background futures print tracebacks after the one line.
+        os._exit(130)
     finally:
         warnings.showwarning = default_showwarning
 

@@ -402,6 +402,13 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
             if closable:
                 closable.close()
         raise
+    except KeyboardInterrupt:
+        # Ctrl-C: the checkpoint being written finishes (or is left as Orbax's temporary
+        # directory) before the process exits, so no background writer dies mid-way.
+        for closable in (checkpointer, metrics_writer):
+            if closable:
+                closable.close()
+        raise
     finally:
         bar.close()
     train_seconds = time.perf_counter() - start
