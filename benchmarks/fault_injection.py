@@ -107,8 +107,13 @@ def _leaves(tree: dict[str, Any]) -> list[Any]:
     return [tree["params"]["w"], tree["opt_state"]["mu"], tree["step"], tree["codes"]]
 
 
+_ROOT = [""]  # the scratch directory of run_all, written <tmp> in messages
+
+
 def _short(err) -> str:
     text = " ".join(str(err).split())
+    if _ROOT[0]:
+        text = text.replace(_ROOT[0], "<tmp>")
     return text if len(text) <= 300 else text[:297] + "..."
 
 
@@ -243,6 +248,7 @@ def case_identity_changed(work: str, field: str, value: Any) -> dict[str, Any]:
 
 
 def run_all(root: str) -> list[dict[str, Any]]:
+    _ROOT[0] = root
     rows = [{"case": "killed mid-write (a step's temporary directory left)",
              **case_killed_mid_write(os.path.join(root, "killed"))}]  # fmt: skip
     for row in _each_file(os.path.join(root, "truncated"), truncate_half):
@@ -285,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        rows = [{**r, "sees": r["sees"].replace(root, "<tmp>")} for r in run_all(root)]
+        rows = run_all(root)
     command = "python benchmarks/fault_injection.py --out-dir " + args.out_dir
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "fault_injection.json"), "w") as f:
