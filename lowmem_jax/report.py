@@ -17,6 +17,7 @@ each ZeRO stage for each device count, next to the one-device step, and a plot o
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -216,6 +217,7 @@ def run_report(
     seq_len: int = 40,
     reuse: dict[str, dict[str, Any]] | None = None,
     shard_devices: tuple[int, ...] = (),
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Analyses every configuration of ``grid``; returns the report as a JSON-able dict.
 
@@ -225,30 +227,42 @@ def run_report(
     of a report after a change that affects only them). ``shard_devices``: device counts for
     the sharding section (:func:`sharding_rows` of the baseline at each count and of
     ``remat="full"`` at the largest; JAX must see that many devices); ``()``: none.
+    ``jobs``: configurations analysed at once, in threads (XLA's compiles release the GIL; the
+    rows and figures are the same, in grid order, whatever ``jobs``).
     """
     check_shard_devices(batch_size, shard_devices)
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     if grid is None:
         grid = model_grid(model, batch_size)
-    rows, seconds = [], []
-    start = time.perf_counter()
-    for i, (name, group, plan) in enumerate(grid, 1):
-        argv = analyze_argv(model, batch_size, plan, seq_len)
-        if reuse and name in reuse:
-            rows.append({**reuse[name], "argv": argv})
-            continue
+
+    def analyzed(plan):
         t0 = time.perf_counter()
         report = analyze_model(model, batch_size, plan, seq_len=seq_len).to_dict()
-        rows.append({"name": name, "group": group, "argv": argv, **report})
-        seconds.append(time.perf_counter() - t0)
-        if progress:
-            left = sum(1 for n, _, _ in grid[i:] if not (reuse and n in reuse))
-            progress(
-                f"[{i:2d}/{len(grid)}] {name:34s} XLA total "
-                f"{report['xla']['total_bytes'] / MIB:8.1f} MiB  analytic "
-                f"{report['analytic']['total_bytes'] / MIB:8.1f} MiB  ({seconds[-1]:.1f}s; "
-                f"{time.perf_counter() - start:.0f}s elapsed, ~"
-                f"{left * sum(seconds) / len(seconds):.0f}s left)"
-            )
+        return report, time.perf_counter() - t0
+
+    todo = [(name, plan) for name, _, plan in grid if not (reuse and name in reuse)]
+    rows, seconds = [], []
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        pending = {name: pool.submit(analyzed, plan) for name, plan in todo}
+        for i, (name, group, plan) in enumerate(grid, 1):
+            argv = analyze_argv(model, batch_size, plan, seq_len)
+            if name not in pending:
+                rows.append({**reuse[name], "argv": argv})
+                continue
+            report, took = pending.pop(name).result()
+            rows.append({"name": name, "group": group, "argv": argv, **report})
+            seconds.append(took)
+            if progress:
+                elapsed = time.perf_counter() - start
+                left = len(pending) * elapsed / len(seconds)  # at the pace so far
+                progress(
+                    f"[{i:2d}/{len(grid)}] {name:34s} XLA total "
+                    f"{report['xla']['total_bytes'] / MIB:8.1f} MiB  analytic "
+                    f"{report['analytic']['total_bytes'] / MIB:8.1f} MiB  ({took:.1f}s; "
+                    f"{elapsed:.0f}s elapsed, ~{left:.0f}s left)"
+                )
     rows_by_name = {r["name"]: r for r in rows}
     base = rows_by_name["baseline"]
     plain = rows_by_name.get("plain")

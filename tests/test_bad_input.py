@@ -120,6 +120,7 @@ def test_missing_datasets_are_one_line_with_how_to_prepare_them(tmp_path, capsys
          "input_dtype='uint8' applies to image batches"),
         (["report", "--model", "foo", "--shard-devices", "none"], "Unknown model='foo'"),
         (["report", "--shard-devices", "1,2"], "'1,2': give auto, none or comma-separated"),
+        (["report", "--jobs", "0"], "--jobs must be >= 1, got 0"),
         (["report", "--shard-devices", "x"], "argument --shard-devices: 'x': give auto"),
         (["report", "--model", "wrn-10-1", "--out-dir", "/proc/lowmem-report", "--shard-devices",
           "none"], "--out-dir"),

@@ -188,7 +188,11 @@ def test_report_writes_tables_and_plots(tmp_path):
     assert all(len(row) == 3 and isinstance(row[2], lm.Plan) for row in grid[1:])
     plans = {name: plan for name, _, plan in grid}
     assert plans[wanted[-1]].sparsity.compressed and plans["baseline"].sparsity is None
-    result = run_report("wrn-10-1", 8, grid=grid, progress=None)
+    lines = []
+    result = run_report("wrn-10-1", 8, grid=grid, progress=lines.append, jobs=2)  # threads
+    assert [line.split("]")[0] for line in lines] == [f"[{i:2d}/{len(grid)}" for i in
+                                                      range(1, len(grid) + 1)]  # fmt: skip
+    assert [r["name"] for r in result["configs"]] == list(wanted)  # grid order, whatever jobs
     paths = write_report(result, str(tmp_path), command="test")
     assert {p.split("/")[-1] for p in paths} == {
         "report.json",
