@@ -275,11 +275,16 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_exits_130(tmp_path):
     """Ctrl-C printed a 21-line traceback: now one line naming the newest checkpoint and how to
     continue, exit status 130 (the run's own record lines before it stay)."""
     # A shell without job control starts background jobs with SIGINT ignored, and Python then
-    # installs no KeyboardInterrupt handler: the child gets the default back, as a terminal has.
+    # raises no KeyboardInterrupt: the child takes Python's handler back, as a terminal has it.
+    restore = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['lowmem', *sys.argv[1:]]; runpy.run_module('lowmem_jax.cli', "
+        "run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [*TRAIN, "--epochs", "30", "--checkpoint-dir", str(tmp_path)],
+        [sys.executable, "-c", restore, *TRAIN[3:], "--epochs", "30",
+         "--checkpoint-dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=RUN_ENV,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and not checkpoint_steps(tmp_path):
