@@ -40,9 +40,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from lowmem_jax import quantization
+from lowmem_jax import leafwise, quantization
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer, cast_floating
 
 __all__ = [
@@ -73,6 +74,20 @@ def _is_quantized(x: Any) -> bool:
     return isinstance(x, quantization.Quantized)
 
 
+def _decoded_placeholder(x: Any) -> jax.Array:
+    """The empty stand-in of a stored leaf as :meth:`QuantizedStateOptimizer.decode` gives it."""
+    if _is_quantized(x):
+        return jnp.zeros((0,), jnp.float32)
+    return leafwise.placeholder(cast_floating(x, jnp.float32))
+
+
+def _restrict(params_def, leaves: list, chosen: dict[int, Any]) -> PyTree:
+    """The tree of ``leaves`` with leaf ``i`` from ``chosen`` where given, else a placeholder."""
+    return params_def.unflatten(
+        [chosen[i] if i in chosen else leafwise.placeholder(x) for i, x in enumerate(leaves)]
+    )
+
+
 def _path_names(path) -> set[str]:
     return {str(getattr(k, "name", None) or getattr(k, "key", "")) for k in path}
 
@@ -94,6 +109,7 @@ class QuantizedStateOptimizer(Optimizer):
         stochastic_rounding: bool,
         second_moments: tuple[str, ...],
         seed: int,
+        sequential: bool = True,
     ):
         self.inner = inner
         self.format = format
@@ -102,6 +118,7 @@ class QuantizedStateOptimizer(Optimizer):
         self.stochastic_rounding = stochastic_rounding
         self.second_moments = second_moments
         self.seed = seed
+        self.sequential = sequential
 
     # -- encoding -----------------------------------------------------------------------------
 
@@ -169,22 +186,131 @@ class QuantizedStateOptimizer(Optimizer):
     def update(self, grads, state: QuantizedState, params=None):
         """``grads`` and ``params`` cast to float32, the inner update on the decoded state,
         ``updates`` cast to the dtypes of ``params`` (of ``grads`` without them), the new inner
-        state encoded as the old one was."""
+        state encoded as the old one was.
+
+        With ``sequential`` and a separable inner update (:func:`lowmem_jax.leafwise.
+        separability`) this runs one group of leaves at a time (:func:`lowmem_jax.leafwise.
+        groups`), each group's inputs held behind an ``optimization_barrier`` until the previous
+        group is encoded: XLA cannot decode every leaf at once, so one group's float32 moments
+        are live at a time. The numbers are those of the whole-tree update."""
         reference = grads if params is None else params
-        inner_state = self.decode(state.inner_state)
+        grads32 = cast_floating(grads, jnp.float32)
         params32 = None if params is None else cast_floating(params, jnp.float32)
-        updates, inner_state = self.inner.update(
-            cast_floating(grads, jnp.float32), inner_state, params32
-        )
-        updates = jax.tree.map(lambda u, r: u.astype(r.dtype), updates, reference)
         old, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
-        new = treedef.flatten_up_to(inner_state)
         rng, keys = state.rng, [None] * len(old)
         if rng is not None:
             rng, sub = jax.random.split(rng)
             keys = list(jax.random.split(sub, max(len(old), 1)))
-        leaves = [self._encode_like(o, x, k) for o, x, k in zip(old, new, keys, strict=False)]
-        return updates, QuantizedState(jax.tree.unflatten(treedef, leaves), rng)
+        schedule, _ = self.schedule(grads32, state.inner_state, params32)
+        if schedule is None:
+            updates, inner_state = self.inner.update(
+                grads32, self.decode(state.inner_state), params32
+            )
+            new = treedef.flatten_up_to(inner_state)
+            leaves = [self._encode_like(o, x, k) for o, x, k in zip(old, new, keys, strict=True)]
+            stored = jax.tree.unflatten(treedef, leaves)
+        else:
+            updates, stored = self._update_in_groups(schedule, grads32, state, params32, keys)
+        updates = jax.tree.map(lambda u, r: u.astype(r.dtype), updates, reference)
+        return updates, QuantizedState(stored, rng)
+
+    def schedule(
+        self, grads: PyTree, stored: PyTree, params: PyTree | None
+    ) -> tuple[list[list[int]] | None, str]:
+        """``(groups, why)``: the groups of leaf indices :meth:`update` runs one at a time, or
+        ``None`` with the reason it updates the whole tree at once."""
+        count = jax.tree.structure(grads).num_leaves
+        if not self.sequential:
+            return None, "sequential=False"
+        if count < 2:
+            return None, "one leaf"
+        decoded = jax.eval_shape(self.decode, stored)
+        why = leafwise.separability(self.inner.update, grads, decoded, params)
+        if why is not None:
+            return None, f"not separable by leaf: {why}"
+        sizes = [int(np.size(g)) for g in jax.tree.leaves(grads)]
+        schedule = leafwise.groups(sizes)
+        if len(schedule) < 2:
+            return None, "one group"
+        return schedule, f"{len(schedule)} groups of at most {max(sizes):,} elements"
+
+    def _update_in_groups(self, schedule, grads, state, params, keys):
+        params_def = jax.tree.structure(grads)
+        stored = leafwise.mirrors(state.inner_state, params_def, _is_quantized)
+        starts = np.cumsum([0] + [len(leaves) for leaves in stored.leaves])
+        shared = {
+            k: self.decode(leaves[0])
+            for k, (leaves, mirror) in enumerate(zip(stored.leaves, stored.kinds, strict=True))
+            if not mirror
+        }
+        grad_leaves = params_def.flatten_up_to(grads)
+        param_leaves = None if params is None else params_def.flatten_up_to(params)
+        updates: list = [None] * len(grad_leaves)
+        encoded = [list(leaves) for leaves in stored.leaves]
+        gate = grad_leaves  # the first group waits for every gradient
+
+        for number, group in enumerate(schedule):
+            spots = [
+                (k, i)
+                for k, mirror in enumerate(stored.kinds)
+                for i in (group if mirror else ([0] if number == 0 else []))
+            ]
+            operands = (
+                [stored.leaves[k][i] for k, i in spots],
+                [keys[starts[k] + i] for k, i in spots],
+                [grad_leaves[i] for i in group],
+                None if param_leaves is None else [param_leaves[i] for i in group],
+            )
+
+            def run(operands, group=group, spots=spots):
+                state_in, keys_in, grads_in, params_in = operands
+                decoded = {spot: self.decode(x) for spot, x in zip(spots, state_in, strict=True)}
+                for k, x in shared.items():
+                    decoded.setdefault((k, 0), x)
+                state_g = stored.rebuild(
+                    [
+                        [
+                            decoded[(k, i)] if (k, i) in decoded else _decoded_placeholder(x)
+                            for i, x in enumerate(leaves)
+                        ]
+                        for k, leaves in enumerate(stored.leaves)
+                    ]
+                )
+                new_updates, new_state = self.inner.update(
+                    _restrict(params_def, grad_leaves, dict(zip(group, grads_in, strict=True))),
+                    state_g,
+                    None
+                    if params_in is None
+                    else _restrict(
+                        params_def, param_leaves, dict(zip(group, params_in, strict=True))
+                    ),
+                )
+                new_updates = params_def.flatten_up_to(new_updates)
+                new_leaves = leafwise.mirrors(new_state, params_def).leaves
+                stored_out = [
+                    self._encode_like(old, new_leaves[k][i], key)
+                    for (k, i), old, key in zip(spots, state_in, keys_in, strict=True)
+                ]
+                return [new_updates[i] for i in group], stored_out
+
+            def refuse(operands):
+                """A NaN gate: NaN updates (the train step skips and counts them), the
+                state as stored."""
+                state_in, _, grads_in, _ = operands
+                return [jnp.full_like(g, jnp.nan) for g in grads_in], list(state_in)
+
+            # A conditional runs as one unit once its predicate is known, and the predicate
+            # reads the last group's results: group g + 1 is decoded after group g is encoded.
+            # (XLA:CPU drops optimization barriers before scheduling; a data dependency stays.)
+            firsts = [x.reshape(-1)[0] for x in gate if x.size]
+            ready = jnp.all(jnp.stack([v == v for v in firsts])) if firsts else True
+            group_updates, stored_out = jax.lax.cond(ready, run, refuse, operands)
+            for i, u in zip(group, group_updates, strict=True):
+                updates[i] = u
+            for (k, i), x in zip(spots, stored_out, strict=True):
+                encoded[k][i] = x
+            gate = group_updates
+        return params_def.unflatten(updates), stored.rebuild(encoded)
 
     def materialize(self, params: PyTree, state: QuantizedState, blockwise: bool = False) -> PyTree:
         # The storage's own state (e.g. a sparse pattern: integers) is not quantized.
@@ -225,6 +351,7 @@ def quantized_state(
     stochastic_rounding: bool = False,
     second_moments: tuple[str, ...] = ("nu", "sum_of_squares"),
     seed: int = 0,
+    sequential: bool = True,
 ) -> QuantizedStateOptimizer:
     """``tx`` with its state stored in ``format`` (see the module docstring).
 
@@ -238,6 +365,8 @@ def quantized_state(
         nearest; the key lives in the state.
       second_moments: state field names whose leaves are non-negative second moments.
       seed: the stochastic rounding key's seed.
+      sequential: update a separable inner optimizer one group of leaves at a time (see
+        :meth:`QuantizedStateOptimizer.update`); ``False`` decodes the whole state at once.
 
     Raises:
       ValueError: an unknown format, or a block size that is not an even integer >= 2.
@@ -249,7 +378,14 @@ def quantized_state(
     if min_size < 0:
         raise ValueError(f"min_size must be >= 0, got {min_size}")
     return QuantizedStateOptimizer(
-        as_optimizer(tx), format, block, min_size, stochastic_rounding, tuple(second_moments), seed
+        as_optimizer(tx),
+        format,
+        block,
+        min_size,
+        stochastic_rounding,
+        tuple(second_moments),
+        seed,
+        sequential,
     )
 
 

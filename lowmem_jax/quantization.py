@@ -136,8 +136,21 @@ class QuantizedMeta:
 
 
 def _nearest_code(q: jax.Array, v: jax.Array, key: jax.Array | None) -> jax.Array:
-    """Index into sorted ``q`` of the code for each normalized ``v`` (nearest or stochastic)."""
-    hi = jnp.clip(jnp.searchsorted(q, v), 1, q.shape[0] - 1)
+    """Index into sorted ``q`` of the code for each normalized ``v`` (nearest or stochastic).
+
+    ``lo``: the last code below ``v`` (0 if none), by a binary search unrolled into
+    ``log2(len(q))`` gathers from the code book, so that it fuses into one elementwise loop with
+    what produces ``v`` (``jnp.searchsorted`` carries index arrays of ``v``'s size through a
+    ``while`` loop instead); ``hi = lo + 1``, both clipped to the book.
+    """
+    size = q.shape[0]
+    lo = jnp.zeros(v.shape, jnp.int32)
+    step = size // 2
+    while step >= 1:
+        probe = lo + step
+        lo = jnp.where(q[jnp.minimum(probe, size - 1)] < v, probe, lo)
+        step //= 2
+    hi = jnp.clip(lo + 1, 1, size - 1)
     lo = hi - 1
     q_lo, q_hi = q[lo], q[hi]
     if key is None:
@@ -167,6 +180,92 @@ def _rank1_scale(scales: tuple[jax.Array, ...], shape: tuple[int, ...]) -> jax.A
     return jnp.broadcast_to(out, shape)
 
 
+def _rank1_scale_at(scales: tuple[jax.Array, ...], shape: tuple[int, ...], flat: jax.Array):
+    """``min_a m_a[i_a]`` at row-major flat indices ``flat`` (int32; indices past the end are
+    clamped: they only ever address padding, whose values are 0)."""
+    flat = jnp.minimum(flat, math.prod(shape) - 1)
+    out, stride = None, 1
+    for axis in reversed(range(len(shape))):
+        m = scales[axis][(flat // stride) % shape[axis]]
+        out = m if out is None else jnp.minimum(out, m)
+        stride *= shape[axis]
+    return out
+
+
+def _scale_of(scales, shape: tuple[int, ...], block_size: int):
+    """``scale_of(start, size)``: the scales of flat elements ``[start, start + size)``
+    (block-wise: ``start`` and ``size`` whole blocks; rank-1 when ``block_size == 0``)."""
+    if block_size == 0:
+
+        def rank1(start, size):
+            return _rank1_scale_at(scales, shape, start + jnp.arange(size, dtype=jnp.int32))
+
+        return rank1
+
+    def blockwise(start, size):
+        block = jax.lax.dynamic_slice(scales, (start // block_size,), (size // block_size,))
+        return jnp.repeat(block, block_size, total_repeat_length=size)
+
+    return blockwise
+
+
+def _buffer_after(anchor: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """A buffer for a chunked loop to fill, computed from ``anchor`` (its values are all
+    overwritten): a plain ``zeros`` depends on nothing, so XLA may make it at the start of the
+    program and hold it through the backward pass."""
+    seed = (anchor.reshape(-1)[0].astype(jnp.float32) * 0.0).astype(dtype)
+    return jnp.broadcast_to(seed, shape)
+
+
+def _chunk(unit: int) -> int:
+    return max(unit, ENCODE_CHUNK // unit * unit)
+
+
+#: Elements encoded per loop iteration (rounded to whole blocks): the encoder's float32 and
+#: int32 transients are a few of these, whatever the array's size.
+ENCODE_CHUNK = 2**15
+
+
+def _encode(flat, q, bits, unit, scale_of, key):
+    """Codes (uint8, two per byte for 4 bits) of ``flat`` (float32[n]) zero-padded to a
+    multiple of ``unit``: ``code(flat[i] / scale_of(start, size)[i - start])``.
+
+    A ``fori_loop`` over chunks of :data:`ENCODE_CHUNK` elements writes each chunk's codes in
+    place, so no array of ``flat``'s size but the codes is made: XLA materializes each step of
+    the code search (a gather from the code book) over its whole operand, and a loop bounds
+    that operand. The tail after the last whole chunk is padded and encoded after the loop.
+    Stochastic rounding draws chunk ``i``'s uniforms from ``fold_in(key, i)``.
+    """
+    n = flat.shape[0]
+    padded = -(-n // unit) * unit
+    chunk = _chunk(unit)
+    per_byte = 8 // bits
+
+    def encode_chunk(x, start, i):
+        scale = scale_of(start, x.shape[0])
+        v = jnp.where(scale > 0, x / jnp.where(scale > 0, scale, 1.0), 0.0)
+        sub = None if key is None else jax.random.fold_in(key, i)
+        codes = _nearest_code(q, v, sub)
+        return _pack4(codes) if bits == 4 else codes
+
+    codes = _buffer_after(flat, (padded // per_byte,), jnp.uint8)
+    whole = n // chunk
+
+    def body(i, codes):
+        start = i * chunk
+        piece = encode_chunk(jax.lax.dynamic_slice(flat, (start,), (chunk,)), start, i)
+        return jax.lax.dynamic_update_slice(codes, piece, (start // per_byte,))
+
+    if whole:
+        codes = jax.lax.fori_loop(0, whole, body, codes)
+    start = whole * chunk
+    if start < n:
+        tail = jnp.pad(flat[start:], (0, padded - n))
+        piece = encode_chunk(tail, start, whole)
+        codes = jax.lax.dynamic_update_slice(codes, piece, (start // per_byte,))
+    return codes
+
+
 def quantize(
     x: jax.Array,
     book: str = "dynamic",
@@ -180,41 +279,53 @@ def quantize(
 
     ``block_size``: elements per absmax block; ``rank1=True`` normalizes a rank >= 2 tensor by
     per-axis maxima instead (rank 0 or 1 falls back to blocks). ``key``: stochastic rounding.
+    The codes are made chunk by chunk (:func:`_encode`): besides the result, the transients
+    are bounded by :data:`ENCODE_CHUNK` elements.
     """
     q = jnp.asarray(code_book(book, bits))
     if block_size < 2 or block_size % 2:
         raise ValueError(f"block_size must be an even integer >= 2, got {block_size}")
     x32 = jnp.asarray(x, jnp.float32)
     shape = tuple(x.shape)
+    flat = x32.reshape(-1)
     rank1 = rank1 and x32.ndim >= 2
     if rank1:
-        absx = jnp.abs(x32)
         axes = range(x32.ndim)
-        scales = tuple(absx.max(axis=tuple(b for b in axes if b != a)) for a in axes)
-        s = _rank1_scale(scales, shape).reshape(-1)
-        flat = x32.reshape(-1)
-        pad = (-flat.shape[0]) % 2
-        flat, s = jnp.pad(flat, (0, pad)), jnp.pad(s, (0, pad))
+        others = [tuple(b for b in axes if b != a) for a in axes]
+        # max |x| as max(max x, -min x): reductions of x itself, so no |x| array is made
+        scales = tuple(jnp.maximum(x32.max(axis=o), -x32.min(axis=o)) for o in others)
     else:
-        flat = x32.reshape(-1)
         pad = (-flat.shape[0]) % block_size
-        blocks = jnp.pad(flat, (0, pad)).reshape(-1, block_size)
-        scales = jnp.abs(blocks).max(axis=1)
-        s = jnp.repeat(scales, block_size)
-        flat = blocks.reshape(-1)
-    normalized = jnp.where(s > 0, flat / jnp.where(s > 0, s, 1.0), 0.0)
-    codes = _nearest_code(q, normalized, key)
-    if bits == 4:
-        codes = _pack4(codes)
+        scales = jnp.abs(jnp.pad(flat, (0, pad)).reshape(-1, block_size)).max(axis=1)
+    block = 0 if rank1 else block_size
+    codes = _encode(flat, q, bits, block or 2, _scale_of(scales, shape, block), key)
     meta = QuantizedMeta(shape, bits, 0 if rank1 else block_size, book)
     return Quantized(codes, scales, meta)
+
+
+def _lookup(book: np.ndarray, codes: jax.Array) -> jax.Array:
+    """``book[codes]`` (float32). A 16-entry book is a tree of selects on the code's bits,
+    which XLA fuses into the consumer; a gather (256 entries) is materialized on XLA:CPU."""
+    if book.shape[0] > 16:
+        return jnp.asarray(book)[codes.astype(jnp.int32)]
+    level = [jnp.float32(v) for v in book]
+    bit = 0
+    while len(level) > 1:
+        on = (codes >> bit) & 1 == 1
+        level = [jnp.where(on, hi, lo) for lo, hi in zip(level[::2], level[1::2], strict=True)]
+        bit += 1
+    return level[0]
 
 
 def dequantize(qx: Quantized, dtype: Any = jnp.float32) -> jax.Array:
     """:class:`Quantized` -> the array ``q[codes] * s`` of ``qx.shape``, in ``dtype``."""
     meta = qx.meta
-    codes = _unpack4(qx.codes) if meta.bits == 4 else qx.codes
-    values = jnp.asarray(code_book(meta.code_book, meta.bits))[codes.astype(jnp.int32)]
+    book = code_book(meta.code_book, meta.bits)
+    if meta.bits == 4:  # look up both nibbles, then interleave: no unpacked copy of the codes
+        low, high = _lookup(book, qx.codes & 0xF), _lookup(book, qx.codes >> 4)
+        values = jnp.stack([low, high], axis=-1).reshape(-1)
+    else:
+        values = _lookup(book, qx.codes)
     n = math.prod(meta.shape)
     if meta.block_size == 0:
         s = _rank1_scale(qx.scales, meta.shape).reshape(-1)

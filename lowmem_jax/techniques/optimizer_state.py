@@ -34,9 +34,32 @@ def _quantized_state(opt, plan, params):
     return optimizer_state_lib.quantized_state(opt, plan.optimizer_state)
 
 
+def _schedule(evidence) -> str:
+    """How the step's quantized-state optimizer updates: in groups of leaves, or all at once
+    and why (:meth:`lowmem_jax.optimizer_state.QuantizedStateOptimizer.schedule`)."""
+    opt = evidence.tx
+    while opt is not None and not isinstance(opt, optimizer_state_lib.QuantizedStateOptimizer):
+        opt = getattr(opt, "inner", None)
+    if opt is None:
+        return ""
+    grads = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        ),
+        evidence.state.params,
+    )
+    stored = evidence.state.opt_state
+    while not isinstance(stored, optimizer_state_lib.QuantizedState):
+        stored = stored.inner_state
+    groups, why = opt.schedule(grads, stored.inner_state, grads)
+    if groups is None:
+        return f"; decoded all at once ({why})"
+    return f"; decoded and updated in {why}"
+
+
 def _took_effect(evidence, plan):
     """How many of the optimizer state's arrays are stored in the format (quantized leaves,
-    or floating leaves of its dtype), and their bytes."""
+    or floating leaves of its dtype), their bytes, and how the update decodes them."""
     fmt = plan.optimizer_state
     half = plan.policy.param_dtype != jnp.float32
     if fmt == "auto" and not half:
@@ -64,7 +87,8 @@ def _took_effect(evidence, plan):
         "optimizer_state",
         bool(stored),
         f"{len(stored)} of {len(arrays)} state arrays stored in {fmt} ({nbytes / 2**20:.2f} MiB)"
-        + rest,
+        + rest
+        + _schedule(evidence),
     )
 
 
