@@ -190,9 +190,10 @@ class QuantizedStateOptimizer(Optimizer):
 
         With ``sequential`` and a separable inner update (:func:`lowmem_jax.leafwise.
         separability`) this runs one group of leaves at a time (:func:`lowmem_jax.leafwise.
-        groups`), each group's inputs held behind an ``optimization_barrier`` until the previous
-        group is encoded: XLA cannot decode every leaf at once, so one group's float32 moments
-        are live at a time. The numbers are those of the whole-tree update."""
+        groups`), each group in a ``lax.cond`` whose predicate reads the previous group's results
+        (the first group's: every gradient): XLA cannot decode every leaf at once, nor during
+        the backward pass, so one group's float32 moments are live at a time. The numbers are
+        those of the whole-tree update; a NaN predicate gives NaN updates (a skipped step)."""
         reference = grads if params is None else params
         grads32 = cast_floating(grads, jnp.float32)
         params32 = None if params is None else cast_floating(params, jnp.float32)
