@@ -1,3 +1,5 @@
+import contextlib
+import io
 import json
 import pathlib
 import re
@@ -25,7 +27,7 @@ def test_readme_bring_your_own_model_runs():
     """Linen, NNX and the hand-written step, in order, in one namespace (as a reader would)."""
     section = README.read_text().split("### Bring your own model\n")[1].split("\n### ")[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 3, "the README's Bring your own model section lost a block"
+    assert len(blocks) == 4, "the README's Bring your own model section lost a block"
     namespace: dict = {}
     exec(compile(blocks[0], str(README), "exec"), namespace)  # Linen, one epoch
     assert float(namespace["metrics"]["loss"]) < 1.6 and int(namespace["state"].skipped_steps) < 3
@@ -39,6 +41,12 @@ def test_readme_bring_your_own_model_runs():
     # By hand: the block itself asserts its parameters equal make_train_step's, bit for bit.
     exec(compile(blocks[2], str(README), "exec"), namespace)
     assert int(namespace["mine"].step) == 5
+    # A published model (transformers' Flax GPT-2): the verdicts the README prints, and it trains.
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        exec(compile(blocks[3], str(README), "exec"), namespace)
+    shown = section.split("prints\n\n```\n")[1].split("```")[0]
+    assert printed.getvalue().split() == shown.split()
+    assert int(namespace["metrics"]["skipped_steps"]) == 0
 
 
 def test_ci_runs_the_readme_test_command():

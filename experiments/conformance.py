@@ -1,0 +1,216 @@
+"""The conformance table (issue 37): every technique, a strong combination and six optimizers on
+models nobody on this project wrote (:mod:`experiments.conformance_models`).
+
+Each cell builds the step through the public API (``plan.configure_model``,
+``plan.wrap_optimizer``, ``TrainState.create``, ``make_train_step``), compiles it (XLA:CPU
+figures), runs ``STEPS`` steps on one batch (the loss must fall, no step skipped) and reads
+``lm.verdicts``. A plan the model cannot take is a refusal: its one-line error is the cell.
+Optimizer-state rows also check issue 37's rule against the model's plain step with the same
+optimizer: total <= plain total - 0.9 x the argument bytes saved.
+
+Usage: python experiments/conformance.py [--models a,b] [--out-dir DIR]
+Writes ``conformance.json`` and ``conformance.md`` (default ``experiments/results/conformance``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import jax
+import numpy as np
+import optax
+
+import lowmem_jax as lm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.conformance_models import MODELS  # noqa: E402
+
+STEPS = 4
+MIB = 2.0**20
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "conformance")
+COMMAND = "python experiments/conformance.py"
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=1e-2),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lion": lambda: optax.lion(1e-4),
+    "lamb": lambda: optax.lamb(1e-3),
+}
+
+
+def techniques(block: str) -> dict[str, dict]:
+    """Plan fields per row: each technique alone, then one strong combination."""
+    remat = {"remat": "full", "remat_blocks": (block,)}
+    return {
+        "plain": {},
+        "mixed_fp16": {"precision": "mixed_fp16"},
+        "fp16": {"precision": "fp16"},
+        "microbatches 2": {"microbatches": 2},
+        "remat full": remat,
+        "sparse 70% dsr": {"sparsity": lm.sparsity.SparseConfig(density=0.3, compressed=True)},
+        "state bf16": {"optimizer_state": "bf16"},
+        "state int8": {"optimizer_state": "int8"},
+        "state int4": {"optimizer_state": "int4"},
+        "factorize tucker": {"factorize": lm.FactorConfig()},
+        "mixed_fp16 + mb 2 + remat + int8": {
+            "precision": "mixed_fp16",
+            "microbatches": 2,
+            "optimizer_state": "int8",
+            **remat,
+        },
+    }
+
+
+def run_cell(model: str, fields: dict, optimizer: str) -> dict:
+    """One cell: ``status`` (ok / refused / error), figures, verdicts."""
+    maker, _, _ = MODELS[model]
+    started = time.perf_counter()
+    try:
+        plan = lm.Plan(**fields)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            subject = maker(plan)
+        tx = plan.wrap_optimizer(OPTIMIZERS[optimizer](), subject.params)
+        state = lm.TrainState.create(
+            params=subject.params,
+            tx=tx,
+            plan=plan,
+            model_state=subject.model_state,
+            rng=jax.random.key(0),
+        )
+        step = lm.make_train_step(subject.loss_fn, tx, plan, donate=False)
+        verdicts = lm.verdicts(step, state, subject.batch, plan=plan, tx=tx)
+        compiled = step.lower(state, subject.batch).compile()
+    except (ValueError, TypeError, NotImplementedError) as err:  # a refusal is one line
+        return {"status": "refused", "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+    except Exception as err:  # noqa: BLE001 -- the table records what broke
+        return {
+            "status": "error",
+            "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
+        }
+    memory = compiled.memory_analysis()
+    losses, skipped = [], 0
+    for _ in range(STEPS):
+        state, metrics = compiled(state, subject.batch)
+        losses.append(float(metrics["loss"]))
+        skipped = int(metrics["skipped_steps"])
+    total = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
+    falls = bool(np.isfinite(losses).all() and losses[-1] < losses[0])
+    return {
+        "status": "ok" if falls and skipped == 0 else "no progress",
+        "losses": losses,
+        "skipped_steps": skipped,
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "total_bytes": int(total),
+        "verdicts": [
+            {"technique": v.technique, "took_effect": v.took_effect, "evidence": v.evidence}
+            for v in verdicts
+        ],
+        "warnings": sorted({str(w.message).splitlines()[0] for w in caught}),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _state_rule(cell: dict, plain: dict) -> dict | None:
+    """Issue 37's rule for a stored-state row against the plain step with the same optimizer."""
+    if cell.get("status") != "ok" or plain.get("status") != "ok":
+        return None
+    saved = plain["argument_bytes"] - cell["argument_bytes"]
+    limit = plain["total_bytes"] - 0.9 * saved
+    return {"saved_bytes": saved, "limit_bytes": int(limit), "holds": cell["total_bytes"] <= limit}
+
+
+def run(models: list[str]) -> dict:
+    out: dict = {"command": COMMAND, "jax_version": jax.__version__, "steps": STEPS, "models": {}}
+    for model in models:
+        maker, block, source = MODELS[model]
+        rows: dict = {}
+        for name, fields in techniques(block).items():
+            rows[name] = {"adam": run_cell(model, fields, "adam")}
+            print(model, name, rows[name]["adam"]["status"], flush=True)
+        for optimizer in OPTIMIZERS:
+            for name in ("plain", "state int8"):
+                if optimizer != "adam":
+                    rows[name][optimizer] = run_cell(model, techniques(block)[name], optimizer)
+                    print(model, name, optimizer, rows[name][optimizer]["status"], flush=True)
+        for name in ("state bf16", "state int8", "state int4", "mixed_fp16 + mb 2 + remat + int8"):
+            for optimizer, cell in rows[name].items():
+                if name != "mixed_fp16 + mb 2 + remat + int8":
+                    cell["state_rule"] = _state_rule(cell, rows["plain"][optimizer])
+        out["models"][model] = {"source": source, "remat_block": block, "rows": rows}
+    return out
+
+
+def _cell_text(cell: dict, technique: str) -> str:
+    if cell["status"] in ("refused", "error"):
+        return f"{cell['status']}: {cell['error']}"
+    text = f"{cell['status']}; {cell['total_bytes'] / MIB:.1f} MiB"
+    rule = cell.get("state_rule")
+    if rule is not None:
+        verdict = "holds" if rule["holds"] else "FAILS"
+        text += f" (rule {verdict}: limit {rule['limit_bytes'] / MIB:.1f})"
+    mine = [v for v in cell["verdicts"] if not v["took_effect"]]
+    if mine:
+        text += "; NO EFFECT: " + "; ".join(f"{v['technique']}: {v['evidence']}" for v in mine)
+    return text
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Conformance: every technique on models this project did not write",
+        "",
+        f"Made by: `{result['command']}` (JAX {result['jax_version']}, XLA:CPU, compile + "
+        f"{result['steps']} steps on one batch each). A cell is `ok` when the step compiles, no "
+        "step is skipped and the loss falls; memory is XLA:CPU's total (argument + output + temp "
+        "- alias); state rows check issue 37's rule against the plain step with the same "
+        "optimizer (total <= plain total - 0.9 x argument bytes saved). `refused` is the "
+        "one-line error a plan the model cannot take gets.",
+        "",
+    ]
+    for model, entry in result["models"].items():
+        lines += [
+            f"## {model}: {entry['source']}",
+            "",
+            "| row | optimizer | result |",
+            "|---|---|---|",
+        ]
+        for name, cells in entry["rows"].items():
+            for optimizer, cell in cells.items():
+                lines.append(f"| {name} | {optimizer} | {_cell_text(cell, name)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--out-dir", default=OUT)
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; allowed values: {list(MODELS)}")
+    result = run(models)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "conformance.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out_dir, "conformance.md"), "w") as f:
+        f.write(markdown(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
