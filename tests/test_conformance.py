@@ -25,29 +25,27 @@ def test_a_plan_the_model_cannot_take_is_a_one_line_refusal():
     assert "\n" not in cell["error"]
 
 
-def test_the_table_names_every_cell_and_the_rule():
-    plain = {
-        "status": "ok",
-        "total_bytes": 100 * 2**20,
-        "argument_bytes": 40 * 2**20,
-        "verdicts": [],
+def test_the_table_checks_each_rule_against_the_plain_step_with_the_same_optimizer():
+    def cell(total, temp, args):
+        mib = 2**20
+        return {"status": "ok", "total_bytes": total * mib, "temp_bytes": temp * mib,
+                "argument_bytes": args * mib, "verdicts": []}  # fmt: skip
+
+    rows = {
+        "plain": {"adam": cell(100, 60, 40), "sgd": cell(70, 50, 20)},
+        "state int8": {"adam": cell(80, 60, 20), "sgd": {"status": "refused", "error": "E: no"}},
+        "sparse 70% dsr": {"adam": cell(90, 62, 30), "sgd": cell(70, 52, 19)},
     }
-    int8 = {"status": "ok", "total_bytes": 80 * 2**20, "argument_bytes": 20 * 2**20, "verdicts": []}
-    int8["state_rule"] = conformance._state_rule(int8, plain)
-    assert int8["state_rule"]["holds"]  # 80 <= 100 - 0.9 * 20
-    refused = {"status": "refused", "error": "ValueError: no"}
-    result = {
-        "command": conformance.COMMAND,
-        "jax_version": "x",
-        "steps": 4,
-        "models": {
-            "m": {
-                "source": "s",
-                "remat_block": "B",
-                "rows": {"plain": {"adam": plain}, "state int8": {"adam": int8, "sgd": refused}},
-            }
-        },
-    }
-    text = conformance.markdown(result)
-    assert "| state int8 | adam | ok; 80.0 MiB (rule holds: limit 82.0) |" in text
-    assert "| state int8 | sgd | refused: ValueError: no |" in text
+    result = {"command": "c", "jax_version": "x", "steps": 4,
+              "models": {"m": {"source": "s", "remat_block": "B", "rows": rows}}}  # fmt: skip
+    text = conformance.markdown(conformance.add_rules(result))
+    # int8: 80 <= 100 - 0.9 * 20; sparse: temp 62 > 60 + 0.1 * 10 and 52 > 50 + 0.1 * 1
+    assert (
+        "| state int8 | adam | ok; total 80.0 MiB, temp 60.0 (rule holds: total <= 82.0) |" in text
+    )
+    assert "| state int8 | sgd | refused: E: no |" in text
+    assert (
+        "| sparse 70% dsr | adam | ok; total 90.0 MiB, temp 62.0 (rule FAILS: temp <= 61.0) |"
+        in text
+    )
+    assert "(rule FAILS: temp <= 50.1)" in text
