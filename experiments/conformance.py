@@ -72,7 +72,7 @@ def run_cell(model: str, fields: dict, optimizer: str) -> dict:
     """One cell: ``status`` (ok / refused / error), figures, verdicts."""
     maker, _, _ = MODELS[model]
     started = time.perf_counter()
-    try:
+    try:  # the library's checks: a plan the model cannot take is refused here, in one line
         plan = lm.Plan(**fields)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -86,15 +86,14 @@ def run_cell(model: str, fields: dict, optimizer: str) -> dict:
             rng=jax.random.key(0),
         )
         step = lm.make_train_step(subject.loss_fn, tx, plan, donate=False)
+    except (ValueError, TypeError, NotImplementedError) as err:
+        return {"status": "refused", "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+    try:  # past the checks, anything that breaks is a failure of the technique
         verdicts = lm.verdicts(step, state, subject.batch, plan=plan, tx=tx)
         compiled = step.lower(state, subject.batch).compile()
-    except (ValueError, TypeError, NotImplementedError) as err:  # a refusal is one line
-        return {"status": "refused", "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
     except Exception as err:  # noqa: BLE001 -- the table records what broke
-        return {
-            "status": "error",
-            "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
-        }
+        message = str(err).splitlines()[0][:300] if str(err) else ""
+        return {"status": "error", "error": f"{type(err).__name__}: {message}"}
     memory = compiled.memory_analysis()
     losses, skipped = [], 0
     for _ in range(STEPS):

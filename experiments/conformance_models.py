@@ -79,11 +79,12 @@ def gpt2(plan: lm.Plan) -> Subject:
     params = model.init(jax.random.key(0), batch["tokens"][:1], mask[:1], positions[:1])["params"]
 
     def loss_fn(params, model_state, batch, rng):
+        ids = batch["tokens"]  # a microbatch's, under microbatching
         out = model.apply(
             {"params": params},
-            batch["tokens"],
-            mask,
-            positions,
+            ids,
+            jnp.ones_like(ids),
+            jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape),
             deterministic=False,
             rngs={"dropout": rng},
         )
