@@ -188,12 +188,13 @@ class QuantizedStateOptimizer(Optimizer):
         ``updates`` cast to the dtypes of ``params`` (of ``grads`` without them), the new inner
         state encoded as the old one was.
 
-        With ``sequential`` and a separable inner update (:func:`lowmem_jax.leafwise.
-        separability`) this runs one group of leaves at a time (:func:`lowmem_jax.leafwise.
-        groups`), each group in a ``lax.cond`` whose predicate reads the previous group's results
-        (the first group's: every gradient): XLA cannot decode every leaf at once, nor during
-        the backward pass, so one group's float32 moments are live at a time. The numbers are
-        those of the whole-tree update; a NaN predicate gives NaN updates (a skipped step)."""
+        With ``sequential``, a quantized format (``int8``, ``int4``) and a separable inner
+        update (:func:`lowmem_jax.leafwise.separability`) this runs one group of leaves at a
+        time (:func:`lowmem_jax.leafwise.groups`), each group in a ``lax.cond`` whose predicate
+        reads the previous group's results (the first group's: every gradient): XLA cannot
+        decode every leaf at once, nor during the backward pass, so one group's float32
+        moments are live at a time. The numbers are those of the whole-tree update; a NaN
+        predicate gives NaN updates (a skipped step)."""
         reference = grads if params is None else params
         grads32 = cast_floating(grads, jnp.float32)
         params32 = None if params is None else cast_floating(params, jnp.float32)
@@ -211,7 +212,10 @@ class QuantizedStateOptimizer(Optimizer):
             leaves = [self._encode_like(o, x, k) for o, x, k in zip(old, new, keys, strict=True)]
             stored = jax.tree.unflatten(treedef, leaves)
         else:
-            updates, stored = self._update_in_groups(schedule, grads32, state, params32, keys)
+            dtypes = [x.dtype for x in jax.tree.leaves(reference)]
+            updates, stored = self._update_in_groups(
+                schedule, grads32, state, params32, keys, dtypes
+            )
         updates = jax.tree.map(lambda u, r: u.astype(r.dtype), updates, reference)
         return updates, QuantizedState(stored, rng)
 
@@ -223,6 +227,9 @@ class QuantizedStateOptimizer(Optimizer):
         count = jax.tree.structure(grads).num_leaves
         if not self.sequential:
             return None, "sequential=False"
+        if self.format not in QUANTIZED_FORMATS:  # a cast fuses into the update's own loops,
+            # in place; a group's outputs would be materialized (measured: more bytes)
+            return None, f"{self.format}: a cast, fused into the update"
         if count < 2:
             return None, "one leaf"
         decoded = jax.eval_shape(self.decode, stored)
@@ -235,7 +242,7 @@ class QuantizedStateOptimizer(Optimizer):
             return None, "one group"
         return schedule, f"{len(schedule)} groups of at most {max(sizes):,} elements"
 
-    def _update_in_groups(self, schedule, grads, state, params, keys):
+    def _update_in_groups(self, schedule, grads, state, params, keys, dtypes):
         params_def = jax.tree.structure(grads)
         stored = leafwise.mirrors(state.inner_state, params_def, _is_quantized)
         starts = np.cumsum([0] + [len(leaves) for leaves in stored.leaves])
@@ -292,13 +299,18 @@ class QuantizedStateOptimizer(Optimizer):
                     self._encode_like(old, new_leaves[k][i], key)
                     for (k, i), old, key in zip(spots, state_in, keys_in, strict=True)
                 ]
-                return [new_updates[i] for i in group], stored_out
+                # in the parameters' dtypes here: a group's updates are materialized
+                return [new_updates[i].astype(dtypes[i]) for i in group], stored_out
 
-            def refuse(operands):
+            def refuse(operands, group=group):
                 """A NaN gate: NaN updates (the train step skips and counts them), the
                 state as stored."""
                 state_in, _, grads_in, _ = operands
-                return [jnp.full_like(g, jnp.nan) for g in grads_in], list(state_in)
+                nan = [
+                    jnp.full(g.shape, jnp.nan, dtypes[i])
+                    for i, g in zip(group, grads_in, strict=True)
+                ]
+                return nan, list(state_in)
 
             # A conditional runs as one unit once its predicate is known, and the predicate
             # reads the last group's results: group g + 1 is decoded after group g is encoded.

@@ -86,7 +86,7 @@ def _steps(tx, steps=3):
     return outs, state
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["adam", "sgd_momentum", "adafactor", "lamb", "injected"])
 def test_the_update_in_groups_equals_the_whole_tree_update(name, fmt):
     grouped = optimizer_state_lib.quantized_state(SEPARABLE[name](), fmt, min_size=1000)
@@ -99,6 +99,15 @@ def test_the_update_in_groups_equals_the_whole_tree_update(name, fmt):
     (a, state_a), (b, state_b) = _steps(grouped), _steps(whole)
     assert_trees_close(a, b, rtol=1e-6, atol=1e-9)
     assert_trees_close(state_a, state_b, rtol=1e-6, atol=1e-9)
+
+
+def test_a_float_format_is_updated_whole_its_casts_fused():
+    """bf16 slots need no decoding loop: grouping would only materialize each group's results
+    (measured on the WRN-28-2 report's pure fp16 rows: 19.0 -> 25.2 MiB)."""
+    tx = optimizer_state_lib.quantized_state(optax.adam(1e-2), "bf16", min_size=1000)
+    stored = tx.init(PARAMS).inner_state
+    groups, why = tx.schedule(_float32_shapes(PARAMS), stored, _float32_shapes(PARAMS))
+    assert groups is None and why == "bf16: a cast, fused into the update"
 
 
 def test_a_global_norm_clip_is_updated_whole_and_says_why():
