@@ -4,6 +4,9 @@ and a plan a model cannot take refused in one line."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import lowmem_jax as lm
 from experiments import conformance
 
@@ -49,3 +52,26 @@ def test_the_table_checks_each_rule_against_the_plain_step_with_the_same_optimiz
         in text
     )
     assert "(rule FAILS: temp <= 50.1)" in text
+
+
+def test_the_readme_quotes_the_committed_conformance_table():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = json.loads((root / "experiments/results/conformance/conformance.json").read_text())
+    conformance.add_rules(result)
+    readme = " ".join((root / "README.md").read_text().split())
+    cells = [
+        c for m in result["models"].values() for row in m["rows"].values() for c in row.values()
+    ]
+    ok = sum(c["status"] == "ok" for c in cells)
+    rules = [c["rule"] for c in cells if c.get("rule") and c["rule"]["of"] == "total"]
+    assert all(r["holds"] for r in rules)
+    assert f"{ok} of its {len(cells)} cells compile" in readme
+    assert f"holds in all {len(rules)} state cells" in readme
+    gpt2 = result["models"]["gpt2"]["rows"]
+    mib = {k: gpt2[k]["adam"]["total_bytes"] / 2**20 for k in ("plain", "state int8", "state int4")}
+    assert (
+        f"{mib['plain']:.1f} MiB plain, {mib['state int8']:.1f} with int8, "
+        f"{mib['state int4']:.1f} with int4" in readme
+    )
+    temps = [gpt2[k]["adam"]["temp_bytes"] / 2**20 for k in ("plain", "sparse 70% dsr")]
+    assert f"temp {temps[0]:.1f} -> {temps[1]:.1f} MiB" in readme
