@@ -182,7 +182,7 @@ def run(models: list[str]) -> dict:
     return out
 
 
-def _cell_text(cell: dict, technique: str) -> str:
+def _cell_text(cell: dict) -> str:
     if cell["status"] in ("refused", "error"):
         return f"{cell['status']}: {cell['error']}"
     text = f"{cell['status']}; total {cell['total_bytes'] / MIB:.1f} MiB, temp "
@@ -220,7 +220,7 @@ def markdown(result: dict) -> str:
         ]
         for name, cells in entry["rows"].items():
             for optimizer, cell in cells.items():
-                lines.append(f"| {name} | {optimizer} | {_cell_text(cell, name)} |")
+                lines.append(f"| {name} | {optimizer} | {_cell_text(cell)} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -10,7 +10,9 @@ before and encodes it after each group (:mod:`lowmem_jax.optimizer_state`) holds
 decoded arrays at a time instead of the whole state's.
 
 * :func:`mirrors` splits a state into its parameter-shaped subtrees (*mirrors*: their structure
-  is the parameters') and its shared leaves.
+  is the parameters') and its shared leaves. Structure alone, unlike
+  :func:`lowmem_jax.sparsity.slots.mirror_predicate` (which also matches shapes): Adafactor's
+  factored rows and a group's empty placeholders are mirrors here.
 * :func:`separability` decides from the update's jaxpr (traced on shapes, nothing runs) whether
   it is separable: a forward data-flow pass gives each output the set of parameter positions it
   reads (``pjit``, ``custom_jvp`` and the like are entered; other higher-order primitives count
@@ -55,17 +57,12 @@ class Mirrors:
         def stop(node) -> bool:
             return (is_leaf is not None and is_leaf(node)) or is_mirror(node)
 
-        self.is_mirror = is_mirror
         outer, self.outer_def = jax.tree.flatten(state, is_leaf=stop)
         self.kinds = [is_mirror(node) for node in outer]
         self.leaves = [
             params_def.flatten_up_to(node) if mirror else [node]
             for node, mirror in zip(outer, self.kinds, strict=True)
         ]
-
-    def flat(self) -> list:
-        """All leaves in ``jax.tree.leaves`` order (a subtree's leaves are contiguous)."""
-        return [x for leaves in self.leaves for x in leaves]
 
     def rebuild(self, leaves: Sequence[list]) -> PyTree:
         """The state with outer leaf ``k``'s leaves replaced by ``leaves[k]``."""

@@ -166,10 +166,6 @@ def _pack4(codes: jax.Array) -> jax.Array:
     return (codes[:, 0] | (codes[:, 1] << 4)).astype(jnp.uint8)
 
 
-def _unpack4(packed: jax.Array) -> jax.Array:
-    return jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(-1)
-
-
 def _rank1_scale(scales: tuple[jax.Array, ...], shape: tuple[int, ...]) -> jax.Array:
     """``s[i_1..i_r] = min_a m_a[i_a]`` broadcast to ``shape``."""
     rank = len(shape)
