@@ -8,7 +8,7 @@ figures), runs ``STEPS`` steps on one batch (the loss must fall, no step skipped
 Optimizer-state rows also check issue 37's rule against the model's plain step with the same
 optimizer: total <= plain total - 0.9 x the argument bytes saved.
 
-Usage: python experiments/conformance.py [--models a,b] [--out-dir DIR]
+Usage: python experiments/conformance.py [--models a,b] [--rows "row,row"] [--out-dir DIR]
 Writes ``conformance.json`` and ``conformance.md`` (default ``experiments/results/conformance``).
 """
 
@@ -165,19 +165,27 @@ def add_rules(result: dict) -> dict:
     return result
 
 
-def run(models: list[str]) -> dict:
+def run(models: list[str], only: list[str] | None = None, previous: dict | None = None) -> dict:
+    """The table for ``models``; ``only``: just these rows, the rest kept from ``previous``."""
     out: dict = {"command": COMMAND, "jax_version": jax.__version__, "steps": STEPS, "models": {}}
+    if previous is not None:
+        out["models"] = previous["models"]
     for model in models:
         maker, block, source = MODELS[model]
-        rows: dict = {}
+        rows: dict = dict(out["models"].get(model, {}).get("rows", {})) if only else {}
         for name, fields in techniques(block).items():
+            if only and name not in only:
+                continue
             rows[name] = {"adam": run_cell(model, fields, "adam")}
             print(model, name, rows[name]["adam"]["status"], flush=True)
-        for optimizer in OPTIMIZERS:
-            for name in ("plain", "state int8"):
+            if name not in ("plain", "state int8"):
+                continue
+            for optimizer in OPTIMIZERS:
                 if optimizer != "adam":
-                    rows[name][optimizer] = run_cell(model, techniques(block)[name], optimizer)
+                    rows[name][optimizer] = run_cell(model, fields, optimizer)
                     print(model, name, optimizer, rows[name][optimizer]["status"], flush=True)
+        order = list(techniques(block))
+        rows = {name: rows[name] for name in sorted(rows, key=order.index)}
         out["models"][model] = {"source": source, "remat_block": block, "rows": rows}
     return out
 
@@ -230,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--out-dir", default=OUT)
     parser.add_argument(
+        "--rows",
+        default=None,
+        help="comma-separated rows to rerun (e.g. 'factorize tucker'); the others are kept from "
+        "the existing conformance.json",
+    )
+    parser.add_argument(
         "--render", action="store_true", help="rewrite conformance.md from conformance.json"
     )
     args = parser.parse_args(argv)
@@ -243,7 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         parser.error(f"--models: unknown {unknown}; allowed values: {list(MODELS)}")
-    _write(add_rules(run(models)), args.out_dir)
+    only, previous = None, None
+    if args.rows:
+        only = args.rows.split(",")
+        unknown = sorted(set(only) - set(techniques("Block")))
+        if unknown:
+            parser.error(f"--rows: unknown {unknown}; allowed values: {list(techniques('Block'))}")
+        with open(json_path) as f:
+            previous = json.load(f)
+    _write(add_rules(run(models, only, previous)), args.out_dir)
     return 0
 
 

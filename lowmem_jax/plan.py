@@ -70,8 +70,8 @@ class _PlanMethods:
 
         Raises:
           ValueError: ``remat_blocks`` for a model that has its own ``remat`` attribute, a
-            segmenting policy for a model without one, or ``factorize`` for a model without a
-            ``factorize`` field.
+            segmenting policy for a model without one, or ``factorize`` for a model with no layer
+            it can factorize (NNX: here; Linen: at ``init``).
         """
         for technique in TECHNIQUES:
             if technique.configure_model is not None:

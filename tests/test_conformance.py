@@ -1,6 +1,6 @@
 """The conformance table's fast subset (experiments/conformance.py): a model from a published
 package (Hugging Face transformers' Flax GPT-2) trained through the public API with an int8 state,
-and a plan a model cannot take refused in one line."""
+a plan a model cannot take refused in one line, and an NNX model factorized."""
 
 from __future__ import annotations
 
@@ -23,9 +23,21 @@ def test_transformers_flax_gpt2_trains_with_an_int8_state_updated_in_groups():
 
 
 def test_a_plan_the_model_cannot_take_is_a_one_line_refusal():
+    cell = conformance.run_cell("gpt2", {"factorize": lm.FactorConfig()}, "adam")
+    assert cell["status"] == "refused", cell
+    assert "no layer of FlaxGPT2LMHeadModule to factorize" in cell["error"]
+    assert "not replaced: FlaxConv1D" in cell["error"] and "\n" not in cell["error"]
+
+
+def test_an_nnx_model_nobody_here_wrote_trains_factorized_in_less_memory():
+    """Issue 37 item 1: factorize once refused every model without a ``factorize`` field."""
     cell = conformance.run_cell("nnx_cnn", {"factorize": lm.FactorConfig()}, "adam")
-    assert cell["status"] == "refused" and "factorize" in cell["error"], cell
-    assert "\n" not in cell["error"]
+    plain = conformance.run_cell("nnx_cnn", {}, "adam")
+    assert cell["status"] == "ok" and plain["status"] == "ok", (cell, plain)
+    (verdict,) = [v for v in cell["verdicts"] if v["technique"] == "factorize"]
+    assert verdict["took_effect"] and verdict["evidence"].startswith("7 layers"), verdict
+    assert cell["argument_bytes"] < 0.6 * plain["argument_bytes"]
+    assert cell["total_bytes"] < plain["total_bytes"]
 
 
 def test_the_table_checks_each_rule_against_the_plain_step_with_the_same_optimizer():
@@ -75,3 +87,11 @@ def test_the_readme_quotes_the_committed_conformance_table():
     )
     temps = [gpt2[k]["adam"]["temp_bytes"] / 2**20 for k in ("plain", "sparse 70% dsr")]
     assert f"temp {temps[0]:.1f} -> {temps[1]:.1f} MiB" in readme
+    totals = []
+    for model in ("linen_resnet", "linen_lm_scan", "nnx_scan", "nnx_cnn"):
+        rows = result["models"][model]["rows"]
+        plain, factored = (
+            rows[k]["adam"]["total_bytes"] / 2**20 for k in ("plain", "factorize tucker")
+        )
+        totals.append(f"{plain:.1f} -> {factored:.1f}")
+    assert all(t in readme for t in totals), totals

@@ -333,14 +333,20 @@ def test_transformer_linears_are_low_rank_and_incremental_decoding_matches():
     np.testing.assert_allclose(incremental, full, atol=1e-4)
 
 
-def test_plan_factorize_needs_a_model_with_the_field():
+def test_plan_factorize_checks_its_config():
     import flax.linen as nn
 
     plan = lm.Plan(factorize=fz.FactorConfig())
-    with pytest.raises(ValueError, match="factorize needs a Linen model"):
-        plan.configure_model(nn.Dense(3))
     with pytest.raises(ValueError, match="FactorConfig"):
         lm.Plan(factorize="tucker")
+    with pytest.raises(ValueError, match="layers: '\\(' is not a regular expression"):
+        fz.FactorConfig(layers=("(",))
+    with pytest.raises(ValueError, match="chooses its own"):  # a bundled model picks its layers
+        lm.Plan(factorize=fz.FactorConfig(layers=("Dense",))).configure_model(
+            lm.models.WideResNet(10, 1)
+        )
+    with pytest.raises(ValueError, match="Dense is one layer"):
+        plan.configure_model(nn.Dense(3))
     assert plan.to_dict()["factorize"]["method"] == "tucker"
 
 

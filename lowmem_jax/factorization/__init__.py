@@ -3,7 +3,9 @@
 A :class:`FactorConfig` names the method and the ranks; :class:`lowmem_jax.Plan` carries it
 (``Plan(factorize=FactorConfig(...))``) and sets it on a bundled model's ``factorize`` field,
 whose convolutions and dense layers then build :class:`FactorizedConv` / :class:`LowRankDense`
-instead (the first and last layers stay dense by default). Combined with remat, the extra
+instead (the first and last layers stay dense by default); any other Linen or NNX model has its
+``Dense`` / ``Linear`` / ``Conv`` layers replaced without edits to its code
+(:func:`factorize_module`). Combined with remat, the extra
 activations between factors (tagged :data:`FACTOR_HIDDEN`) are recomputed rather than stored:
 the combination of Memory Efficient Combination of Tensor Decomposition and Recomputation
 (CTDR).
@@ -12,6 +14,7 @@ Two ways in: train factorized from scratch (spectral initialisation), or decompo
 dense model's parameters (:func:`decompose_params`) and fine-tune.
 """
 
+from lowmem_jax.factorization.any_model import NNXFactorized, factorize_module
 from lowmem_jax.factorization.config import (
     FACTOR_HIDDEN,
     METHODS,
@@ -51,6 +54,7 @@ __all__ = [
     "FactorConfig",
     "FactorizedConv",
     "LowRankDense",
+    "NNXFactorized",
     "apply_dense",
     "compression_ranks",
     "conv_layer",
@@ -61,6 +65,7 @@ __all__ = [
     "energy_rank",
     "factor_shapes",
     "factorize_kernel",
+    "factorize_module",
     "layer_method",
     "layer_ranks",
     "low_rank",

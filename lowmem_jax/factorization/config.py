@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 __all__ = [
     "FactorConfig",
@@ -57,7 +58,12 @@ class FactorConfig:
       cp_iterations, cp_tolerance: the ALS sweeps at most, and the change in relative error that
         stops them.
       keep_first_last: the first and last layers stay dense (the WRN's stem and classifier; the
-        Transformer's embeddings and output projection are never factorized).
+        Transformer's embeddings and output projection are never factorized; on any other model,
+        :func:`~lowmem_jax.factorization.factorize_module`'s rule).
+      layers: regular expressions; a model without a ``factorize`` field (any Linen or NNX
+        model, :func:`~lowmem_jax.factorization.factorize_module`) factorizes only the layers
+        whose path (``"block/Dense_0"``, ``"blocks/0/conv"``) one of them matches
+        (``re.search``); ``()``: every layer it can.
       rank_rule: ``compression`` (ranks from ``compression``), or ranks chosen from a trained
         dense model's weights (decompose-and-fine-tune only): ``energy`` (the least rank that
         keeps ``energy`` of the squared singular values of each unfolding) or ``vbmf`` (Kim et
@@ -78,6 +84,7 @@ class FactorConfig:
     rank_rule: str = "compression"
     energy: float = 0.9
     ranks: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+    layers: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -101,6 +108,15 @@ class FactorConfig:
         # Hashable (a Flax module field): lists from JSON become tuples.
         ranks = tuple((str(n), tuple(map(int, s)), tuple(map(int, r))) for n, s, r in self.ranks)
         object.__setattr__(self, "ranks", ranks)
+        layers = (self.layers,) if isinstance(self.layers, str) else tuple(self.layers)
+        for pattern in layers:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(
+                    f"layers: {pattern!r} is not a regular expression ({err})"
+                ) from None
+        object.__setattr__(self, "layers", layers)
 
     def ranks_for(self, kernel_shape: tuple[int, ...], name: str | None = None) -> tuple[int, ...]:
         """The ranks of layer ``name`` with a dense kernel of ``kernel_shape``: ``(R1, R2)``

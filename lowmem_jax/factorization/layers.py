@@ -226,24 +226,47 @@ class FactorizedConv(Conv):
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         x, *factors = promote_dtype(inputs, *factors, dtype=self.dtype)
         f = dict(zip(FACTOR_NAMES[method], factors, strict=True))
-        x = x.reshape(-1, *inputs.shape[-3:])
-        strides = tuple(self.strides)
-        pads = explicit_padding(self.padding, x.shape[1:3], self.kernel_size, strides)
-        hidden = partial(checkpoint_name, name=FACTOR_HIDDEN)
-        if method == "lowrank" and shape[:2] == (1, 1):
-            h = hidden(_pointwise(_strided(x, strides, pads), f["first"][0, 0]))
-        elif method == "lowrank":
-            h = hidden(conv2d(x, f["first"], strides, pads, self.impl))
-        elif method == "tucker":
-            h = hidden(_pointwise(x, f["first"]))
-            h = hidden(conv2d(h, f["core"], strides, pads, self.impl))
-        else:
-            h = hidden(_pointwise(x, f["first"]))
-            h = hidden(_depthwise(h, f["vertical"], 1, strides[0], pads[0]))
-            h = hidden(_depthwise(h, f["horizontal"], 2, strides[1], pads[1]))
-        y = _pointwise(h, f["last"])
-        y = y.reshape(*inputs.shape[:-3], *y.shape[1:])
+        y = factorized_conv(x, method, f, self.kernel_size, self.strides, self.padding, self.impl)
         return y if bias is None else y + bias.astype(y.dtype)
+
+
+def factorized_conv(
+    inputs: jax.Array,
+    method: str,
+    factors: dict[str, jax.Array],
+    kernel_size: Sequence[int],
+    strides: Sequence[int],
+    padding: Any,
+    impl: str = "auto",
+) -> jax.Array:
+    """The convolution of ``inputs`` (NHWC ``[..., H, W, S]``) with the kernel that ``factors``
+    of ``method`` represent (the module docstring's layout; ``lowrank`` for a 1x1 kernel),
+    ``[..., H', W', T]``: the factors applied in turn, not the kernel rebuilt. ``padding``:
+    ``"SAME"``, ``"VALID"`` or ``[(lo, hi), (lo, hi)]``. No bias, no casts."""
+    x = inputs.reshape(-1, *inputs.shape[-3:])
+    strides = tuple(strides)
+    pads = explicit_padding(padding, x.shape[1:3], tuple(kernel_size), strides)
+    f = factors
+    hidden = partial(checkpoint_name, name=FACTOR_HIDDEN)
+    if method == "lowrank" and tuple(kernel_size) == (1, 1):
+        h = hidden(_pointwise(_strided(x, strides, pads), f["first"][0, 0]))
+    elif method == "lowrank":
+        h = hidden(conv2d(x, f["first"], strides, pads, impl))
+    elif method == "tucker":
+        h = hidden(_pointwise(x, f["first"]))
+        h = hidden(conv2d(h, f["core"], strides, pads, impl))
+    else:
+        h = hidden(_pointwise(x, f["first"]))
+        h = hidden(_depthwise(h, f["vertical"], 1, strides[0], pads[0]))
+        h = hidden(_depthwise(h, f["horizontal"], 2, strides[1], pads[1]))
+    y = _pointwise(h, f["last"])
+    return y.reshape(*inputs.shape[:-3], *y.shape[1:])
+
+
+def factorized_dense(inputs: jax.Array, first: jax.Array, last: jax.Array) -> jax.Array:
+    """``(inputs @ first) @ last``: ``[..., S] -> [..., T]`` through ``R`` (``first [S, R]``,
+    ``last [R, T]``), the hidden ``[..., R]`` tagged :data:`FACTOR_HIDDEN`."""
+    return _pointwise(checkpoint_name(_pointwise(inputs, first), FACTOR_HIDDEN), last)
 
 
 class LowRankDense(nn.Module):
@@ -266,7 +289,7 @@ class LowRankDense(nn.Module):
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         x, first, last, bias = promote_dtype(inputs, *factors, bias, dtype=self.dtype)
-        y = _pointwise(checkpoint_name(_pointwise(x, first), FACTOR_HIDDEN), last)
+        y = factorized_dense(x, first, last)
         return y if bias is None else y + bias
 
 

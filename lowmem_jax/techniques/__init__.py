@@ -2,7 +2,8 @@
 (:class:`~lowmem_jax.technique.Technique`).
 
 Each module of this package declares one technique as ``TECHNIQUE``; :data:`TECHNIQUES` holds
-them all, sorted by :attr:`Technique.order`. The order is meaning: the precision cast comes
+them all, sorted by :attr:`Technique.order`. The order is meaning: layers are replaced before
+anything else configures them, the precision cast comes
 before loss scaling, loss scaling before the microbatch loop, sparse training inside the
 optimizer-state format; ``Plan``'s fields, a plan's label, the envelope's limits and the CLI's
 flags read in this order. Generic code (``Plan``, the step, the CLI flags, the envelopes, the
@@ -11,13 +12,15 @@ planner's axes) iterates :data:`TECHNIQUES`; adding a technique is adding a modu
 =====  =================  ====================================================================
 order  technique          acts on
 =====  =================  ====================================================================
+5      factorize          the model's layers (first: the hooks after it copy an NNX model, and
+                          a copy loses the order its layers were assigned in, which says
+                          which are the first and last)
 10     precision          the model's compute dtype; the loss (casts in, float32 out)
 20     loss_scale         the gradient (scale, unscale, skip, adjust): the step's core
 30     microbatches       the gradient (``lax.scan`` accumulation)
 40     remat              the model, per block
 50     sparsity           the optimizer and the parameters' storage
 60     optimizer_state    the optimizer state's stored format
-70     factorize          the model's layers
 80     shard              the step's layouts over a device mesh; zero3's gathering
 90     input_dtype        the batch's stored images (the data pipeline and the model)
 =====  =================  ====================================================================

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 
+import jax.numpy as jnp
 from flax import nnx
 
-from lowmem_jax.factorization import METHODS, RANK_RULES, FactorConfig
+from lowmem_jax.factorization import METHODS, RANK_RULES, FactorConfig, factorize_module
 from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict
 
 
@@ -20,13 +22,17 @@ def _validate(plan) -> None:
 
 
 def _configure_model(model, plan):
+    """A Linen model with a ``factorize`` field (the bundled ones) chooses its layers itself;
+    any other Linen or NNX model gets :func:`lowmem_jax.factorization.factorize_module`."""
     if plan.factorize is None:
         return model
     if isinstance(model, nnx.Module) or not hasattr(model, "factorize"):
+        return factorize_module(model, plan.factorize)
+    if plan.factorize.layers:
         raise ValueError(
-            f"factorize needs a Linen model with a `factorize` field (the bundled WideResNet "
-            f"and DynamicConvTransformer); {type(model).__name__} has none: build it with "
-            f"lowmem_jax.factorization.FactorizedConv / LowRankDense instead"
+            f"factorize layers={list(plan.factorize.layers)} selects the layers of a model "
+            f"without a `factorize` field; {type(model).__name__} chooses its own (stem and "
+            f"classifier dense: keep_first_last)"
         )
     return model.clone(factorize=plan.factorize)
 
@@ -92,14 +98,18 @@ def _argv(plan) -> list[str]:
 
 
 def _factorized_layers(tree) -> int:
+    """The layers whose parameters are factors (``first`` ... ``last``), a stack's layers each
+    (the leading axes of its ``last`` factor, ``[..., R, T]``)."""
     if not isinstance(tree, dict):
         return 0
-    here = int("first" in tree and "last" in tree)
-    return here + sum(_factorized_layers(v) for v in tree.values())
+    if "first" in tree and "last" in tree:
+        last = tree["last"]["kernel"] if isinstance(tree["last"], dict) else tree["last"]
+        return math.prod(jnp.shape(last)[:-2])
+    return sum(_factorized_layers(v) for v in tree.values())
 
 
 def _took_effect(evidence, plan):
-    """The layers whose parameters are factors (``first`` ... ``last``)."""
+    """The layers whose parameters are factors."""
     if plan.factorize is None:
         return None
     n = _factorized_layers(evidence.state.params)
@@ -108,14 +118,15 @@ def _took_effect(evidence, plan):
 
 TECHNIQUE = Technique(
     name="factorize",
-    order=70,
+    order=5,
     fields=(
         PlanField(
             "factorize",
             FactorConfig | None,
             None,
-            "a :class:`lowmem_jax.factorization.FactorConfig` (CP / Tucker-2 / low-rank layers, "
-            "for a model with a ``factorize`` field: the bundled ones), or ``None``.",
+            "a :class:`lowmem_jax.factorization.FactorConfig` (CP / Tucker-2 / low-rank layers: "
+            "a bundled model's own, any other Linen or NNX model's Dense / Linear / Conv layers "
+            "by :func:`lowmem_jax.factorization.factorize_module`), or ``None``.",
         ),
     ),
     validate=_validate,
