@@ -31,6 +31,7 @@ from lowmem_jax import (
 )
 from lowmem_jax.base import Optimizer, as_optimizer, differentiated_loss
 from lowmem_jax.factorization import FactorConfig
+from lowmem_jax.inspector import Inspection, inspect
 from lowmem_jax.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -104,6 +105,8 @@ __all__ = [
     "NoProgressError",
     "analyze",
     "analyze_model",
+    "inspect",
+    "Inspection",
     "MemoryReport",
     "plan_for_budget",
     "BudgetPlan",

@@ -4,6 +4,8 @@
 ``lowmem report``: the standard grid of configurations, as a table, JSON, markdown and plots.
 ``lowmem plan``: the plan with the fewest FLOPs (or the fastest step) whose compiled step fits
 a byte budget.
+``lowmem inspect``: the buffers live at the peak of one configuration's step, their source lines,
+and with ``--compare`` what a second plan removed or added.
 ``lowmem train``: train a registered model on a dataset (nothing is downloaded) with any
 combination of the techniques.
 
@@ -28,14 +30,13 @@ import shlex
 import sys
 import warnings
 
-from lowmem_jax import paths
+from lowmem_jax import cli_inspect, paths
 from lowmem_jax.cli_train import add_train_flags, cmd_train
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import (
     add_plan_flags,
     add_workload_flags,
-    given_technique_flags,
-    plan_from_args,
+    plan_or_plain,
 )
 from lowmem_jax.report import GRIDS
 
@@ -123,14 +124,7 @@ def _use_devices(args: argparse.Namespace) -> None:
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from lowmem_jax.workloads import analyze_model, build, workload
 
-    plan = plan_from_args(args, Plan())
-    if args.plain:
-        given = given_technique_flags(args)
-        if given:
-            raise ValueError(
-                f"--plain is the step without any technique; it takes no {', '.join(given)}"
-            )
-        plan = None
+    plan = plan_or_plain(args)
     found = []
     if plan is None:
         report = analyze_model(args.model, args.batch_size, None, seq_len=args.seq_len)
@@ -282,6 +276,7 @@ _COMMANDS = {
         "and verified by compiling (with flops nothing runs). Prints "
         "the answer, its lowmem analyze flags and what else was considered.",
     ),
+    "inspect": cli_inspect.SUMMARY,
     "train": (
         "train a model with a combination of low-memory techniques",
         "Train a registered model: a WideResNet on the scikit-learn digits (1,797 8x8 images "
@@ -386,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PATH", help="write a PNG of the plans compiled: bytes vs FLOPs"
     )
     plan.set_defaults(func=_cmd_plan)
+
+    inspect = commands["inspect"]
+    add_workload_flags(inspect)
+    add_plan_flags(inspect, Plan())
+    inspect.add_argument("--plain", action="store_true", help="the plain Flax/Optax step")
+    cli_inspect.add_inspect_flags(inspect)
+    inspect.set_defaults(func=cli_inspect.cmd_inspect)
 
     add_train_flags(commands["train"])
     commands["train"].set_defaults(func=cmd_train)

@@ -99,6 +99,23 @@ def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 
     return argv
 
 
+def plan_or_plain(args: argparse.Namespace) -> Plan | None:
+    """The plan the flags give, or ``None`` for ``--plain`` (the step without any technique).
+
+    Raises:
+      ValueError: ``--plain`` with a technique flag.
+    """
+    plan = plan_from_args(args, Plan())
+    if not args.plain:
+        return plan
+    given = given_technique_flags(args)
+    if given:
+        raise ValueError(
+            f"--plain is the step without any technique; it takes no {', '.join(given)}"
+        )
+    return None
+
+
 def given_technique_flags(args: argparse.Namespace) -> list[str]:
     """The technique flags given on the command line (those not left at their default)."""
     given = [f"--{f.name.replace('_', '-')}" for f in Plan.flag_fields()

@@ -281,6 +281,20 @@ def test_analyze_reports_per_device_bytes_in_stage_order(capsys):
     assert zero3["xla"]["argument_bytes"] <= 0.2 * one["argument_bytes"]
 
 
+def test_inspect_lists_one_device_s_buffers_of_a_sharded_step(capsys):
+    """ZeRO-3 over 8 devices against one device: each device holds an eighth of the parameters
+    and optimizer state (leaves whose axes do not divide by 8 stay whole)."""
+    argv = ["inspect", "--model", "wrn-10-1", "--batch-size", "16", "--devices", "8"]
+    assert cli.main([*argv, "--shard", "zero3", "--compare", "", "--json"]) == 0
+    zero3, one = json.loads(capsys.readouterr().out)["inspections"]
+    assert zero3["config"]["shard"] == "zero3" and one["config"]["shard"] == "none"
+    for found in (zero3, one):
+        arguments = sum(b["bytes"] for b in found["buffers"] if b["allocation"] == "argument")
+        assert arguments == found["xla"]["argument_bytes"]
+    for category in ("parameter", "optimizer state"):
+        assert zero3["by_category"][category] <= 0.2 * one["by_category"][category]
+
+
 def test_the_report_has_per_device_bytes_for_every_stage(tmp_path, capsys):
     grid = [("baseline", "baseline", lm.Plan())]
     result = run_report("wrn-10-1", 16, grid=grid, progress=None, shard_devices=(8,))

@@ -1,0 +1,214 @@
+"""The memory inspector (issue 38): the buffers live at a compiled step's peak reconcile with
+XLA's own totals, carry the user's source lines and categories, and a comparison says what remat
+removed."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import cli
+from lowmem_jax.inspector import CATEGORIES, compare
+
+FEATURES, DEPTH, BATCH = 128, 4, 2048
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.tanh(nn.Dense(FEATURES)(x))  # saved for the backward pass: the line to find
+        return x + nn.Dense(FEATURES)(h)
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(DEPTH):
+            x = Block()(x)
+        return nn.Dense(10)(x)
+
+
+def _plain_step(model):
+    """What a Flax/Optax user writes, by hand."""
+    tx = optax.adam(1e-3)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        def loss(p):
+            logits = model.apply({"params": p}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    x = jnp.ones((BATCH, FEATURES))
+    params = model.init(jax.random.key(0), x)["params"]
+    batch = {"x": x, "y": jnp.zeros((BATCH,), jnp.int32)}
+    return step, params, tx.init(params), batch
+
+
+def _nbytes(tree) -> int:
+    return sum(int(np.asarray(leaf).nbytes) for leaf in jax.tree.leaves(tree))
+
+
+def _with_a_64_mib_intermediate(x):
+    big = jnp.dot(x[:, None], x[None, :])  # 4096 x 4096 float32: 64 MiB (a dot: not fused away)
+    return jnp.dot(big, x)
+
+
+def test_a_known_64_mib_intermediate_is_found_at_the_peak_with_its_line():
+    found = lm.inspect(jax.jit(_with_a_64_mib_intermediate), jnp.ones((4096,)))
+    line = _with_a_64_mib_intermediate.__code__.co_firstlineno + 1
+    big = [b for b in found.buffers if b.counted_bytes == 64 * 2**20]
+    assert big, found.table()
+    where = f"{os.path.relpath(__file__)}:{line} (_with_a_64_mib_intermediate)"
+    assert any(b.source == where for b in big), [b.source for b in big]
+    assert found.peak_bytes >= 64 * 2**20
+
+
+@pytest.fixture(scope="module")
+def plain():
+    step, params, opt_state, batch = _plain_step(Net())
+    step.lower(params, opt_state, batch).compile()  # a cached executable has no dumps
+    return lm.inspect(step, params, opt_state, batch), (params, opt_state, batch)
+
+
+def test_the_peak_reconciles_with_xla_and_the_arguments_with_the_inputs(plain):
+    found, (params, opt_state, batch) = plain
+    xla = found.xla
+    arguments = [b for b in found.buffers if b.allocation == "argument"]
+    assert sum(b.bytes for b in arguments) == xla["argument_bytes"]
+    by = found.by_category()
+    assert by["parameter"] == _nbytes(params)
+    assert by["optimizer state"] == _nbytes(opt_state)  # the step count lands in "argument"
+    assert by["batch"] == _nbytes(batch)
+    assert found.peak_bytes <= xla["total_bytes"]
+    gap = found.reconciliation["difference_bytes"]
+    assert gap == xla["total_bytes"] - found.peak_bytes
+    if gap > 0.01 * xla["total_bytes"]:  # named: the temporaries' block, outputs
+        assert "temporaries' block" in found.reconciliation["explanation"]
+    totals = np.sum([found.timeline[c] for c in CATEGORIES], axis=0)
+    assert len(totals) == found.positions and totals.max() == found.peak_bytes
+    assert totals[found.peak_position] == found.peak_bytes
+    assert sum(b.counted_bytes for b in found.buffers) == found.peak_bytes
+
+
+def test_saved_residuals_carry_the_line_of_the_model_that_made_them(plain):
+    found, _ = plain
+    residuals = [b for b in found.buffers if b.category == "saved residual" and b.counted_bytes]
+    assert residuals, found.table()
+    here = [b for b in residuals if b.source.startswith(f"{os.path.relpath(__file__)}:")]
+    assert here, [b.source for b in residuals]
+    assert any("Block.__call__" in b.source for b in here)
+
+
+def test_compare_says_what_remat_removed():
+    model = Net()
+    step, params, opt_state, batch = _plain_step(model)
+    before = lm.inspect(step, params, opt_state, batch)
+    rematted = lm.remat.remat_module(model, "full", ("Block",))
+    step, params, opt_state, batch = _plain_step(rematted)
+    after = lm.inspect(step, params, opt_state, batch)
+    change = compare(before, after)
+    residual = {r["key"]: r for r in change["categories"]}["saved residual"]
+    assert residual["bytes"] < 0 and residual["buffers"] < 0
+    assert after.by_category().get("saved residual", 0) < before.by_category()["saved residual"]
+    assert any(s.startswith("removed") and "saved residual" in s for s in change["sentences"])
+    assert change["peak_bytes"] == {"before": before.peak_bytes, "after": after.peak_bytes}
+
+
+def test_an_nnx_model_through_the_library_step_has_its_state_categorised():
+    from flax import nnx
+
+    class NNXNet(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(FEATURES, 4 * FEATURES, rngs=rngs)
+            self.norm = nnx.BatchNorm(4 * FEATURES, rngs=rngs)
+            self.down = nnx.Linear(4 * FEATURES, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.norm(self.up(x))))
+
+    def loss(model, batch):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    plan = lm.Plan()
+    split = lm.split_nnx(plan.configure_model(NNXNet(nnx.Rngs(0))), loss)
+    tx = plan.wrap_optimizer(optax.sgd(0.1, momentum=0.9), split.params)
+    state = lm.TrainState.create(params=split.params, tx=tx, plan=plan,
+                                 model_state=split.model_state)  # fmt: skip
+    batch = {"x": jnp.ones((BATCH, FEATURES)), "y": jnp.zeros((BATCH,), jnp.int32)}
+    found = lm.inspect(lm.make_train_step(split.loss_fn, tx, plan), state, batch)
+    by = found.by_category()
+    assert by["parameter"] == _nbytes(split.params)
+    assert by["model state"] == _nbytes(split.model_state)  # BatchNorm's statistics
+    assert by["optimizer state"] == _nbytes(state.opt_state)
+    assert by["saved residual"] >= BATCH * 4 * FEATURES * 4  # at least the hidden layer
+
+
+def test_lowmem_inspect_lists_the_peak_and_compares_two_plans(capsys, tmp_path):
+    """Issue 38: remat none vs full on WRN-16-2, the saved residuals fall, by source line."""
+    png = tmp_path / "timeline.png"
+    argv = ["inspect", "--model", "wrn-16-2", "--batch-size", "8"]
+    code = cli.main([*argv, "--compare", "--remat full", "--json", "--png", str(png)])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    first, second = result["inspections"]
+    assert first["config"]["remat"] == "none" and second["config"]["remat"] == "full"
+    assert first["buffers"] and png.stat().st_size > 10_000
+    residual = {r["key"]: r for r in result["compare"]["categories"]}["saved residual"]
+    assert residual["bytes"] < 0 and residual["buffers"] < 0
+    named = [r for r in result["compare"]["sources"] if r["bytes"] < 0 and ".py:" in r["key"]]
+    assert named, result["compare"]["sources"]
+    assert cli.main([*argv, "--plain", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "peak" in text and "by category:" in text and "saved residual" in text
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--compare", "--remat bogus"], "--compare"),
+        (["--compare", "--nonsense 3"], "--compare takes plan flags"),
+        (["--top", "-1"], "--top must be >= 0"),
+        (["--plain", "--remat", "full"], "--plain is the step without any technique"),
+        (["--remat", "save:no_such_tag"], "no_such_tag"),
+        (["--png", "/nonexistent/dir/t.png"], "/nonexistent/dir/t.png"),
+    ],
+)
+def test_bad_inspect_flags_exit_2_in_one_line(extra, match, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["inspect", "--model", "wrn-10-1", "--batch-size", "8", *extra])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1, err
+
+
+def test_the_readme_quotes_the_committed_inspection():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = json.loads((root / "benchmarks/results/inspect/inspect_cpu.json").read_text())
+    wrn = result["models"]["wrn-28-2"]
+    readme = " ".join((root / "README.md").read_text().split())
+    mib = 2**20
+    plain, remat = wrn["plain"], wrn["plans"]["remat full"]
+    copies = plain["by_source"][
+        "lowmem_jax/models/layers.py:76 (BatchNorm.__call__) [a copy XLA made]"
+    ]
+    assert (
+        f"the plain step peaks at {plain['peak_bytes'] / mib:.1f} MiB in the forward pass with "
+        f"{plain['by_category']['saved residual'] / mib:.1f} MiB of saved residuals, "
+        f"{copies / mib:.1f} MiB of them transposed copies" in readme
+    )
+    said = "; ".join(remat["compare_to_plain"]["sentences"][:2])
+    assert f"`--remat full` {said}; peak {remat['peak_bytes'] / mib:.1f} MiB" in readme
