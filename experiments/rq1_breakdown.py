@@ -5,7 +5,9 @@ Transformer, IWSLT preset, 100 x 40 tokens), fp32 with no technique: the analyti
 (model = weights, optimizer = gradients + momentum / Adam moments, activations = residuals
 saved for the backward pass, inputs) next to XLA:CPU's compiled total (argument + output +
 temp - alias). Read from the full-size memory reports (:mod:`experiments.memory_reports`),
-computed if missing.
+computed if missing. Next to them, the same baseline step measured: the bytes live at XLA:CPU's
+peak by category (:mod:`lowmem_jax.inspector`), from ``benchmarks/results/inspect/
+inspect_cpu.json`` (``python benchmarks/inspect_report.py``) where it has the model.
 
 Usage:
     python experiments/rq1_breakdown.py
@@ -24,6 +26,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments.memory_reports import MODELS, command, load_or_run_report  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rq1")
+INSPECTED = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "benchmarks", "results", "inspect", "inspect_cpu.json",
+)  # fmt: skip
+#: The measured categories shown, in the analytic components' order.
+MEASURED = ("parameter", "optimizer state", "gradient", "saved residual", "batch", "workspace")
+
+
+def measured(model: str) -> dict | None:
+    """The baseline row's peak by category (``lm.inspect``, XLA:CPU), or None."""
+    if not os.path.exists(INSPECTED):
+        return None
+    with open(INSPECTED) as f:
+        entry = json.load(f)["models"].get(model)
+    if entry is None:
+        return None
+    row = entry["rows"]["baseline"]
+    return {"peak_bytes": row["peak_bytes"], "by_category": row["by_category"],
+            "peak_instruction": row["peak_instruction"]}  # fmt: skip
+
+
 MIB = 2.0**20
 COMPONENTS = (
     ("model_bytes", "model (weights)"),
@@ -52,6 +75,7 @@ def breakdown(report: dict) -> dict:
         "xla_source": base["xla"]["source"],
         "largest_residuals": analytic["activation_residuals"]["largest"][:5],
         "dominant": max(COMPONENTS, key=lambda c: analytic[c[0]])[1],
+        "measured_peak": measured(report["model"]),
     }
 
 
@@ -74,6 +98,27 @@ def to_markdown(rows: list[dict]) -> str:
             + f" | {r['analytic_total_bytes'] / MIB:.1f} | {r['xla_total_bytes'] / MIB:.1f} | "
             f"{c['activation_bytes']['share']:.1%} |"
         )
+    inspected = [r for r in rows if r["measured_peak"]]
+    if inspected:
+        lines += [
+            "",
+            "Measured: the bytes live at the compiled step's peak, by category (XLA:CPU buffer "
+            "assignment, `lm.inspect`; `python benchmarks/inspect_report.py`): the optimizer "
+            "column holds the stored state only, the gradients being live then or not.",
+            "",
+            "| model | peak MiB | "
+            + " | ".join(f"{c} MiB" for c in MEASURED)
+            + " | saved residual share of the peak |",
+            "|---|---:|" + "---:|" * (len(MEASURED) + 1),
+        ]
+        for r in inspected:
+            m = r["measured_peak"]
+            by = m["by_category"]
+            lines.append(
+                f"| {r['model']} | {m['peak_bytes'] / MIB:.1f} | "
+                + " | ".join(f"{by.get(c, 0) / MIB:.1f}" for c in MEASURED)
+                + f" | {by.get('saved residual', 0) / m['peak_bytes']:.1%} |"
+            )
     lines += [
         "",
         "Commands that made the reports: " + "; ".join(f"`{command(r['model'])}`" for r in rows),

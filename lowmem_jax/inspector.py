@@ -122,8 +122,9 @@ class Inspection:
         return _sum_by(self.buffers, lambda b: b.category)
 
     def by_source(self) -> dict[str, int]:
-        """Counted bytes at the peak per source line (largest first)."""
-        return _sum_by(self.buffers, lambda b: b.source or "(no source line)")
+        """Counted bytes at the peak per source line (largest first); a buffer without one
+        (an argument, an XLA copy of one) by its op name, else its HLO name."""
+        return _sum_by(self.buffers, lambda b: b.source or b.op_name or b.name)
 
     def table(self, top: int = 15) -> str:
         """The peak as text: totals per category, then the ``top`` largest buffers."""

@@ -198,10 +198,10 @@ def test_bad_inspect_flags_exit_2_in_one_line(extra, match, capsys):
 def test_the_readme_quotes_the_committed_inspection():
     root = pathlib.Path(__file__).resolve().parents[1]
     result = json.loads((root / "benchmarks/results/inspect/inspect_cpu.json").read_text())
-    wrn = result["models"]["wrn-28-2"]
+    wrn = result["models"]["wrn-28-2"]["rows"]
     readme = " ".join((root / "README.md").read_text().split())
     mib = 2**20
-    plain, remat = wrn["plain"], wrn["plans"]["remat full"]
+    plain, remat = wrn["plain"], wrn["remat full"]
     copies = plain["by_source"][
         "lowmem_jax/models/layers.py:76 (BatchNorm.__call__) [a copy XLA made]"
     ]
@@ -212,3 +212,31 @@ def test_the_readme_quotes_the_committed_inspection():
     )
     said = "; ".join(remat["compare_to_plain"]["sentences"][:2])
     assert f"`--remat full` {said}; peak {remat['peak_bytes'] / mib:.1f} MiB" in readme
+    best = wrn["mixed_fp16 + mb 8 + remat full + sparse 70% + uint8 input"]
+    by = best["by_category"]
+    assert (
+        f"row peaks at {best['peak_bytes'] / mib:.1f} MiB (XLA's total "
+        f"{best['xla']['total_bytes'] / mib:.1f}: the rest is the temporaries' block" in readme
+    )
+    assert (
+        f"with {by['workspace'] / mib:.1f} MiB of workspace (index arrays and copies of the "
+        f"sparse weights), {by['optimizer state'] / mib:.1f} MiB of optimizer state and "
+        f"{by['parameter'] / mib:.1f} MiB of float16 parameters live" in readme
+    )
+    assert "rewire" in " ".join(best["by_source"])
+    for row in wrn.values():  # within 1% of XLA's total, or the difference named
+        gap = row["reconciliation"]["difference_bytes"] / row["xla"]["total_bytes"]
+        assert gap <= 0.01 or "temporaries' block" in row["reconciliation"]["explanation"]
+
+
+def test_the_study_quotes_the_measured_rq1_breakdown():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    made = (root / "experiments/results/rq1/breakdown.md").read_text()
+    study = (root / "experiments/README.md").read_text()
+    measured = made[made.index("Measured:") :].split("\n\n")[1].splitlines()
+    assert len(measured) == 4 and all(line in study for line in measured), measured
+    result = json.loads((root / "benchmarks/results/inspect/inspect_cpu.json").read_text())
+    for line in measured[2:]:
+        model, peak = (cell.strip() for cell in line.split("|")[1:3])
+        row = result["models"][model]["rows"]["baseline"]
+        assert peak == f"{row['peak_bytes'] / 2**20:.1f}"
