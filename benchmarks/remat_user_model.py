@@ -4,8 +4,9 @@ A user's CNN (a conv stem, ``--depth`` residual blocks of conv + BatchNorm + ReL
 global pooling, a dense head; no ``remat`` attribute), written once in Linen and once in NNX,
 trained by ``lm.make_train_step`` under ``mixed_bf16`` with 2 microbatches and SGD with momentum
 (``--batch-size`` images of 32x32x3). Remat comes from the plan (:meth:`lowmem_jax.Plan
-.configure_model`): ``none``; ``full`` over the whole forward (``remat_blocks=()``); ``full``
-and ``dots`` per block (``remat_blocks=("Block",)``).
+.configure_model`): ``none``; ``full`` over the whole forward (``lowmem_jax.remat.remat_module``
+with ``blocks=()``); ``full`` and ``dots`` per block (``remat_blocks=("Block",)``); ``full`` per
+block found by the plan itself (``remat_blocks=()``: the repeated block classes).
 
 For each row, compile-only (nothing runs): XLA's figures (``total = argument + output + temp -
 alias``, source XLA:<backend>), the analytic activation bytes (residuals one microbatch saves
@@ -21,6 +22,7 @@ Writes ``<out-dir>/remat_user_model_<backend>.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -34,12 +36,13 @@ from flax import nnx
 
 import lowmem_jax as lm
 
-# name -> (remat policy, remat_blocks)
+# name -> (remat policy, remat_blocks; None: the whole forward under one checkpoint)
 ROWS = {
     "none": ("none", ()),
-    "full, whole forward": ("full", ()),
+    "full, whole forward": ("full", None),
     "full, per block": ("full", ("Block",)),
     "dots, per block": ("dots", ("Block",)),
+    "full, blocks found": ("full", ()),
 }
 
 
@@ -94,20 +97,27 @@ def nnx_loss(model: NNXCNN, batch):
 
 def measure(api: str, row: str, width: int, depth: int, batch_size: int) -> dict:
     remat, blocks = ROWS[row]
-    if api == "nnx":
+    if api == "nnx" and blocks:
         blocks = tuple("NNXBlock" for _ in blocks)
-    plan = lm.Plan(precision="mixed_bf16", microbatches=2, remat=remat, remat_blocks=blocks)
+    plan = lm.Plan(precision="mixed_bf16", microbatches=2, remat=remat, remat_blocks=blocks or ())
+
+    def configure(model):
+        if blocks is not None:
+            return plan.configure_model(model)
+        whole = dataclasses.replace(plan, remat="none").configure_model(model)
+        return lm.remat.remat_module(whole, remat, ())
+
     batch = {
         "image": jax.ShapeDtypeStruct((batch_size, 32, 32, 3), jnp.float32),
         "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
     }
     if api == "linen":
-        model = plan.configure_model(LinenCNN(width, depth))
+        model = configure(LinenCNN(width, depth))
         variables = model.init(jax.random.PRNGKey(0), jnp.zeros((2, 32, 32, 3)), train=False)
         params, model_state = variables.pop("params"), dict(variables)
         loss_fn = lm.classifier_loss_fn(model)
     else:
-        split = lm.split_nnx(plan.configure_model(NNXCNN(width, depth, nnx.Rngs(0))), nnx_loss)
+        split = lm.split_nnx(configure(NNXCNN(width, depth, nnx.Rngs(0))), nnx_loss)
         params, model_state, loss_fn = split.params, split.model_state, split.loss_fn
     tx = plan.wrap_optimizer(optax.sgd(0.1, momentum=0.9))
     state = jax.eval_shape(

@@ -46,8 +46,10 @@ OPTIMIZERS = {
 
 
 def techniques(block: str) -> dict[str, dict]:
-    """Plan fields per row: each technique alone, then one strong combination."""
-    remat = {"remat": "full", "remat_blocks": (block,)}
+    """Plan fields per row: each technique alone, then one strong combination. Remat names no
+    block: the plan finds the model's repeated blocks (``block`` is the one a user would name;
+    the verdict counts the regions)."""
+    remat = {"remat": "full"}
     return {
         "plain": {},
         "mixed_fp16": {"precision": "mixed_fp16"},
@@ -147,10 +149,26 @@ STATE_ROWS = ("state bf16", "state int8", "state int4")
 SPARSE_ROWS = ("sparse 70% dsr",)
 
 
+def _exactness(cell: dict, plain: dict) -> dict | None:
+    """A remat row's losses against the plain step's (same initialisation, batch and dropout
+    keys: remat recomputes, it must not change the values): bitwise, or the largest relative
+    difference (XLA may fuse the recomputed program differently)."""
+    if cell.get("status") != "ok" or plain.get("status") != "ok":
+        return None
+    a, b = np.asarray(cell["losses"]), np.asarray(plain["losses"])
+    diff = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
+    return {"bitwise": bool(np.array_equal(a, b)), "max_relative_difference": diff}
+
+
 def add_rules(result: dict) -> dict:
-    """Each state row's and sparse row's rule against its model's plain row (same optimizer)."""
+    """Each state row's and sparse row's rule against its model's plain row (same optimizer),
+    and the remat row's exactness."""
     for entry in result["models"].values():
         rows = entry["rows"]
+        if "remat full" in rows:
+            rows["remat full"]["adam"]["exact"] = _exactness(
+                rows["remat full"]["adam"], rows["plain"]["adam"]
+            )
         for names, rule, key in (
             (STATE_ROWS, _state_rule, "total"),
             (SPARSE_ROWS, _sparse_rule, "temp"),
@@ -199,6 +217,12 @@ def _cell_text(cell: dict) -> str:
     if rule is not None:
         verdict = "holds" if rule["holds"] else "FAILS"
         text += f" (rule {verdict}: {rule['of']} <= {rule['limit_bytes'] / MIB:.1f})"
+    exact = cell.get("exact")
+    if exact is not None:
+        text += "; losses equal plain's " + (
+            "bitwise" if exact["bitwise"]
+            else f"to {exact['max_relative_difference']:.1e} relative"
+        )  # fmt: skip
     mine = [v for v in cell["verdicts"] if not v["took_effect"]]
     if mine:
         text += "; NO EFFECT: " + "; ".join(f"{v['technique']}: {v['evidence']}" for v in mine)
@@ -214,7 +238,8 @@ def markdown(result: dict) -> str:
         "step is skipped and the loss falls; memory is XLA:CPU's total (argument + output + temp "
         "- alias); rows check issue 37's rules against the plain step with the same optimizer: "
         "a stored state, total <= plain total - 0.9 x argument bytes saved; compressed sparse "
-        "storage, temp <= plain temp + 0.1 x argument bytes saved. `refused` is the one-line "
+        "storage, temp <= plain temp + 0.1 x argument bytes saved; remat (its blocks found by "
+        "the plan, none named) must leave the losses as they are. `refused` is the one-line "
         "error a plan the model cannot take gets; NO EFFECT names a technique whose verdict "
         "says it changed nothing.",
         "",

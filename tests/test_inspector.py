@@ -17,7 +17,7 @@ import pytest
 
 import lowmem_jax as lm
 from lowmem_jax import cli
-from lowmem_jax.inspector import CATEGORIES, compare
+from lowmem_jax.inspector import CATEGORIES, _short, compare
 
 FEATURES, DEPTH, BATCH = 128, 4, 2048
 
@@ -224,6 +224,11 @@ def test_the_readme_quotes_the_committed_inspection():
         f"{by['parameter'] / mib:.1f} MiB of float16 parameters live" in readme
     )
     assert "rewire" in " ".join(best["by_source"])
+    text = (root / "README.md").read_text()
+    for source, nbytes in list(best["by_source"].items())[:4]:
+        assert f"| {nbytes / mib:.2f} | `{source}` |" in text, source
+    biggest = best["top_buffers"][0]
+    assert f"at most {biggest['counted_bytes'] / mib:.2f} MiB, `{_short(biggest['shape'])}`" in text
     for row in wrn.values():  # within 1% of XLA's total, or the difference named
         gap = row["reconciliation"]["difference_bytes"] / row["xla"]["total_bytes"]
         assert gap <= 0.01 or "temporaries' block" in row["reconciliation"]["explanation"]

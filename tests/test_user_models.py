@@ -225,7 +225,7 @@ BATCH = {"image": jax.random.normal(jax.random.key(1), (4, 8, 8, 1)), "label": j
 
 @pytest.mark.parametrize(
     "remat, blocks, regions",
-    [("full", ("LinenBlock",), 3), ("dots", ("LinenBlock",), 3), ("full", (), 1)],
+    [("full", ("LinenBlock",), 3), ("dots", ("LinenBlock",), 3), ("full", (), 3)],
 )
 def test_remat_of_a_user_model_keeps_parameters_gradients_and_batchnorm(remat, blocks, regions):
     plain = LinenNet()
@@ -250,12 +250,14 @@ def test_remat_of_a_user_model_keeps_parameters_gradients_and_batchnorm(remat, b
     assert _checkpoint_regions(lambda p: grads(plain, p), params) == 0
 
 
-def test_per_block_remat_of_a_user_model_lowers_compiled_temp_bytes():
-    """Through the whole composed step (mixed precision, microbatches) and the analysis."""
+@pytest.mark.parametrize("blocks", [("LinenBlock",), ()])
+def test_per_block_remat_of_a_user_model_lowers_compiled_temp_bytes(blocks):
+    """Through the whole composed step (mixed precision, microbatches) and the analysis; with
+    no ``remat_blocks`` the repeated blocks are found (once the whole forward, temp ratio 1.00)."""
     model, batch = LinenNet(width=32, depth=6), {
         "image": jnp.zeros((32, 32, 32, 3)), "label": jnp.zeros((32,), jnp.int32),
     }  # fmt: skip
-    temps, blocks = {}, ("LinenBlock",)
+    temps = {}
     for remat in ("none", "full"):
         plan = lm.Plan(precision="mixed_bf16", microbatches=2, remat=remat, remat_blocks=blocks)
         configured = plan.configure_model(model)
@@ -371,17 +373,47 @@ def test_configure_model_sets_the_compute_dtype_of_nnx_layers_left_to_infer_it()
     assert block(jnp.ones((2, 8, 8, 16), jnp.bfloat16)).dtype == jnp.bfloat16
 
 
-def test_remat_without_named_blocks_warns_that_it_lowers_nothing():
-    """The whole forward under one checkpoint saves no peak memory (temp ratio 1.00 on a
-    6-block CNN): a plan that does it says so, and for NNX names the repeated classes."""
-    with pytest.warns(UserWarning, match="LinenNet.*whole forward.*remat_blocks"):
-        lm.Plan(remat="full").configure_model(LinenNet())
-    with pytest.warns(UserWarning, match=r"repeated submodule classes: \['BatchNorm', 'Conv', "):
-        lm.Plan(remat="dots").configure_model(NNXNet(rngs=nnx.Rngs(0)))
+def test_remat_without_named_blocks_finds_the_repeated_ones_or_warns():
+    """The repeated block classes: those that run more than once and call other modules (the
+    outermost), or an nnx.vmap stack; a model with none still warns that it lowers nothing."""
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # named blocks, or no remat: nothing to say
-        lm.Plan(remat="full", remat_blocks=("LinenBlock",)).configure_model(LinenNet())
-        lm.Plan().configure_model(LinenNet())
+        warnings.simplefilter("error")
+        nnx_model = lm.Plan(remat="dots").configure_model(NNXNet(rngs=nnx.Rngs(0)))
+        scanned = lm.Plan(remat="full").configure_model(ScanOverLayers(3, nnx.Rngs(0)))
+        lm.Plan(remat="full").configure_model(LinenNet()).init(
+            jax.random.key(0), BATCH["image"], train=False
+        )
+    assert type(nnx_model.blocks[0]) is not NNXBlock and isinstance(nnx_model.blocks[0], NNXBlock)
+    assert type(nnx_model.stem) is nnx.Conv  # a layer, not a block
+    assert type(scanned.blocks) is not ScannedBlock and isinstance(scanned.blocks, ScannedBlock)
+
+    class Flat(nn.Module):  # three Dense layers: no block
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(nn.relu(nn.Dense(8)(nn.relu(nn.Dense(8)(x)))))
+
+    flat = lm.Plan(remat="full").configure_model(Flat())
+    with pytest.warns(UserWarning, match="Flat.*no repeated block.*whole forward.*remat_blocks"):
+        flat.init(jax.random.key(0), jnp.ones((2, 4)))
+
+
+def test_repeated_blocks_are_the_outermost_composite_classes_run_twice():
+    calls = [
+        ("Net", (), True),
+        ("Conv", ("Net",), False),  # a layer: runs 3 times, calls nothing
+        ("Block", ("Net",), True),
+        ("Attention", ("Net", "Block"), True),  # inside a block: not a block of its own
+        ("Dense", ("Net", "Block", "Attention"), False),
+        ("Conv", ("Net", "Block"), False),
+        ("Block", ("Net",), True),
+        ("Attention", ("Net", "Block"), True),
+        ("Dense", ("Net", "Block", "Attention"), False),
+        ("Conv", ("Net", "Block"), False),
+        ("Head", ("Net",), True),  # composite, but runs once
+        ("Dense", ("Net", "Head"), False),
+    ]
+    assert lm.remat.repeated_blocks(calls) == ("Block",)
+    assert lm.remat.repeated_blocks(calls[:6]) == ()
 
 
 class ScannedBlock(nnx.Module):

@@ -1,8 +1,5 @@
 """Rematerialization (:mod:`lowmem_jax.remat`): the ``remat`` policy and ``remat_blocks``."""
 
-import collections
-import warnings
-
 from flax import nnx
 
 from lowmem_jax import remat as remat_lib
@@ -17,34 +14,13 @@ def _validate(plan) -> None:
         raise ValueError(f"remat_blocks must be a tuple of class names, got {plan.remat_blocks!r}")
 
 
-def _whole_forward_warning(model, remat: str) -> str:
-    """Why remat over a whole forward saves nothing, and the block classes to name instead
-    (an NNX model's submodule classes with more than one instance; a Linen model's are known
-    only when it runs)."""
-    repeated = ""
-    if isinstance(model, nnx.Module):
-        counts = collections.Counter(
-            type(s).__name__
-            for path, s in nnx.iter_graph(model)
-            if path and isinstance(s, nnx.Module)
-        )
-        names = sorted(n for n, c in counts.items() if c > 1)
-        repeated = f" (its repeated submodule classes: {names})" if names else ""
-    return (
-        f"remat={remat!r} on {type(model).__name__}, which has no `remat` attribute, checkpoints "
-        f"its whole forward at once, which lowers no peak memory: name its block classes in "
-        f"Plan(remat_blocks=(...)){repeated}"
-    )
-
-
 def _configure_model(model, plan):
     """A Linen model with a ``remat`` attribute (the bundled ones) applies the policy per block
     itself; any other model gets :func:`lowmem_jax.remat.remat_module` (per block of the
-    classes in ``remat_blocks``, or the whole forward)."""
+    classes in ``remat_blocks``, else of the repeated blocks it finds)."""
     if isinstance(model, nnx.Module) or not hasattr(model, "remat"):
-        if remat_lib.parse_policy(plan.remat).enabled and not plan.remat_blocks:
-            warnings.warn(_whole_forward_warning(model, plan.remat), stacklevel=3)
-        return remat_lib.remat_module(model, plan.remat, plan.remat_blocks)
+        blocks = plan.remat_blocks or remat_lib.AUTO_BLOCKS
+        return remat_lib.remat_module(model, plan.remat, blocks)
     if plan.remat_blocks:
         raise ValueError(
             f"remat_blocks={plan.remat_blocks} is for models without a `remat` attribute; "
