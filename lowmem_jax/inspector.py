@@ -29,18 +29,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
-import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental.compilation_cache import compilation_cache
 
-from lowmem_jax import memory
+from lowmem_jax import memory, xla_dumps
 
 __all__ = ["Buffer", "Inspection", "inspect", "compare", "CATEGORIES"]
 
@@ -201,176 +197,11 @@ def inspect(step: Any, *args: Any) -> Inspection:
     Raises:
       RuntimeError: XLA wrote no buffer assignment (a backend that does not dump one).
     """
-    lowered = step.lower(*args)
-    with tempfile.TemporaryDirectory(prefix="lowmem_inspect_") as where:
-        enabled = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        compilation_cache.reset_cache()
-        try:
-            compiled = lowered.compile(
-                compiler_options={"xla_dump_to": where, "xla_dump_hlo_as_text": True}
-            )
-        finally:
-            jax.config.update("jax_enable_compilation_cache", enabled)
-            compilation_cache.reset_cache()
-        found = sorted(glob.glob(os.path.join(where, "*after_optimizations-buffer-assignment.txt")))
-        if not found:
-            raise RuntimeError(f"XLA wrote no buffer assignment for this step (in {where})")
-        # The step's own module is the largest (a jit may compile small helpers first).
-        assignment = max(found, key=os.path.getsize)
-        stem = assignment[: -len("-buffer-assignment.txt")]
-        with open(assignment) as f:
-            assignment_text = f.read()
-        with open(stem + "-live-range.txt") as f:
-            live_text = f.read()
-        with open(stem + ".txt") as f:
-            hlo_text = f.read()
+    compiled, (assignment_text, live_text, hlo_text) = xla_dumps.compile_with_dumps(
+        step.lower(*args)
+    )
     xla = {k: v for k, v in memory.xla_memory(compiled).items() if k.endswith("_bytes")}
     return _analyse(assignment_text, live_text, hlo_text, xla, jax.default_backend())
-
-
-# --- the dumps ------------------------------------------------------------------------------------
-
-_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
-_VALUE = re.compile(
-    r"^ value: <\d+ (\S+?)(\{[^}]*\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$"
-)
-_RANGE = re.compile(r"^    (\S+?\{[^}]*\}):(\d+)-(\d+)$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
-_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
-
-
-@dataclasses.dataclass
-class _Allocation:
-    index: int
-    size: int
-    kind: str  # argument / output / temp / other
-    space: str
-    values: list[tuple[str, int, int, str]]  # (name{index}, size, offset, shape)
-
-
-def _allocations(text: str) -> list[_Allocation]:
-    out: list[_Allocation] = []
-    for line in text.splitlines():
-        head = _ALLOCATION.match(line)
-        if head:
-            attrs = head.group(3)
-            if "parameter" in attrs:
-                kind = "argument"
-            elif "preallocated-temp" in attrs:
-                kind = "temp"
-            elif "thread-local" in attrs or "constant" in attrs:
-                kind = "other"
-            else:
-                kind = "output"  # maybe-live-out, or the output tuple
-            color = re.search(r"color (\d+)", attrs)
-            space = "host" if color and int(color.group(1)) == 5 else "device"
-            out.append(_Allocation(int(head.group(1)), int(head.group(2)), kind, space, []))
-            continue
-        value = _VALUE.match(line)
-        if value and out:
-            name = value.group(1) + (value.group(2) or "{}")
-            out[-1].values.append((name, int(value.group(3)), int(value.group(4)), value.group(5)))
-    return out
-
-
-def _live_ranges(text: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
-    sequence: list[str] = []
-    ranges: dict[str, tuple[int, int]] = {}
-    section = None
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped == "InstructionSequence:":
-            section = "sequence"
-        elif stripped == "BufferLiveRange:":
-            section = "ranges"
-        elif stripped.startswith("Live ranges at") or stripped.startswith("Stack trace"):
-            section = None
-        elif section == "sequence" and ":" in stripped:
-            sequence.append(stripped.split(":", 1)[1])
-        elif section == "ranges":
-            found = _RANGE.match(line)
-            if found:
-                ranges[found.group(1)] = (int(found.group(2)), int(found.group(3)))
-    return sequence, ranges
-
-
-def _sources(hlo: str) -> tuple[dict[str, str], dict[str, str]]:
-    """``{instruction: op_name}`` and ``{instruction: "file:line (function)"}``."""
-    tables: dict[str, dict[int, str]] = {"FileNames": {}, "FunctionNames": {}}
-    locations: dict[int, tuple[int, int, int]] = {}
-    frames: dict[int, tuple[int, int]] = {}
-    section = None
-    op_names: dict[str, str] = {}
-    frame_of: dict[str, int] = {}
-    operands: dict[str, list[str]] = {}
-    for line in hlo.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            section = line
-            continue
-        if section and not line.strip():
-            section = None
-            continue
-        if section in tables:
-            key, _, name = line.partition(" ")
-            tables[section][int(key)] = name.strip('"')
-        elif section == "FileLocations":
-            key, _, rest = line.partition(" ")
-            fields = dict(re.findall(r"(\w+)=(\d+)", rest))
-            locations[int(key)] = (
-                int(fields["file_name_id"]), int(fields["function_name_id"]), int(fields["line"])
-            )  # fmt: skip
-        elif section == "StackFrames":
-            key, _, rest = line.partition(" ")
-            fields = dict(re.findall(r"(\w+)=(\d+)", rest))
-            frames[int(key)] = (int(fields["file_location_id"]), int(fields["parent_frame_id"]))
-        else:
-            found = _INSTRUCTION.match(line)
-            if not found:
-                continue
-            name = found.group(1)
-            op = _OP_NAME.search(line)
-            if op:
-                op_names[name] = op.group(1).replace("\\'", "'")
-            frame = _FRAME_ID.search(line)
-            if frame:
-                frame_of[name] = int(frame.group(1))
-            if not op:  # a copy XLA added (layouts): named after what it copies
-                operands[name] = re.findall(r"%([\w.\-]+)", found.group(2).split("metadata=")[0])
-    for _ in range(4):  # through chains of such copies
-        for name, sources_of in operands.items():
-            if name in op_names:
-                continue
-            first = next((o for o in sources_of if o in op_names), None)
-            if first is not None:
-                op_names[name] = f"copy of {op_names[first]}"
-                if first in frame_of:
-                    frame_of[name] = frame_of[first]
-
-    def where(frame: int) -> str:
-        chain = []
-        while frame in frames and len(chain) < 64:
-            location, parent = frames[frame]
-            chain.append(locations.get(location))
-            frame = parent - 1  # the dump numbers parents one past the parent's id
-        chain = [c for c in chain if c is not None]
-        if not chain:
-            return ""
-        mine = [c for c in chain if "-packages/" not in tables["FileNames"].get(c[0], "")]
-        file_id, function_id, line_no = (mine or chain)[0]
-        path = tables["FileNames"].get(file_id, "?")
-        return f"{_relative(path)}:{line_no} ({tables['FunctionNames'].get(function_id, '?')})"
-
-    return op_names, {name: where(frame) for name, frame in frame_of.items()}
-
-
-def _relative(path: str) -> str:
-    try:
-        relative = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if relative.startswith("..") else relative
 
 
 def _argument_category(op_name: str) -> str:
@@ -386,9 +217,9 @@ def _argument_category(op_name: str) -> str:
 
 
 def _analyse(assignment: str, live: str, hlo: str, xla: dict[str, int], backend: str) -> Inspection:
-    allocations = _allocations(assignment)
-    sequence, ranges = _live_ranges(live)
-    op_names, sources = _sources(hlo)
+    allocations = xla_dumps.allocations(assignment)
+    sequence, ranges = xla_dumps.live_ranges(live)
+    op_names, sources = xla_dumps.sources(hlo)
     positions = max(len(sequence), 1)
     last = positions - 1
     # The turn from forward to backward: after the last forward instruction (XLA schedules some

@@ -42,19 +42,20 @@ what XLA may merge, and ``make_train_step`` applies it whenever the plan uses re
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import dataclasses
 import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax
 from flax import nnx
-from jax.extend import core as jax_core
+
+from lowmem_jax import blocks as blocks_lib
+from lowmem_jax.jaxprs import traced_equations
 
 __all__ = [
     "RematSpec",
@@ -62,7 +63,6 @@ __all__ = [
     "POLICY_NAMES",
     "compiler_options",
     "remat_module",
-    "traced_equations",
     "tagged_names",
     "check_saved_names",
     "SCHEDULE_POLICIES",
@@ -233,100 +233,6 @@ def _checkpointed_call(lifted_remat, module, cls: type, args: tuple, kwargs: dic
     return lifted_remat(body, policy=policy)(module, *args)
 
 
-#: ``remat_module``'s ``blocks`` that finds the model's repeated blocks itself.
-AUTO_BLOCKS = "auto"
-
-
-def repeated_blocks(calls: Sequence[tuple[str, tuple[str, ...], bool]]) -> tuple[str, ...]:
-    """The block classes of a model, from the module calls of one forward pass: ``(class name,
-    the classes of the calls it ran inside, outermost first, whether it called other modules)``
-    in order, the model's own call first. A block class calls other modules (a layer such as
-    ``Dense`` does not) and runs more than once; of nested ones, the outermost (a block's
-    attention is not a block of its own)."""
-    counts = collections.Counter(name for name, parents, _ in calls if parents)
-    composite = {name for name, parents, calls_others in calls if parents and calls_others}
-    candidates = {n for n, k in counts.items() if k > 1 and n in composite}
-    outermost = {
-        name
-        for name, parents, _ in calls
-        if name in candidates and not set(parents) & (candidates - {name})
-    }
-    return tuple(sorted(outermost))
-
-
-_DISCOVERED: dict[Any, tuple[str, ...]] = {}
-
-
-def _linen_blocks(cls: type, fields: dict, rng_names, args: tuple, kwargs: dict) -> tuple[str, ...]:
-    """:func:`repeated_blocks` of ``cls(**fields)`` called on ``args`` (its ``init``, traced by
-    ``jax.eval_shape``: nothing runs); kept per class and argument shapes."""
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    try:
-        key = (cls, tree, tuple(
-            (x.shape, str(x.dtype)) if hasattr(x, "shape") else x for x in leaves
-        ), tuple(sorted(fields.items())))  # fmt: skip
-        hash(key)
-    except TypeError:  # an unhashable field or argument: trace each time
-        key = None
-    if key is not None and key in _DISCOVERED:
-        return _DISCOVERED[key]
-    calls: list[list] = []
-    stack: list[list] = []
-
-    def recorder(next_fun, a, k, context):
-        if context.method_name != "__call__":
-            return next_fun(*a, **k)
-        entry = [type(context.module).__name__, tuple(e[0] for e in stack), False]
-        if stack:
-            stack[-1][2] = True
-        calls.append(entry)
-        stack.append(entry)
-        try:
-            return next_fun(*a, **k)
-        finally:
-            stack.pop()
-
-    rngs = {name: jax.random.key(0) for name in {"params", *rng_names}}
-    with nn.intercept_methods(recorder):
-        jax.eval_shape(lambda: cls(**fields, parent=None).init(rngs, *args, **kwargs))
-    found = repeated_blocks([tuple(c) for c in calls])
-    if key is not None:
-        _DISCOVERED[key] = found
-    return found
-
-
-def _nnx_blocks(module: nnx.Module) -> tuple[str, ...]:
-    """The block classes of an NNX model, from its graph: classes with more than one instance
-    that hold other modules, and modules made by ``nnx.vmap`` (every parameter has a leading
-    layer axis of the same size, biases included), outermost first (as :func:`repeated_blocks`)."""
-    nodes = [(path, s) for path, s in nnx.iter_graph(module) if path and isinstance(s, nnx.Module)]
-    parents = {path[:i] for path, _ in nodes for i in range(1, len(path))}
-    composite = [(path, s) for path, s in nodes if path in parents]
-    counts = collections.Counter(type(s).__name__ for _, s in composite)
-
-    def stacked(s) -> bool:
-        shapes = [x.shape for x in jax.tree.leaves(nnx.state(s, nnx.Param))]
-        return bool(shapes) and all(len(x) >= 2 and x[0] == shapes[0][0] > 1 for x in shapes)
-
-    blocks = [(path, type(s).__name__) for path, s in composite
-              if counts[type(s).__name__] > 1 or stacked(s)]  # fmt: skip
-    candidates = {name for _, name in blocks}
-    block_paths = {path for path, _ in blocks}
-    inside = {
-        name for path, name in blocks if any(path[:i] in block_paths for i in range(len(path)))
-    }
-    return tuple(sorted(candidates - inside))
-
-
-def _no_blocks_warning(name: str, remat: str) -> str:
-    return (
-        f"remat={remat!r} on {name}, which has no `remat` attribute and no repeated block (a "
-        "submodule class that runs more than once and calls other modules), checkpoints its "
-        "whole forward at once, which lowers no peak memory: name its block classes in "
-        "Plan(remat_blocks=(...))"
-    )
-
-
 def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] = ()) -> ModuleT:
     """Any Linen or NNX module (one without a ``remat`` attribute) with the policy ``remat``.
 
@@ -339,8 +245,9 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
     what the policy saves) stay between forward and backward, as with the bundled models'
     per-block remat. A block called inside another named block is not checkpointed again.
     Keyword arguments of a checkpointed call are closed over (static flags such as ``train``),
-    positional ones traced. ``blocks="auto"`` (:data:`AUTO_BLOCKS`, what ``Plan`` uses when
-    ``remat_blocks`` is empty): the model's repeated blocks, found by :func:`repeated_blocks`
+    positional ones traced. ``blocks="auto"`` (:data:`lowmem_jax.blocks.AUTO_BLOCKS`, what
+    ``Plan`` uses when ``remat_blocks`` is empty): the model's repeated blocks, found by
+    :func:`lowmem_jax.blocks.repeated_blocks`
     (Linen: from the calls of a traced forward, each time the model is traced; NNX: from its
     graph, here); where it has none, the whole forward with a warning that it lowers nothing.
 
@@ -363,11 +270,13 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
             f"remat={spec.name!r} needs the scanned block stacks of a model with a `remat` "
             f"attribute; {type(module).__name__} has none (use full, dots or save:NAME)"
         )
-    auto = isinstance(blocks, str) and blocks == AUTO_BLOCKS
+    auto = isinstance(blocks, str) and blocks == blocks_lib.AUTO_BLOCKS
     if isinstance(module, nnx.Module):
-        names = _nnx_blocks(module) if auto else tuple(blocks)
+        names = blocks_lib.nnx_blocks(module) if auto else tuple(blocks)
         if auto and not names:
-            warnings.warn(_no_blocks_warning(type(module).__name__, spec.name), stacklevel=3)
+            warnings.warn(
+                blocks_lib.no_blocks_warning(type(module).__name__, spec.name), stacklevel=3
+            )
         return _remat_nnx_module(module, spec.policy, names)
     cls, names = type(module), () if auto else tuple(blocks)
     fields = {
@@ -379,9 +288,9 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
     if auto:
 
         def call(self, *args, **kwargs):
-            found = _linen_blocks(cls, fields, tuple(self.scope.rngs), args, kwargs)
+            found = blocks_lib.linen_blocks(cls, fields, tuple(self.scope.rngs), args, kwargs)
             if not found:
-                warnings.warn(_no_blocks_warning(cls.__name__, spec.name), stacklevel=2)
+                warnings.warn(blocks_lib.no_blocks_warning(cls.__name__, spec.name), stacklevel=2)
                 return _checkpointed_call(nn.remat, self, cls, args, kwargs, spec.policy)
             return _call_with_blocks(self, cls, found, spec.policy, args, kwargs)
 
@@ -459,25 +368,8 @@ def _remat_nnx_module(module: nnx.Module, policy, names: tuple[str, ...]) -> nnx
     return module
 
 
-def traced_equations(fn: Callable[..., Any], *args: Any) -> Iterator[Any]:
-    """Every equation of ``fn(*args)``'s jaxpr, those nested in calls, scans, conditionals and
-    remat included (traced; nothing runs; ``args`` may be ``jax.ShapeDtypeStruct``)."""
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield eqn
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(sub, jax_core.ClosedJaxpr):
-                        yield from walk(sub.jaxpr)
-                    elif isinstance(sub, jax_core.Jaxpr):
-                        yield from walk(sub)
-
-    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
-
-
 def tagged_names(fn: Callable[..., Any], *args: Any) -> set[str]:
-    """The names ``fn(*args)`` tags with ``checkpoint_name`` (:func:`traced_equations`)."""
+    """The names ``fn(*args)`` tags with ``checkpoint_name`` (traced)."""
     return {e.params["name"] for e in traced_equations(fn, *args) if e.primitive.name == "name"}
 
 

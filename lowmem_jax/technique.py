@@ -18,6 +18,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from lowmem_jax.jaxprs import equations
+
 __all__ = ["Technique", "PlanField", "Flags", "EnvelopeRule", "Axis", "Evidence", "Verdict"]
 
 
@@ -154,20 +156,7 @@ class Evidence:
     def equations(self) -> list[Any]:
         """Every equation of the step, those of nested jaxprs (loops, conds, checkpoints,
         custom derivatives) included, with the number of enclosing loops: ``(eqn, depth)``."""
-        out: list[Any] = []
-
-        def walk(jaxpr, depth: int) -> None:
-            for eqn in jaxpr.eqns:
-                out.append((eqn, depth))
-                inner = depth + (eqn.primitive.name in ("scan", "while"))
-                for value in eqn.params.values():
-                    for sub in value if isinstance(value, (tuple, list)) else (value,):
-                        sub = getattr(sub, "jaxpr", sub)
-                        if hasattr(sub, "eqns"):
-                            walk(sub, inner)
-
-        walk(self.jaxpr, 0)
-        return out
+        return list(equations(self.jaxpr))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -189,7 +189,8 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
             assert x.meta == y.meta, (x.meta, y.meta)
             jax.tree.map(
                 lambda s, t: np.testing.assert_allclose(s, t, rtol=rtol, atol=atol),
-                x.scales, y.scales,
+                x.scales,
+                y.scales,
             )
             steps = np.abs(_codes(x).astype(np.int16) - _codes(y).astype(np.int16))
             assert steps.max(initial=0) <= 1, f"codes {int(steps.max())} steps apart"

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import lowmem_jax as lm
 from lowmem_jax import cli, sharding
+from lowmem_jax.jaxprs import traced_equations
 from lowmem_jax.microbatch import split_batch
 from lowmem_jax.report import run_report, write_report
 
@@ -124,7 +125,7 @@ def test_zero3_gathers_each_scanned_block_inside_its_loop():
     assert configured.param_layout is not None
     assert lm.Plan().configure_model(model).param_layout is None
     variables = model.init(jax.random.key(0), batches[0]["image"], train=False)
-    forward = lm.remat.traced_equations(
+    forward = traced_equations(
         lambda p: configured.apply({**variables, "params": p}, batches[0]["image"], train=False),
         variables["params"],
     )

@@ -95,3 +95,7 @@ def test_the_readme_quotes_the_committed_conformance_table():
         )
         totals.append(f"{plain:.1f} -> {factored:.1f}")
     assert all(t in readme for t in totals), totals
+    exact = [result["models"][m]["rows"]["remat full"]["adam"]["exact"] for m in result["models"]]
+    worst = max(e["max_relative_difference"] for e in exact)
+    assert result["models"]["gpt2"]["rows"]["remat full"]["adam"]["exact"]["bitwise"]
+    assert f"within {worst:.1e} relative on the others" in readme and worst < 1e-5

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import lowmem_jax as lm
+from lowmem_jax.jaxprs import traced_equations
 
 # The last: a per-block schedule of WRN-28-1's 12 blocks (stacks of 1, 3, 1, 3, 1, 3), with
 # runs of different policies inside a stack.
@@ -203,7 +204,7 @@ def test_unroll_none_unrolls_stacks_without_remat_or_float16(remat, dtype, unrol
     stack = lm.ScannedBlocks(functools.partial(Block, 8, dtype), 3, remat, unroll)
     x = jnp.ones((2, 8), dtype)
     params = stack.init(jax.random.key(0), x, train=False)["params"]
-    eqns = lm.remat.traced_equations(lambda p: stack.apply({"params": p}, x, train=True), params)
+    eqns = traced_equations(lambda p: stack.apply({"params": p}, x, train=True), params)
     scans = [e for e in eqns if e.primitive.name == "scan"]
     assert [e.params["unroll"] > 1 for e in scans] == [straight]
     assert lm.scanned_blocks.straight_line(unroll, remat, dtype) is straight

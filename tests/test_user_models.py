@@ -16,7 +16,9 @@ from conftest import OPTIMIZED, fast_jit
 from flax import nnx
 
 import lowmem_jax as lm
+from lowmem_jax.blocks import repeated_blocks
 from lowmem_jax.data import iterate_batches, load_digits
+from lowmem_jax.jaxprs import traced_equations
 
 # --- the user's models -----------------------------------------------------------------------
 
@@ -215,8 +217,7 @@ def test_sparse_training_keeps_the_nonzero_budget(api, norm, digits):
 
 def _checkpoint_regions(fn, *args) -> int:
     return sum(
-        e.primitive.name.startswith(("checkpoint", "remat"))
-        for e in lm.remat.traced_equations(fn, *args)
+        e.primitive.name.startswith(("checkpoint", "remat")) for e in traced_equations(fn, *args)
     )
 
 
@@ -412,8 +413,8 @@ def test_repeated_blocks_are_the_outermost_composite_classes_run_twice():
         ("Head", ("Net",), True),  # composite, but runs once
         ("Dense", ("Net", "Head"), False),
     ]
-    assert lm.remat.repeated_blocks(calls) == ("Block",)
-    assert lm.remat.repeated_blocks(calls[:6]) == ()
+    assert repeated_blocks(calls) == ("Block",)
+    assert repeated_blocks(calls[:6]) == ()
 
 
 class ScannedBlock(nnx.Module):

@@ -12,6 +12,7 @@ from conftest import FAST_COMPILE, TINY_TRANSLATION
 
 import lowmem_jax as lm
 from lowmem_jax import precision, recipes, sparsity
+from lowmem_jax.jaxprs import traced_equations
 from lowmem_jax.workloads import build, translation_is_sparse, workload
 
 # --- the registry ------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def test_the_plain_step_is_plain_and_agrees_with_the_lowmem_fp32_step():
     after = {}
     for name, setup in (("plain", plain), ("ours", ours), ("scanned", scanned)):
         state = setup.init_state(batch)
-        eqns = {e.primitive.name for e in lm.remat.traced_equations(setup.step, state, batch)}
+        eqns = {e.primitive.name for e in traced_equations(setup.step, state, batch)}
         # lowmem's step checks finiteness (to skip a step); the plain one does not.
         assert ("is_finite" in eqns) == (name != "plain"), (name, eqns)
         after[name], _ = setup.step(state, batch)

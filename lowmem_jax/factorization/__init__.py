@@ -14,7 +14,7 @@ Two ways in: train factorized from scratch (spectral initialisation), or decompo
 dense model's parameters (:func:`decompose_params`) and fine-tune.
 """
 
-from lowmem_jax.factorization.any_model import NNXFactorized, factorize_module
+from lowmem_jax.factorization.any_model import factorize_module
 from lowmem_jax.factorization.config import (
     FACTOR_HIDDEN,
     METHODS,
@@ -37,6 +37,7 @@ from lowmem_jax.factorization.layers import (
     FACTOR_NAMES,
     FactorizedConv,
     LowRankDense,
+    NNXFactorized,
     apply_dense,
     conv_layer,
     dense_layer,

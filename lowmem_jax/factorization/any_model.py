@@ -43,20 +43,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.linen.dtypes import promote_dtype
 
 from lowmem_jax.factorization.config import FactorConfig, layer_method
 from lowmem_jax.factorization.layers import (
-    FACTOR_NAMES,
     FactorizedConv,
     LowRankDense,
+    NNXFactorized,
     factor_shapes,
     factorize_kernel,
-    factorized_conv,
-    factorized_dense,
 )
 
-__all__ = ["factorize_module", "NNXFactorized"]
+__all__ = ["factorize_module"]
 
 LINEN_LAYERS = (nn.Dense, nn.Conv)
 # Settings a factorized layer does not reproduce, and their defaults (Linen: None; NNX: these).
@@ -293,47 +290,6 @@ def _fields(module: nn.Module) -> dict:
 
 
 # --- NNX ----------------------------------------------------------------------------------------
-
-
-class NNXFactorized(nnx.Module):
-    """A factorized ``nnx.Linear`` (``kernel_size=None``) or 2-D ``nnx.Conv``: the factors of
-    :mod:`lowmem_jax.factorization.layers` as ``nnx.Param`` attributes named as there
-    (``first``, ``core``, ``vertical``, ``horizontal``, ``last``; a layer axis first when the
-    layer is a stack), the layer's ``bias``, ``[..., S] -> [..., T]`` (convolutions NHWC).
-    Inputs and factors are cast to ``dtype`` (None: their promoted dtype)."""
-
-    def __init__(
-        self,
-        method: str,
-        factors: dict[str, jax.Array],
-        bias: nnx.Param | None,
-        *,
-        kernel_size: tuple[int, int] | None = None,
-        strides: tuple[int, int] = (1, 1),
-        padding: Any = "SAME",
-        dtype: Any = None,
-    ):
-        self.method = method
-        self.kernel_size = kernel_size
-        self.strides = strides
-        self.padding = padding
-        self.dtype = dtype
-        for name in FACTOR_NAMES[method]:
-            setattr(self, name, nnx.Param(factors[name]))
-        self.bias = bias
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        names = FACTOR_NAMES[self.method]
-        bias = None if self.bias is None else self.bias[...]
-        x, *factors, bias = promote_dtype(
-            inputs, *(getattr(self, n)[...] for n in names), bias, dtype=self.dtype
-        )
-        if self.kernel_size is None:
-            y = factorized_dense(x, *factors)
-        else:
-            f = dict(zip(names, factors, strict=True))
-            y = factorized_conv(x, self.method, f, self.kernel_size, self.strides, self.padding)
-        return y if bias is None else y + bias
 
 
 def _children(node: Any) -> list[tuple[Any, Any]]:

@@ -1,5 +1,6 @@
 """Factorized Flax layers: drop-ins for a convolution (:class:`FactorizedConv`) and a dense layer
-(:class:`LowRankDense`), and the kernel <-> factors maps that define their parameters.
+(:class:`LowRankDense`), their NNX counterpart (:class:`NNXFactorized`), and the kernel <->
+factors maps that define their parameters.
 
 Parameters (each factor a submodule with a ``kernel``, so weight decay and sparse training that
 select ``kernel`` leaves reach the factors), for a dense kernel ``[KH, KW, S, T]`` (``[S, T]``
@@ -37,6 +38,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -48,6 +50,7 @@ from lowmem_jax.ops.conv import Conv, conv2d, explicit_padding
 __all__ = [
     "FactorizedConv",
     "LowRankDense",
+    "NNXFactorized",
     "FACTOR_NAMES",
     "factor_shapes",
     "factorize_kernel",
@@ -316,3 +319,44 @@ def dense_layer(config: FactorConfig | None, features: int, **kwargs: Any) -> nn
     if config is None:
         return nn.Dense(features, **kwargs)
     return LowRankDense(features, config=config, **kwargs)
+
+
+class NNXFactorized(nnx.Module):
+    """A factorized ``nnx.Linear`` (``kernel_size=None``) or 2-D ``nnx.Conv``: the factors of
+    :mod:`lowmem_jax.factorization.layers` as ``nnx.Param`` attributes named as there
+    (``first``, ``core``, ``vertical``, ``horizontal``, ``last``; a layer axis first when the
+    layer is a stack), the layer's ``bias``, ``[..., S] -> [..., T]`` (convolutions NHWC).
+    Inputs and factors are cast to ``dtype`` (None: their promoted dtype)."""
+
+    def __init__(
+        self,
+        method: str,
+        factors: dict[str, jax.Array],
+        bias: nnx.Param | None,
+        *,
+        kernel_size: tuple[int, int] | None = None,
+        strides: tuple[int, int] = (1, 1),
+        padding: Any = "SAME",
+        dtype: Any = None,
+    ):
+        self.method = method
+        self.kernel_size = kernel_size
+        self.strides = strides
+        self.padding = padding
+        self.dtype = dtype
+        for name in FACTOR_NAMES[method]:
+            setattr(self, name, nnx.Param(factors[name]))
+        self.bias = bias
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        names = FACTOR_NAMES[self.method]
+        bias = None if self.bias is None else self.bias[...]
+        x, *factors, bias = promote_dtype(
+            inputs, *(getattr(self, n)[...] for n in names), bias, dtype=self.dtype
+        )
+        if self.kernel_size is None:
+            y = factorized_dense(x, *factors)
+        else:
+            f = dict(zip(names, factors, strict=True))
+            y = factorized_conv(x, self.method, f, self.kernel_size, self.strides, self.padding)
+        return y if bias is None else y + bias

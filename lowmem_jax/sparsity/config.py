@@ -183,12 +183,12 @@ class SparseConfig:
         return 1.0
 
 
-
 def report_sparsity(sparsity: float) -> SparseConfig:
     """The report's sparse training at ``sparsity`` (a fraction of zeros): DSR, uniform
     densities, compressed storage (values + indices)."""
     return SparseConfig(algorithm="dsr", density=1.0 - sparsity, distribution="uniform",
                         compressed=True)  # fmt: skip
+
 
 def _one_of(name: str, value, allowed: tuple[str, ...]) -> None:
     if value not in allowed:

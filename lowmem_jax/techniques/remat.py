@@ -3,6 +3,7 @@
 from flax import nnx
 
 from lowmem_jax import remat as remat_lib
+from lowmem_jax.blocks import AUTO_BLOCKS
 from lowmem_jax.technique import Axis, PlanField, Technique, Verdict
 
 
@@ -19,7 +20,7 @@ def _configure_model(model, plan):
     itself; any other model gets :func:`lowmem_jax.remat.remat_module` (per block of the
     classes in ``remat_blocks``, else of the repeated blocks it finds)."""
     if isinstance(model, nnx.Module) or not hasattr(model, "remat"):
-        blocks = plan.remat_blocks or remat_lib.AUTO_BLOCKS
+        blocks = plan.remat_blocks or AUTO_BLOCKS
         return remat_lib.remat_module(model, plan.remat, blocks)
     if plan.remat_blocks:
         raise ValueError(
