@@ -8,7 +8,8 @@ figures), runs ``STEPS`` steps on one batch (the loss must fall, no step skipped
 Optimizer-state rows also check issue 37's rule against the model's plain step with the same
 optimizer: total <= plain total - 0.9 x the argument bytes saved.
 
-Usage: python experiments/conformance.py [--models a,b] [--rows "row,row"] [--out-dir DIR]
+Usage: python experiments/conformance.py [--models a,b] [--rows "row,row"] [--smallest]
+[--out-dir DIR]
 Writes ``conformance.json`` and ``conformance.md`` (default ``experiments/results/conformance``).
 """
 
@@ -26,8 +27,13 @@ import numpy as np
 import optax
 
 import lowmem_jax as lm
+from lowmem_jax.envelope import ENVELOPES
+from lowmem_jax.plan_search import Search, plan_name
+from lowmem_jax.plan_space import applicable, axes_in, class_corners
+from lowmem_jax.planner import SPACE
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments import conformance_models  # noqa: E402
 from experiments.conformance_models import MODELS  # noqa: E402
 
 STEPS = 4
@@ -72,13 +78,13 @@ def techniques(block: str) -> dict[str, dict]:
 
 def run_cell(model: str, fields: dict, optimizer: str) -> dict:
     """One cell: ``status`` (ok / refused / error), figures, verdicts."""
-    maker, _, _ = MODELS[model]
+    workload, _, _ = MODELS[model]
     started = time.perf_counter()
     try:  # the library's checks: a plan the model cannot take is refused here, in one line
         plan = lm.Plan(**fields)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            subject = maker(plan)
+            subject = conformance_models.subject(workload(), plan)
         tx = plan.wrap_optimizer(OPTIMIZERS[optimizer](), subject.params)
         state = lm.TrainState.create(
             params=subject.params,
@@ -189,7 +195,7 @@ def run(models: list[str], only: list[str] | None = None, previous: dict | None 
     if previous is not None:
         out["models"] = previous["models"]
     for model in models:
-        maker, block, source = MODELS[model]
+        _, block, source = MODELS[model]
         rows: dict = dict(out["models"].get(model, {}).get("rows", {})) if only else {}
         for name, fields in techniques(block).items():
             if only and name not in only:
@@ -206,6 +212,55 @@ def run(models: list[str], only: list[str] | None = None, previous: dict | None 
         rows = {name: rows[name] for name in sorted(rows, key=order.index)}
         out["models"][model] = {"source": source, "remat_block": block, "rows": rows}
     return out
+
+
+def smallest(work, envelope: str, compiles: int = 6, space: dict | None = None) -> dict:
+    """The least memory ``work`` trains in inside ``envelope``, as far as this search goes: the
+    least-memory plans (corners) of every compute class the model can take (each remat policy
+    and factorization at the most microbatches and sparsity, each precision and state format;
+    :mod:`lowmem_jax.plan_space`), the ``compiles`` with the least predicted bytes compiled
+    (XLA:CPU), the least compiled total kept."""
+    env = ENVELOPES[envelope]
+    search = Search(work, 2**62, env, None, None)
+    axes = applicable(search, axes_in(env, work.batch_size, space or SPACE))
+    corners = [
+        plan
+        for remat in axes["remat"]
+        if remat != "blocks"  # per-block schedules: a bundled model's scanned stacks only
+        for factorize in axes["factorize"]
+        for plan in class_corners(axes, remat, factorize, max(axes["microbatches"]))
+    ]
+    for plan in sorted(set(corners), key=search.predict)[:compiles]:
+        search.compile(plan)
+    best = min(search.compiled, key=lambda p: search.compiled[p]["total_bytes"])
+    return {
+        "plan": plan_name(best),
+        "fields": best.to_dict(),
+        "total_bytes": search.compiled[best]["total_bytes"],
+        "compiled": len(search.compiled),
+        "left_out": {
+            k: [
+                repr(v)
+                for v in axes_in(env, work.batch_size, space or SPACE)[k]
+                if v not in axes[k]
+            ]
+            for k in axes
+        },  # fmt: skip
+    }
+
+
+def run_smallest(result: dict, models: list[str]) -> dict:
+    """Each model's smallest plan inside the report's envelope and outside it, against its plain
+    step (``lm.workloads.build_plain``: float32, no technique, the same Adam)."""
+    for model in models:
+        work = MODELS[model][0]()
+        plain = lm.workloads.build_plain(work).analyze().xla["total_bytes"]
+        found = {"plain_total_bytes": plain}
+        for envelope in ("report", "any"):
+            found[envelope] = smallest(work, envelope)
+            print(model, envelope, found[envelope]["plan"], flush=True)
+        result["models"][model]["smallest"] = found
+    return result
 
 
 def _cell_text(cell: dict) -> str:
@@ -244,6 +299,7 @@ def markdown(result: dict) -> str:
         "says it changed nothing.",
         "",
     ]
+    lines += _smallest_table(result)
     for model, entry in result["models"].items():
         lines += [
             f"## {model}: {entry['source']}",
@@ -256,6 +312,32 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {name} | {optimizer} | {_cell_text(cell)} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _smallest_table(result: dict) -> list[str]:
+    rows = [(m, e["smallest"]) for m, e in result["models"].items() if "smallest" in e]
+    if not rows:
+        return []
+    lines = [
+        "## The least memory each model trains in (the planner's search on the model)",
+        "",
+        f"`{COMMAND} --smallest`: `lm.custom_workload` of each model (Adam), the least-memory "
+        "plans of every compute class it can take, the 6 with the least predicted bytes compiled "
+        "(XLA:CPU total), against its plain step (float32, no technique). Inside the report's "
+        "envelope: fp32 master weights, microbatches of at least 8 examples with BatchNorm, at "
+        "most 70% sparsity.",
+        "",
+        "| model | plain MiB | report's envelope | MiB | reduction | any | MiB | reduction |",
+        "|---|---:|---|---:|---:|---|---:|---:|",
+    ]
+    for model, found in rows:
+        plain = found["plain_total_bytes"]
+        cells = []
+        for envelope in ("report", "any"):
+            total = found[envelope]["total_bytes"]
+            cells.append(f"`{found[envelope]['plan']}` | {total / MIB:.1f} | {plain / total:.1f}x")
+        lines.append(f"| {model} | {plain / MIB:.1f} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,8 +353,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--render", action="store_true", help="rewrite conformance.md from conformance.json"
     )
+    parser.add_argument(
+        "--smallest",
+        action="store_true",
+        help="(re)compute each model's smallest plan in both envelopes, the cells kept from the "
+        "existing conformance.json",
+    )
     args = parser.parse_args(argv)
     json_path = os.path.join(args.out_dir, "conformance.json")
+    if args.smallest:
+        with open(json_path) as f:
+            result = run_smallest(json.load(f), args.models.split(","))
+        _write(add_rules(result), args.out_dir)
+        return 0
     if args.render:
         with open(json_path) as f:
             result = add_rules(json.load(f))

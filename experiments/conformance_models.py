@@ -1,5 +1,5 @@
 """The conformance suite's models (issue 37): code nobody on this project wrote, and models written
-here the way Flax users commonly write them. Each is a :class:`Subject` maker taking a ``Plan``.
+here the way Flax users commonly write them.
 
 * ``gpt2`` -- Hugging Face ``transformers``' ``FlaxGPT2LMHeadModule`` (Linen, dropout), built
   from a config (no weights, nothing downloaded). ``transformers`` 4.46.x: the last line with
@@ -11,7 +11,9 @@ here the way Flax users commonly write them. Each is a :class:`Subject` maker ta
   (a dropout key per layer), applied with ``nnx.scan``.
 * ``nnx_cnn`` -- an NNX CNN with BatchNorm.
 
-Only the public API is used: ``plan.configure_model``, ``lm.split_nnx``, the loss functions.
+Each is a :func:`lowmem_jax.custom_workload` (what the planner takes); :func:`subject` configures
+and initialises it for one plan through the public API (``plan.configure_model``, the model's
+``init``; NNX through ``lm.split_nnx``).
 """
 
 from __future__ import annotations
@@ -33,12 +35,35 @@ VOCAB, SEQ, WIDTH = 4096, 64, 256
 
 @dataclasses.dataclass
 class Subject:
-    """A configured model as ``make_train_step`` takes it, with a batch and its block class."""
+    """A model configured by a plan as ``make_train_step`` takes it, and a batch."""
 
     params: dict
     model_state: dict
     loss_fn: Callable
     batch: dict
+
+
+def subject(work: lm.workloads.Workload, plan: lm.Plan) -> Subject:
+    """``work``'s model configured by ``plan`` (``plan.configure_model``), initialised, and its
+    loss: what a user does by hand before ``wrap_optimizer`` / ``TrainState.create``."""
+    model = plan.configure_model(work.model)
+    variables = dict(work.init(model, jax.random.key(0), _BATCHES[work.name]))
+    params = variables.pop("params")
+    return Subject(params, variables, work.loss(model), _BATCHES[work.name])
+
+
+# The batches the cells run on (the workloads keep their shapes).
+_BATCHES: dict[str, dict] = {}
+
+
+def _linen_workload(name, model, batch, init, loss) -> lm.workloads.Workload:
+    _BATCHES[name] = batch
+    return lm.custom_workload(name, model, batch, loss=loss, init=init, optimizer=optax.adam(1e-3))
+
+
+def _nnx_workload(name, module, batch, loss) -> lm.workloads.Workload:
+    _BATCHES[name] = batch
+    return lm.custom_workload(name, module, batch, loss=loss, optimizer=optax.adam(1e-3))
 
 
 def _tokens(batch: int = 8) -> dict:
@@ -59,7 +84,7 @@ def _lm_loss(logits, tokens):
 # --- gpt2: transformers' Flax GPT-2 ------------------------------------------------------------
 
 
-def gpt2(plan: lm.Plan) -> Subject:
+def _gpt2_model():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config, no weights: nothing to fetch
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2LMHeadModule
@@ -72,12 +97,15 @@ def gpt2(plan: lm.Plan) -> Subject:
         n_head=4,
         tie_word_embeddings=True,
     )
-    model = plan.configure_model(FlaxGPT2LMHeadModule(config))
-    batch = _tokens()
-    positions = jnp.broadcast_to(jnp.arange(SEQ), batch["tokens"].shape)
-    mask = jnp.ones_like(batch["tokens"])
-    params = model.init(jax.random.key(0), batch["tokens"][:1], mask[:1], positions[:1])["params"]
+    return FlaxGPT2LMHeadModule(config)
 
+
+def _gpt2_init(model, rng, batch):
+    ids = batch["tokens"][:1]
+    return model.init(rng, ids, jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(SEQ), ids.shape))
+
+
+def _gpt2_loss(model):
     def loss_fn(params, model_state, batch, rng):
         ids = batch["tokens"]  # a microbatch's, under microbatching
         out = model.apply(
@@ -91,7 +119,11 @@ def gpt2(plan: lm.Plan) -> Subject:
         loss = _lm_loss(out.logits, batch["tokens"])
         return loss, (model_state, {"loss": loss})
 
-    return Subject(params, {}, loss_fn, batch)
+    return loss_fn
+
+
+def gpt2() -> lm.workloads.Workload:
+    return _linen_workload("gpt2", _gpt2_model(), _tokens(), _gpt2_init, _gpt2_loss)
 
 
 # --- linen_resnet: ResNet-18 with BatchNorm -----------------------------------------------------
@@ -127,12 +159,11 @@ class ResNet18(nn.Module):
         return nn.Dense(10)(x.mean((1, 2)))
 
 
-def linen_resnet(plan: lm.Plan) -> Subject:
-    model = plan.configure_model(ResNet18())
-    batch = _images()
-    variables = model.init(jax.random.key(0), batch["image"][:2], train=False)
-    params = variables.pop("params")
-    return Subject(params, dict(variables), lm.classifier_loss_fn(model), batch)
+def linen_resnet() -> lm.workloads.Workload:
+    def init(model, rng, batch):
+        return model.init(rng, batch["image"][:2], train=False)
+
+    return _linen_workload("linen_resnet", ResNet18(), _images(), init, lm.classifier_loss_fn)
 
 
 # --- linen_lm_scan: a Linen LM whose blocks are applied with nn.scan -----------------------------
@@ -169,19 +200,19 @@ class ScanLM(nn.Module):
         return embed.attend(nn.LayerNorm()(x))
 
 
-def linen_lm_scan(plan: lm.Plan) -> Subject:
-    model = plan.configure_model(ScanLM())
-    batch = _tokens()
-    params = model.init(
-        {"params": jax.random.key(0), "dropout": jax.random.key(1)}, batch["tokens"][:1]
-    )["params"]
+def linen_lm_scan() -> lm.workloads.Workload:
+    def init(model, rng, batch):
+        return model.init({"params": rng, "dropout": jax.random.key(1)}, batch["tokens"][:1])
 
-    def loss_fn(params, model_state, batch, rng):
-        logits = model.apply({"params": params}, batch["tokens"], rngs={"dropout": rng})
-        loss = _lm_loss(logits, batch["tokens"])
-        return loss, (model_state, {"loss": loss})
+    def loss(model):
+        def loss_fn(params, model_state, batch, rng):
+            logits = model.apply({"params": params}, batch["tokens"], rngs={"dropout": rng})
+            value = _lm_loss(logits, batch["tokens"])
+            return value, (model_state, {"loss": value})
 
-    return Subject(params, {}, loss_fn, batch)
+        return loss_fn
+
+    return _linen_workload("linen_lm_scan", ScanLM(), _tokens(), init, loss)
 
 
 # --- nnx_scan: NNX scan over layers with per-layer RNG streams -----------------------------------
@@ -222,9 +253,8 @@ def _nnx_lm_loss(model, batch):
     return _lm_loss(model(batch["tokens"]), batch["tokens"])
 
 
-def nnx_scan(plan: lm.Plan) -> Subject:
-    split = lm.split_nnx(plan.configure_model(NNXScanLM(4, nnx.Rngs(0))), _nnx_lm_loss)
-    return Subject(split.params, split.model_state, split.loss_fn, _tokens())
+def nnx_scan() -> lm.workloads.Workload:
+    return _nnx_workload("nnx_scan", NNXScanLM(4, nnx.Rngs(0)), _tokens(), _nnx_lm_loss)
 
 
 # --- nnx_cnn: an NNX CNN with BatchNorm ----------------------------------------------------------
@@ -259,13 +289,12 @@ def _nnx_classifier_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
 
-def nnx_cnn(plan: lm.Plan) -> Subject:
-    split = lm.split_nnx(plan.configure_model(NNXCNN(nnx.Rngs(0))), _nnx_classifier_loss)
-    return Subject(split.params, split.model_state, split.loss_fn, _images())
+def nnx_cnn() -> lm.workloads.Workload:
+    return _nnx_workload("nnx_cnn", NNXCNN(nnx.Rngs(0)), _images(), _nnx_classifier_loss)
 
 
-#: name -> (maker, the block class remat wraps, where the code comes from)
-MODELS: dict[str, tuple[Callable[[lm.Plan], Subject], str, str]] = {
+#: name -> (its workload, the block class a user would name, where the code comes from)
+MODELS: dict[str, tuple[Callable[[], lm.workloads.Workload], str, str]] = {
     "gpt2": (gpt2, "FlaxGPT2Block", "transformers 4.46 FlaxGPT2LMHeadModule (Hugging Face)"),
     "linen_resnet": (linen_resnet, "BasicBlock", "written here: Linen ResNet-18, BatchNorm"),
     "linen_lm_scan": (linen_lm_scan, "DecoderBlock", "written here: Linen LM, dropout, nn.scan"),

@@ -30,6 +30,7 @@ from lowmem_jax import (
     workloads,
 )
 from lowmem_jax.base import Optimizer, as_optimizer, differentiated_loss
+from lowmem_jax.custom import custom_workload
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.inspector import Inspection, inspect
 from lowmem_jax.loss_scale import (
@@ -83,6 +84,7 @@ __all__ = [
     "classifier_loss_fn",
     "translation_loss_fn",
     "workload",
+    "custom_workload",
     "build",
     "Policy",
     "get_policy",

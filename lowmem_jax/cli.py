@@ -227,7 +227,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from lowmem_jax.planner import parse_bytes, plan_for_model
+    from lowmem_jax.plan_flags import parse_bytes
+    from lowmem_jax.planner import plan_for_model
 
     budget = parse_bytes(args.budget)
     if args.plot:

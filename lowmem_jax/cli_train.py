@@ -29,7 +29,7 @@ _TRAIN_FIELDS = (
 
 def _train_config(args: argparse.Namespace):
     from lowmem_jax.loop import DEFAULT_PLAN, TrainConfig
-    from lowmem_jax.planner import parse_bytes
+    from lowmem_jax.plan_flags import parse_bytes
 
     fields = {k: getattr(args, k) for k in _TRAIN_FIELDS if getattr(args, k) is not None}
     plan, budget = plan_from_args(args, DEFAULT_PLAN), None

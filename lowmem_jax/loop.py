@@ -44,9 +44,10 @@ from lowmem_jax.plan import Plan
 from lowmem_jax.planner import plan_for_budget
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.run_identity import check_run
+from lowmem_jax.setup import variable_shapes
 from lowmem_jax.skip_guard import NoProgressError, SkipGuard
 from lowmem_jax.train import model_params
-from lowmem_jax.workloads import build, variable_shapes, workload
+from lowmem_jax.workloads import build, workload
 
 __all__ = ["TrainConfig", "train_and_evaluate", "DEFAULT_PLAN", "NoProgressError"]
 

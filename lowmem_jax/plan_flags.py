@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 from lowmem_jax.plan import Plan
 from lowmem_jax.techniques import TECHNIQUES
@@ -124,3 +125,23 @@ def given_technique_flags(args: argparse.Namespace) -> list[str]:
         if technique.flags is not None:
             given += technique.flags.given(args)
     return given
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """``"48MiB"``, ``"1.5 GiB"``, ``"500MB"``, ``"1024"`` (bytes) -> bytes.
+
+    Raises:
+      ValueError: anything else, naming the units allowed.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"budget {text!r} is not a positive size; give a number and a unit, one of "
+            "B, KiB, MiB, GiB, KB, MB, GB (e.g. 48MiB)"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])

@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import re
 import shlex
 import time
 from collections.abc import Callable, Iterator
@@ -60,6 +59,7 @@ from lowmem_jax.plan import Plan
 from lowmem_jax.plan_descent import descend
 from lowmem_jax.plan_flags import analyze_argv
 from lowmem_jax.plan_search import MIB, Search, calibration_key, plan_name, plan_of
+from lowmem_jax.plan_space import applicable, axes_in, class_corners, mildest_first
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.remat import parse_policy
 from lowmem_jax.techniques import TECHNIQUES
@@ -70,7 +70,6 @@ __all__ = [
     "SPACE",
     "BudgetPlan",
     "NoPlanFits",
-    "parse_bytes",
     "plan_for_budget",
     "plan_for_model",
 ]
@@ -87,25 +86,6 @@ SPACE = {
 #: What "cheapest" means: FLOPs counted from the jaxpr (recomputation included), or the
 #: measured step time of the first plan that fits in each of the cheapest classes.
 OBJECTIVES = ("flops", "time")
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30}  # fmt: skip
-
-
-def parse_bytes(text: str) -> int:
-    """``"48MiB"``, ``"1.5 GiB"``, ``"500MB"``, ``"1024"`` (bytes) -> bytes.
-
-    Raises:
-      ValueError: anything else, naming the units allowed.
-    """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(
-            f"budget {text!r} is not a positive size; give a number and a unit, one of "
-            "B, KiB, MiB, GiB, KB, MB, GB (e.g. 48MiB)"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 class NoPlanFits(ValueError):
@@ -134,25 +114,6 @@ class BudgetPlan:
         out = dataclasses.asdict(self)
         out["plan"] = self.plan.to_dict()
         return out
-
-
-def _axes(envelope: Envelope, batch_size: int, space: dict[str, tuple]) -> dict[str, tuple]:
-    """Each registered axis' candidates in ``space`` (an axis whose candidates come from the
-    batch size: those ``batch_size`` allows, limited to ``space``'s where it has the key),
-    inside ``envelope``."""
-    axes = {}
-    for technique in TECHNIQUES:
-        axis = technique.axis
-        if axis is None:
-            continue
-        values = space[axis.key] if axis.values is not None else axis.space(batch_size)
-        if axis.values is None and axis.key in space:
-            values = tuple(v for v in values if v in space[axis.key])
-        if technique.envelope is not None:
-            limit = envelope.limit(technique.name)
-            values = tuple(v for v in values if axis.within(v, limit, batch_size))
-        axes[axis.key] = values
-    return axes
 
 
 def plan_for_budget(
@@ -196,8 +157,10 @@ def plan_for_budget(
         )
     start = time.perf_counter()
     env = ENVELOPES[envelope]
-    axes = _axes(env, work.batch_size, SPACE if space is None else space)
+    axes = axes_in(env, work.batch_size, SPACE if space is None else space)
     search = Search(work, budget_bytes, env, log, recipe)
+    if work.task == "custom":
+        axes = applicable(search, axes)
     _refuse_below_the_least_state(search, axes)
     reference = search.flops(Plan())
     classes = []
@@ -267,7 +230,7 @@ def _first_fit_per_class(
         if search.log and named:
             search.log(f"class remat {remat}, factorize {factorize and factorize.method}: "
                        f"FLOPs {flops / reference:.3f} of the fp32 step")  # fmt: skip
-        corners = _corners(axes, remat, factorize, most)
+        corners = class_corners(axes, remat, factorize, most)
         if _class_may_fit(search, corners, flops, probes=0):
             found = next(_fits_in_class(search, axes, remat, factorize, flops), None)
             if found is not None:
@@ -292,16 +255,16 @@ def _probe_deferred(
     fit of each class a probe admits."""
     while deferred and deferred[0][0] < below:
         flops, remat, factorize = deferred.pop(0)
-        if _class_may_fit(search, _corners(axes, remat, factorize, most), flops, _PROBES):
+        if _class_may_fit(search, class_corners(axes, remat, factorize, most), flops, _PROBES):
             yield from itertools.islice(_fits_in_class(search, axes, remat, factorize, flops), 1)
 
 
 def _fits_in_class(search: Search, axes, remat, factorize, flops) -> Iterator[tuple[Plan, float]]:
     for micro in axes["microbatches"]:
-        corners = _corners(axes, remat, factorize, micro)
+        corners = class_corners(axes, remat, factorize, micro)
         if all(search.predict(c, bound=True) > search.budget for c in corners):
             continue
-        for precision, sparsity, state in _mildest_first(axes):
+        for precision, sparsity, state in mildest_first(axes):
             plan = plan_of({"remat": remat, "factorize": factorize, "precision": precision,
                             "microbatches": micro, "sparsity": sparsity,
                             "optimizer_state": state})  # fmt: skip
@@ -321,17 +284,6 @@ def _fastest(search: Search, fits: list[tuple[Plan, float]], repeats: int):
     timed = [plan for plan, _ in fits]
     return min(timed, key=lambda p: search.considered[search.noted[p]]["step_seconds"],
                default=None)  # fmt: skip
-
-
-def _corners(axes: dict[str, tuple], remat, factorize, micro: int) -> list[Plan]:
-    """The least-memory plans of a class at ``micro`` microbatches: the most sparsity, each
-    precision and optimizer-state format (fewer state bits can cost temp bytes, so each)."""
-    sparsity = max(axes["sparsity"])
-    return [
-        plan_of({"remat": remat, "factorize": factorize, "precision": p, "microbatches": micro,
-                 "sparsity": sparsity, "optimizer_state": s})
-        for p in axes["precision"] for s in axes["optimizer_state"]
-    ]  # fmt: skip
 
 
 def _class_may_fit(search: Search, corners: list[Plan], flops: float, probes: int) -> bool:
@@ -370,15 +322,6 @@ _PROBE_GAIN = 0.005
 # XLA's total has come in below the analytic count by up to ~0.2% (WRN-10-1 batch 8, fp32),
 # so a probe is also made where the analytic count is slightly over the budget.
 _ANALYTIC_SLACK = 1.02
-
-
-def _mildest_first(axes: dict[str, tuple]) -> list[tuple]:
-    """(precision, sparsity, optimizer_state) combinations: fewest techniques first, then the
-    mildest settings (each axis' order)."""
-    names = ("precision", "sparsity", "optimizer_state")
-    combos = itertools.product(*(range(len(axes[n])) for n in names))
-    ordered = sorted(combos, key=lambda idx: (sum(i > 0 for i in idx), sum(idx), idx))
-    return [tuple(axes[n][i] for n, i in zip(names, idx, strict=True)) for idx in ordered]
 
 
 def _fits_verified(search: Search, plan: Plan, flops: float) -> bool:

@@ -25,25 +25,22 @@ Names (:data:`MODEL_NAMES`):
 from __future__ import annotations
 
 import dataclasses
-import functools
+import importlib
 import re
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 from lowmem_jax import losses, memory, models, remat, sparsity
-from lowmem_jax import sharding as sharding_lib
-from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer
+from lowmem_jax.base import LossFn, PyTree, as_optimizer
 from lowmem_jax.data import cifar10
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
-from lowmem_jax.technique import Verdict
-from lowmem_jax.techniques.shard import state_shardings
-from lowmem_jax.train import TrainState, make_plain_train_step, make_train_step
-from lowmem_jax.verdicts import verdicts
+from lowmem_jax.setup import Setup, variable_shapes
+from lowmem_jax.train import make_plain_train_step, make_train_step
 
 __all__ = [
     "Workload",
@@ -57,7 +54,10 @@ __all__ = [
     "MODEL_NAMES",
 ]
 
-MODEL_NAMES = "wrn-D-K (e.g. wrn-28-2), dynamicconv-small, dynamicconv-iwslt"
+MODEL_NAMES = (
+    "wrn-D-K (e.g. wrn-28-2), dynamicconv-small, dynamicconv-iwslt, or module:function (your "
+    "model: a function returning lowmem_jax.custom_workload(...))"
+)
 TASKS = ("classification", "translation")
 
 CIFAR10_PIXEL_STATS = {"pixel_mean": cifar10.PIXEL_MEAN, "pixel_std": cifar10.PIXEL_STD}
@@ -96,17 +96,25 @@ class Workload:
       model: the (unconfigured) Flax module; ``Plan.configure_model`` sets remat and dtype.
       batch: ``jax.ShapeDtypeStruct`` leaves of one batch.
       init_inputs: the batch leaves ``model.init`` takes, in order, after the rng.
-      recipe: the model's training :class:`~lowmem_jax.recipes.Recipe`.
+      recipe: the model's training :class:`~lowmem_jax.recipes.Recipe` (``None``: a user's
+        model, whose ``optimizer`` is given).
       is_sparse: which parameter leaves sparse training sparsifies by default.
+      init, loss, optimizer: a user's model (:func:`lowmem_jax.custom.custom_workload`):
+        ``init(model, rng, batch) -> variables`` and ``loss(model) -> loss_fn`` of the model
+        configured by a plan, and the optax transformation it trains with; ``None``: the
+        registered model's (``model.init`` on ``init_inputs``, the task's loss, the recipe's).
     """
 
     name: str
     task: str
-    model: nn.Module
+    model: Any
     batch: dict[str, jax.ShapeDtypeStruct]
     init_inputs: tuple[str, ...]
-    recipe: Recipe
+    recipe: Recipe | None
     is_sparse: Callable[[tuple[str, ...], tuple[int, ...]], bool] = sparsity.default_is_sparse
+    init: Callable[[Any, jax.Array, PyTree], PyTree] | None = None
+    loss: Callable[[Any], LossFn] | None = None
+    optimizer: optax.GradientTransformation | None = None
 
     @property
     def batch_size(self) -> int:
@@ -143,8 +151,10 @@ class Workload:
         batch = {**self.batch, "image": jax.ShapeDtypeStruct(image.shape, dtype)}
         return dataclasses.replace(self, batch=batch)
 
-    def loss_fn(self, model: nn.Module, label_smoothing: float) -> LossFn:
-        """The task's loss for ``model`` (configured by a plan)."""
+    def loss_fn(self, model: Any, label_smoothing: float) -> LossFn:
+        """The task's loss for ``model`` (configured by a plan); a user's model's own."""
+        if self.loss is not None:
+            return self.loss(model)
         if self.task == "translation":
             return losses.translation_loss_fn(model, label_smoothing=label_smoothing)
         return losses.classifier_loss_fn(model, label_smoothing=label_smoothing)
@@ -161,10 +171,14 @@ def workload(
     """The named workload (module docstring) at ``batch_size`` (None: the model's default).
 
     ``model_overrides``: fields of the model (e.g. ``src_vocab_size``, ``dropout``).
+    ``name`` ``"package.module:function"``: a user's model, ``function()`` returning its
+    :func:`lowmem_jax.custom_workload` (``batch_size`` then resizes its batch).
 
     Raises:
       ValueError: for an unknown name or a batch size / sequence length / image size below 1.
     """
+    if ":" in (name or ""):
+        return _imported_workload(name, batch_size)
     for label, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if value is not None and value < 1:
             raise ValueError(f"{label} must be >= 1, got {value}")
@@ -201,150 +215,23 @@ def workload(
     return Workload(name, "classification", model, batch, ("image",), WRN_RECIPE)
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """One workload's train step under a plan, ready to run or to analyse (:func:`build`).
-
-    Attributes:
-      step: the jitted train step ``(state, batch) -> (state, metrics)``.
-      tx: the plan's optimizer (``plan.wrap_optimizer`` of the recipe's).
-      loss_fn: the configured model's loss (what the step casts and differentiates).
-      model: the configured model (remat, compute dtype).
-      plan: the plan, with the workload's sparsity defaults filled in.
-      workload: the :class:`Workload`.
-      recipe: the recipe the optimizer was built from.
-      config: a JSON-able description (model, batch size, plan).
-    """
-
-    step: Callable
-    tx: Optimizer
-    loss_fn: LossFn
-    model: nn.Module
-    plan: Plan
-    workload: Workload
-    recipe: Recipe
-    config: dict[str, Any]
-
-    def init_state(
-        self,
-        batch: PyTree,
-        rng: jax.Array | None = None,
-        *,
-        jit: bool = True,
-        variables: PyTree | None = None,
-    ) -> TrainState:
-        """A fresh state: parameters initialised from the first rows of ``batch``'s
-        ``init_inputs`` with ``rng`` (default ``PRNGKey(0)``, also the state's step key); an
-        optimizer that needs the loss's gradient (SNIP masks) gets it on the whole ``batch``.
-
-        ``variables``: the model's variables to start from instead (``{"params": ...,
-        "batch_stats": ...}``, the structure of :meth:`abstract_variables`), e.g. a decomposed
-        dense model's. ``jit=False`` initialises op by op; the initial values can differ from
-        the jitted ones in the last bit (fused arithmetic), so a run keeps one choice to stay
-        reproducible.
-        """
-        rng = jax.random.PRNGKey(0) if rng is None else rng
-        if not jit:
-            state = self._init_state(batch, rng, variables)
-            shardings = state_shardings(state, self.plan)
-            return state if shardings is None else jax.device_put(state, shardings)
-        shapes = jax.eval_shape(self._init_state, batch, rng, variables)
-        init = jax.jit(self._init_state, out_shardings=state_shardings(shapes, self.plan))
-        return init(batch, rng, variables)
-
-    def abstract_variables(self) -> PyTree:
-        """The shapes and dtypes of the configured model's variables (``model.init``)."""
-        return variable_shapes(self.model, self.workload)
-
-    def _init_state(
-        self, batch: PyTree, rng: jax.Array, variables: PyTree | None = None
-    ) -> TrainState:
-        if variables is None:
-            inputs = [batch[k][:2] for k in self.workload.init_inputs]
-            variables = self.model.init(rng, *inputs, train=False)
-        params = variables["params"]
-        model_state = {k: v for k, v in variables.items() if k != "params"}
-        grads = None
-        if self.tx.needs_init_grads:  # SNIP: the gradient of the loss on this batch
-            loss_fn = self.plan.model_loss(self.loss_fn)
-            params = self.plan.policy.cast_to_param(params)
-            grads = jax.grad(lambda p: loss_fn(p, model_state, batch, None)[0])(params)
-        return TrainState.create(
-            params=params, tx=self.tx, plan=self.plan, model_state=model_state, rng=rng, grads=grads
+def _imported_workload(name: str, batch_size: int | None) -> Workload:
+    """``module:function``'s workload (``function()``), its batch resized to ``batch_size``."""
+    module_name, _, function = name.partition(":")
+    try:
+        made = getattr(importlib.import_module(module_name), function)()
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"model {name!r}: cannot call {function}() of {module_name}: {err}"
+        ) from None
+    if not isinstance(made, Workload):
+        raise ValueError(
+            f"model {name!r}: {function}() returned {type(made).__name__}, not a Workload "
+            "(lowmem_jax.custom_workload(...))"
         )
-
-    def abstract_state(self) -> TrainState:
-        """The state's shapes and dtypes (nothing is computed), with the plan's shardings
-        when it has a mesh (``plan.shard``)."""
-        shapes = jax.eval_shape(
-            self._init_state, self.workload.batch, jax.random.PRNGKey(0), self.abstract_variables()
-        )
-        shardings = state_shardings(shapes, self.plan)
-        if shardings is None:
-            return shapes
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
-        )
-
-    def abstract_batch(self) -> PyTree:
-        """The workload's batch shapes, split over the plan's mesh when it has one."""
-        mesh = self.plan.mesh()
-        if mesh is None:
-            return self.workload.batch
-        shardings = sharding_lib.named(mesh, sharding_lib.batch_spec(self.workload.batch))
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            self.workload.batch,
-            shardings,
-        )
-
-    def example_batch(self, seed: int = 0) -> dict[str, jax.Array]:
-        """A random batch of the workload's shapes: float images ~ N(0, 1) (uint8 ones uniform
-        in [0, 256)), labels in [0, 10),
-        tokens in [4, 1000) (no padding, no special ids)."""
-        keys = jax.random.split(jax.random.PRNGKey(seed), len(self.workload.batch))
-        out = {}
-        for key, (name, leaf) in zip(keys, sorted(self.workload.batch.items()), strict=True):
-            if jnp.issubdtype(leaf.dtype, jnp.floating):
-                out[name] = jax.random.normal(key, leaf.shape, leaf.dtype)
-            elif name == "image":  # raw pixels
-                out[name] = jax.random.randint(key, leaf.shape, 0, 256).astype(leaf.dtype)
-            elif name == "label":
-                out[name] = jax.random.randint(key, leaf.shape, 0, 10, leaf.dtype)
-            else:
-                out[name] = jax.random.randint(key, leaf.shape, 4, 1000, leaf.dtype)
-        return out
-
-    def verdicts(self) -> list[Verdict]:
-        """Whether each technique of the plan took effect on this step
-        (:func:`lowmem_jax.verdicts`: traced at the workload's batch shapes, not compiled)."""
-        return verdicts(
-            self.step, self.abstract_state(), self.abstract_batch(), plan=self.plan, tx=self.tx
-        )
-
-    def analyze(self) -> memory.MemoryReport:
-        """Compile-only memory analysis of the step at the workload's batch shapes.
-
-        With a mesh (``plan.shard``), XLA's figures are per device (the partitioned program
-        one device runs) and ``config["devices"]`` is the mesh's size; the analytic figures
-        stay those of one device running the whole batch."""
-        mesh = self.plan.mesh() if self.plan.shard != "none" else None
-        config = self.config if mesh is None else {**self.config, "devices": mesh.size}
-        report = memory.analyze(
-            self.step,
-            self.abstract_state(),
-            self.abstract_batch(),
-            loss_fn=self.loss_fn,
-            plan=self.plan,
-            tx=self.tx,
-            config=config,
-        )
-        if mesh is not None:
-            report.notes.append(
-                f"xla: per device, shard={self.plan.shard!r} over {mesh.size} devices; "
-                "analytic: one device, the whole batch"
-            )
-        return report
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return made if batch_size is None else made.with_batch(made.batch, batch_size)
 
 
 def build(
@@ -388,8 +275,8 @@ def build(
     recipe = recipe or work.recipe
     model = plan.configure_model(work.model)
     params = variable_shapes(model, work)
-    tx = plan.wrap_optimizer(recipe.optimizer_for(total_steps or 1), params["params"])
-    loss_fn = work.loss_fn(model, recipe.label_smoothing)
+    tx = plan.wrap_optimizer(_optimizer(work, recipe, total_steps or 1), params["params"])
+    loss_fn = work.loss_fn(model, recipe.label_smoothing if recipe else 0.0)
     if remat.parse_policy(plan.remat).saved_names:
         model_state = {k: v for k, v in params.items() if k != "params"}
         tagged = remat.tagged_names(
@@ -400,26 +287,13 @@ def build(
     return Setup(step, tx, loss_fn, model, plan, work, recipe, config)
 
 
-def variable_shapes(model: nn.Module, work: Workload) -> PyTree:
-    """The shapes and dtypes of ``model``'s variables (``jax.eval_shape`` of ``model.init`` on
-    ``work``'s batch); kept per (model, input shapes) when the model is hashable, since a
-    search builds the same model many times (treat the result as read-only)."""
-    inputs = tuple(work.batch[k] for k in work.init_inputs)
-    try:
-        return _cached_variable_shapes(model, inputs)
-    except TypeError:  # an unhashable field (a user model's list): trace it each time
-        return _trace_variable_shapes(model, inputs)
-
-
-def _trace_variable_shapes(model: nn.Module, inputs: tuple) -> PyTree:
-    return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *inputs)
-
-
-_cached_variable_shapes = functools.lru_cache(maxsize=64)(_trace_variable_shapes)
-
-
 # What a model's author runs: straight-line blocks, XLA's own convolution.
 PLAIN_MODEL_FIELDS = {"unroll": True, "conv_impl": "xla"}
+
+
+def _optimizer(work: Workload, recipe: Recipe | None, steps: int) -> optax.GradientTransformation:
+    """The user's optax transformation, else the recipe's for a run of ``steps``."""
+    return work.optimizer if work.optimizer is not None else recipe.optimizer_for(steps)
 
 
 def build_plain(work: Workload, *, recipe: Recipe | None = None) -> Setup:
@@ -429,10 +303,10 @@ def build_plain(work: Workload, *, recipe: Recipe | None = None) -> Setup:
     ``Plan()`` (what the analysis reads: float32, one microbatch)."""
     recipe = recipe or work.recipe
     fields = {k: v for k, v in PLAIN_MODEL_FIELDS.items() if hasattr(work.model, k)}
-    model = work.model.clone(**fields)
+    model = work.model.clone(**fields) if fields else work.model
     work = dataclasses.replace(work, model=model)
-    tx = recipe.optimizer_for(1)
-    loss_fn = work.loss_fn(model, recipe.label_smoothing)
+    tx = _optimizer(work, recipe, 1)
+    loss_fn = work.loss_fn(model, recipe.label_smoothing if recipe else 0.0)
     config = {"model": work.name, "batch_size": work.batch_size, "plain": True}
     return Setup(
         make_plain_train_step(loss_fn, tx), as_optimizer(tx), loss_fn, model, Plan(), work,

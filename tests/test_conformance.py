@@ -99,3 +99,14 @@ def test_the_readme_quotes_the_committed_conformance_table():
     worst = max(e["max_relative_difference"] for e in exact)
     assert result["models"]["gpt2"]["rows"]["remat full"]["adam"]["exact"]["bitwise"]
     assert f"within {worst:.1e} relative on the others" in readme and worst < 1e-5
+
+
+def test_the_smallest_plan_of_a_model_is_a_compiled_corner_of_its_search():
+    work = conformance.MODELS["nnx_cnn"][0]()
+    space = {"precision": ("fp32", "fp16"), "optimizer_state": ("auto",), "remat": ("full",),
+             "factorize": (None,), "sparsity": (0.0, 0.9)}  # fmt: skip
+    found = conformance.smallest(work, "any", compiles=1, space=space)
+    assert found["compiled"] == 1 and found["plan"].startswith("fp16")
+    assert found["fields"]["remat"] == "full" and found["fields"]["sparsity"]["sparsity"] == 0.9
+    plain = lm.workloads.build_plain(work).analyze().xla["total_bytes"]
+    assert found["total_bytes"] < plain

@@ -10,6 +10,7 @@ import lowmem_jax as lm
 from lowmem_jax import cli, plan_descent, plan_search, planner
 from lowmem_jax.envelope import ENVELOPES
 from lowmem_jax.factorization import FactorConfig
+from lowmem_jax.plan_flags import parse_bytes
 from lowmem_jax.sparsity import report_sparsity
 from lowmem_jax.workloads import analyze_model
 
@@ -37,13 +38,13 @@ def small_space(monkeypatch):
      ("2kib", 2048)],
 )  # fmt: skip
 def test_parse_bytes(text, expected):
-    assert planner.parse_bytes(text) == expected
+    assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "MiB", "-3MiB", "0MiB", "12 parsecs", "1e3"])
 def test_parse_bytes_refuses_what_is_not_a_size(text):
     with pytest.raises(ValueError, match="KiB, MiB, GiB"):
-        planner.parse_bytes(text)
+        parse_bytes(text)
 
 
 def test_envelopes_say_why_a_plan_is_outside():

@@ -299,7 +299,7 @@ def test_xla_convolution_exactly_when_the_step_has_no_loop(plan, unroll, conv_im
 def test_variable_shapes_trace_once_per_model_and_inputs():
     """A search builds one model many times: equal models share one trace; a model with an
     unhashable field (a list) is traced each time, not refused."""
-    from lowmem_jax.workloads import variable_shapes
+    from lowmem_jax.setup import variable_shapes
 
     class ListWidths(nn.Module):
         widths: list
