@@ -9,7 +9,10 @@ initialise a state on a random batch of the workload's shapes, compile, run one 
 
 * XLA's compiled figures (source ``XLA:<BACKEND>``; total = argument + output + temp - alias);
 * the runtime peak, ``device.memory_stats()["peak_bytes_in_use"]`` after the steps (source
-  ``runtime``): every buffer the process held at once on the device, state and batch included.
+  ``runtime``): every buffer the process held at once on the device, state and batch included;
+  and, before the step ran, the bytes in use and the peak initialisation reached (a runtime
+  peak no higher than that was set by initialising, not by the step);
+* with ``--inspect``, XLA's buffers at the compiled step's peak by category (``lm.inspect``).
   The CPU backend keeps no such statistic; there the field is ``null`` and says so;
 * the measured step time (median of ``--repeats``), and each figure's ratio to ``plain``
   measured in the same run.
@@ -78,16 +81,34 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     device = jax.devices()[0]
     batch = setup.example_batch()
     state = setup.init_state(batch)
+    jax.block_until_ready(state)
+    # Before the step: the state and batch in use, and the peak initialisation reached; a
+    # runtime peak no higher after the steps was set by initialisation, not by the step.
+    at_init = device.memory_stats()
     start = time.perf_counter()
     compiled = setup.step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     timed = time_step(compiled, state, batch, spec["repeats"])
     stats = device.memory_stats()
+    inspected = None
+    if spec.get("inspect"):  # XLA's buffers at the compiled step's peak (lm.inspect)
+        from lowmem_jax.inspector import inspect
+
+        found = inspect(setup.step, setup.abstract_state(), setup.abstract_batch())
+        inspected = {"peak_bytes": found.peak_bytes, "by_category": found.by_category(),
+                     "reconciliation": found.reconciliation}  # fmt: skip
     return {
         "name": spec["name"],
         "config": setup.config,
         "xla": xla_memory(compiled),
         "runtime_peak_bytes": None if stats is None else int(stats["peak_bytes_in_use"]),
+        "runtime_in_use_after_init_bytes": None
+        if at_init is None
+        else int(at_init["bytes_in_use"]),
+        "runtime_peak_after_init_bytes": None
+        if at_init is None
+        else int(at_init["peak_bytes_in_use"]),  # fmt: skip
+        "inspected": inspected,
         "compile_seconds": compile_s,
         "step_seconds": timed.median,
         "step_seconds_all": timed.seconds,
@@ -224,6 +245,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    parser.add_argument(
+        "--inspect",
+        action="store_true",
+        help="also record XLA's buffers at each compiled step's peak by category (lm.inspect: "
+        "one more compile per configuration)",
+    )
     args = parser.parse_args(argv)
     for flag in ("batch_size", "seq_len", "image_size", "repeats"):
         value = getattr(args, flag)
@@ -282,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 "image_size": args.image_size,
                 "repeats": args.repeats,
                 "name": name,
+                "inspect": args.inspect,
             }
             rows.append(run_fresh(spec, args.timeout))
             print(f"{model} {_summary(rows[-1])}", flush=True)

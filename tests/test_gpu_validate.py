@@ -25,7 +25,8 @@ def gpu_validate():
 def test_tiny_grid_on_cpu_measures_each_config_as_lowmem_analyze_compiles_it(
     gpu_validate, tmp_path
 ):
-    assert gpu_validate.main(["--out-dir", str(tmp_path), *TINY, "--configs", "baseline"]) == 0
+    argv = ["--out-dir", str(tmp_path), *TINY, "--configs", "baseline", "--inspect"]
+    assert gpu_validate.main(argv) == 0
     result = json.loads((tmp_path / "validate_cpu.json").read_text())
     assert (tmp_path / "validate_cpu.png").stat().st_size > 0
     assert result["backend"] == "cpu" and result["command"].startswith("python benchmarks/")
@@ -38,6 +39,9 @@ def test_tiny_grid_on_cpu_measures_each_config_as_lowmem_analyze_compiles_it(
     assert plain["xla"] == analyze_model("wrn-10-1", 4, None, image_size=8).xla
     for r in (plain, baseline):
         assert r["runtime_peak_bytes"] is None  # the CPU backend keeps no memory statistics
+        assert r["runtime_peak_after_init_bytes"] is None  # no statistics on CPU
+        assert 0 < r["inspected"]["peak_bytes"] <= r["xla"]["total_bytes"]
+        assert r["inspected"]["by_category"]["parameter"] > 0
         assert r["reduction_runtime_vs_plain"] is None
         assert r["step_seconds"] > 0 and r["loss"] > 0
     assert plain["reduction_xla_vs_plain"] == 1.0 and plain["time_vs_plain"] == 1.0
