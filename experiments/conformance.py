@@ -233,7 +233,13 @@ def smallest(work, envelope: str, compiles: int = 6, space: dict | None = None) 
         for factorize in axes["factorize"]
         for plan in class_corners(axes, remat, factorize, max(axes["microbatches"]))
     ]
-    for plan in sorted(set(corners), key=search.predict)[:compiles]:
+    predicted = {}
+    for plan in set(corners):
+        try:
+            predicted[plan] = search.predict(plan)
+        except ValueError:  # a combination the model refuses (its one line is the planner's)
+            continue
+    for plan in sorted(predicted, key=predicted.get)[:compiles]:
         search.compile(plan)
         search.executables.pop(plan, None)  # kept by a search for timing: not needed here
     best = min(search.compiled, key=lambda p: search.compiled[p]["total_bytes"])
@@ -242,6 +248,7 @@ def smallest(work, envelope: str, compiles: int = 6, space: dict | None = None) 
         "fields": best.to_dict(),
         "total_bytes": search.compiled[best]["total_bytes"],
         "compiled": len(search.compiled),
+        "refused_corners": len(set(corners)) - len(predicted),
         "left_out": {
             k: [
                 repr(v)

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from hypothesis import given
@@ -163,12 +164,16 @@ def test_nnx_layers_are_decomposed_in_place_in_a_copy():
     assert isinstance(exact.convs[0], nnx.Conv) and isinstance(exact.head, nnx.Linear)  # ends
     assert isinstance(exact.grouped, nnx.Conv)  # groups: not reproduced, kept
     assert isinstance(exact.convs[1], fz.NNXFactorized)
-    assert exact.blocks.up.first[...].shape[0] == 2  # a stack keeps its layer axis
+    assert exact.blocks.up.first.kernel[...].shape[0] == 2  # a stack keeps its layer axis
     small = lm.Plan(factorize=fz.FactorConfig("cp", 0.25)).configure_model(net)
+    sparse = lm.sparsity.SparseConfig(density=0.5)  # the factors are `kernel`s: sparse training
+    split = lm.split_nnx(small, lambda m, b: (m(b) ** 2).sum())  # reaches them
+    tx = lm.Plan(sparsity=sparse).wrap_optimizer(optax.adam(1e-3), split.params)
+    assert "blocks/up/first/kernel" in tx.layout.keys
     sizes = [sum(p.size for p in jax.tree.leaves(nnx.state(m, nnx.Param))) for m in (net, small)]
     assert sizes[1] < 0.6 * sizes[0], sizes
     grads = nnx.grad(lambda m: (m(x) ** 2).sum())(small)
-    assert np.isfinite(grads["blocks"]["up"]["first"][...]).all()
+    assert np.isfinite(grads["blocks"]["up"]["first"]["kernel"][...]).all()
 
 
 def test_nnx_refusal_is_raised_when_the_plan_is_applied():

@@ -321,12 +321,20 @@ def dense_layer(config: FactorConfig | None, features: int, **kwargs: Any) -> nn
     return LowRankDense(features, config=config, **kwargs)
 
 
+class _NNXFactor(nnx.Module):
+    """One factor: the ``nnx.Param`` ``kernel`` (the Linen layers' layout, ``first/kernel``: what
+    sparse training and weight decay select by the name ``kernel`` reach it)."""
+
+    def __init__(self, value: jax.Array):
+        self.kernel = nnx.Param(value)
+
+
 class NNXFactorized(nnx.Module):
     """A factorized ``nnx.Linear`` (``kernel_size=None``) or 2-D ``nnx.Conv``: the factors of
-    :mod:`lowmem_jax.factorization.layers` as ``nnx.Param`` attributes named as there
-    (``first``, ``core``, ``vertical``, ``horizontal``, ``last``; a layer axis first when the
-    layer is a stack), the layer's ``bias``, ``[..., S] -> [..., T]`` (convolutions NHWC).
-    Inputs and factors are cast to ``dtype`` (None: their promoted dtype)."""
+    the module docstring, each a submodule with a ``kernel`` named as there (``first``,
+    ``core``, ``vertical``, ``horizontal``, ``last``; a layer axis first when the layer is a
+    stack), the layer's ``bias``, ``[..., S] -> [..., T]`` (convolutions NHWC). Inputs and
+    factors are cast to ``dtype`` (None: their promoted dtype)."""
 
     def __init__(
         self,
@@ -345,14 +353,14 @@ class NNXFactorized(nnx.Module):
         self.padding = padding
         self.dtype = dtype
         for name in FACTOR_NAMES[method]:
-            setattr(self, name, nnx.Param(factors[name]))
+            setattr(self, name, _NNXFactor(factors[name]))
         self.bias = bias
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         names = FACTOR_NAMES[self.method]
         bias = None if self.bias is None else self.bias[...]
         x, *factors, bias = promote_dtype(
-            inputs, *(getattr(self, n)[...] for n in names), bias, dtype=self.dtype
+            inputs, *(getattr(self, n).kernel[...] for n in names), bias, dtype=self.dtype
         )
         if self.kernel_size is None:
             y = factorized_dense(x, *factors)
