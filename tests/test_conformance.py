@@ -110,3 +110,19 @@ def test_the_smallest_plan_of_a_model_is_a_compiled_corner_of_its_search():
     assert found["fields"]["remat"] == "full" and found["fields"]["sparsity"]["sparsity"] == 0.9
     plain = lm.workloads.build_plain(work).analyze().xla["total_bytes"]
     assert found["total_bytes"] < plain
+
+
+def test_the_readme_quotes_each_model_s_committed_smallest_plan():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = json.loads((root / "experiments/results/conformance/conformance.json").read_text())
+    readme = " ".join((root / "README.md").read_text().split())
+    smallest = {m: e["smallest"] for m, e in result["models"].items()}
+    ranges = []
+    for envelope in ("report", "any"):
+        found = [s["plain_total_bytes"] / s[envelope]["total_bytes"] for s in smallest.values()]
+        ranges.append(f"{min(found):.1f}x-{max(found):.1f}x")
+    assert f"the report's envelope is {ranges[0]} below each model's plain step" in readme
+    assert f"outside it {ranges[1]}" in readme
+    resnet = smallest["linen_resnet"]
+    mib = (resnet["plain_total_bytes"] / 2**20, resnet["any"]["total_bytes"] / 2**20)
+    assert f"ResNet-18 {mib[0]:.1f} -> {mib[1]:.1f} MiB" in readme
