@@ -82,7 +82,7 @@ class TrainState(struct.PyTreeNode):
         transformation) and initialises its state.
 
         ``grads``: the loss's gradient at ``params``, for an optimizer that needs it
-        (``tx.needs_init_grads``: SNIP masks); :meth:`lowmem_jax.workloads.Setup.init_state`
+        (``tx.needs_init_grads``: SNIP masks); :meth:`lowmem_jax.setup.Setup.init_state`
         computes it on a batch.
 
         Raises:

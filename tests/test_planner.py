@@ -11,6 +11,7 @@ from lowmem_jax import cli, plan_descent, plan_search, planner
 from lowmem_jax.envelope import ENVELOPES
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.plan_flags import parse_bytes
+from lowmem_jax.plan_space import axes_in
 from lowmem_jax.sparsity import report_sparsity
 from lowmem_jax.workloads import analyze_model
 
@@ -206,7 +207,7 @@ def _axes(**space) -> dict[str, tuple]:
     base = {"remat": ("none", "full", "blocks"), "factorize": (None,),
             "precision": ("fp32", "mixed_fp16"), "sparsity": (0.0,),
             "optimizer_state": ("auto",)}  # fmt: skip
-    return planner._axes(ENVELOPES["any"], 8, {**base, **space})
+    return axes_in(ENVELOPES["any"], 8, {**base, **space})
 
 
 def test_neighbours_change_one_setting_or_one_block():

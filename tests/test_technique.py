@@ -16,6 +16,7 @@ from lowmem_jax import planner
 from lowmem_jax.envelope import ENVELOPES
 from lowmem_jax.plan_flags import add_plan_flags, add_workload_flags, analyze_argv, plan_from_args
 from lowmem_jax.plan_search import plan_name, plan_of
+from lowmem_jax.plan_space import axes_in
 from lowmem_jax.report import model_grid
 from lowmem_jax.techniques import TECHNIQUES, technique
 
@@ -97,15 +98,15 @@ def test_every_searched_technique_has_rows_in_the_report_grid(model):
 
 def test_the_planner_searches_every_registered_axis():
     for envelope in ENVELOPES.values():
-        axes = planner._axes(envelope, BATCH, planner.SPACE)
+        axes = axes_in(envelope, BATCH, planner.SPACE)
         assert list(axes) == [t.axis.key for t in AXES]
         assert all(axes[t.axis.key] for t in AXES)  # the mildest value is always inside
 
 
 def test_microbatch_counts_follow_the_batch_and_the_envelope():
-    axes = planner._axes(ENVELOPES["report"], 100, {**planner.SPACE, "microbatches": (1, 4, 20)})
+    axes = axes_in(ENVELOPES["report"], 100, {**planner.SPACE, "microbatches": (1, 4, 20)})
     assert axes["microbatches"] == (1, 4)  # 100 / 20 = 5 examples: under the report's 8
-    assert planner._axes(ENVELOPES["any"], 12, planner.SPACE)["microbatches"] == (1, 2, 3, 4, 6, 12)
+    assert axes_in(ENVELOPES["any"], 12, planner.SPACE)["microbatches"] == (1, 2, 3, 4, 6, 12)
 
 
 def test_plan_of_refuses_an_unknown_axis():
