@@ -200,7 +200,7 @@ def inspect(step: Any, *args: Any) -> Inspection:
     compiled, (assignment_text, live_text, hlo_text) = xla_dumps.compile_with_dumps(
         step.lower(*args)
     )
-    xla = {k: v for k, v in memory.xla_memory(compiled).items() if k.endswith("_bytes")}
+    xla = {k: v for k, v in memory.xla_memory(compiled).items() if isinstance(v, int)}
     return _analyse(assignment_text, live_text, hlo_text, xla, jax.default_backend())
 
 

@@ -38,17 +38,24 @@ def applicable(search: Search, axes: dict[str, tuple]) -> dict[str, tuple]:
     """A user's model's axes without the settings it refuses (each tried alone: its step built,
     nothing compiled), each left out with its one-line reason in the log (``factorize`` on a
     model with no ``Dense`` / ``Conv`` layer; ``every:K`` remat without scanned stacks)."""
-    families = {t.axis.key: t.axis.families for t in TECHNIQUES if t.axis is not None}
     kept = {}
-    for key, values in axes.items():
-        kept[key] = tuple(v for v in values
-                          if v in families[key] or _builds(search, key, v))  # fmt: skip
+    for technique in TECHNIQUES:
+        axis = technique.axis
+        if axis is None or axis.key not in axes:
+            continue
+        values = axes[axis.key]
+        if axis.values is None:  # counts the batch size allows: nothing model-specific
+            kept[axis.key] = values
+            continue
+        # The first value is the technique off (each axis is mildest first); families (remat's
+        # per-block schedules) are expanded by the planner from the model's own stacks.
+        kept[axis.key] = values[:1] + tuple(
+            v for v in values[1:] if v in axis.families or _builds(search, axis.key, v)
+        )
     return kept
 
 
 def _builds(search: Search, key: str, value: Any) -> bool:
-    if key == "microbatches" or value in (None, "none", "fp32", "auto", 0.0):
-        return True
     try:
         search.flops(plan_of({key: value}))
     except ValueError as err:

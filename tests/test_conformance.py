@@ -97,8 +97,11 @@ def test_the_readme_quotes_the_committed_conformance_table():
     assert all(t in readme for t in totals), totals
     exact = [result["models"][m]["rows"]["remat full"]["adam"]["exact"] for m in result["models"]]
     worst = max(e["max_relative_difference"] for e in exact)
-    assert result["models"]["gpt2"]["rows"]["remat full"]["adam"]["exact"]["bitwise"]
-    assert f"within {worst:.1e} relative on the others" in readme and worst < 1e-5
+    assert worst < 1e-5  # what remat promises: the same losses, to float32 rounding
+    # The README says which were bitwise on the machine that made the table.
+    bitwise = result["models"]["gpt2"]["rows"]["remat full"]["adam"]["exact"]["bitwise"]
+    assert ("bitwise on GPT-2" in readme) == bitwise
+    assert f"within {worst:.1e} relative on the others" in readme
 
 
 def test_the_smallest_plan_of_a_model_is_a_compiled_corner_of_its_search():
