@@ -214,7 +214,7 @@ _COMMANDS = {
         "Train a registered model: a WideResNet on the scikit-learn digits (1,797 8x8 images "
         "upsampled to 32x32; ships with scikit-learn, nothing is downloaded) or on CIFAR-10, or "
         "the DynamicConv Transformer on a synthetic task, IWSLT'14 or TED, the last three "
-        "prepared once with tensorflow-datasets (see the README). WRN recipe on CIFAR-10: "
+        "prepared once with tensorflow-datasets (see docs/datasets.md). WRN recipe on CIFAR-10: "
         "--dataset cifar10 --model wrn-28-2 --epochs 200 --lr-schedule step --precision fp32 "
         "--microbatches 1 --remat none.",
     ),

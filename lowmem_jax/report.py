@@ -390,9 +390,10 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def summary_table(result: dict[str, Any], names: list[str]) -> str:
-    """A short markdown table of the rows ``names`` of a report (the README quotes one): MiB by
-    component (analytic; inputs and state only in the total), the analytic and XLA totals, the
-    reductions against ``plain`` (XLA first, then analytic) and the FLOPs against ``baseline``.
+    """A short markdown table of the rows ``names`` of a report (docs/measured.md quotes one):
+    MiB by component (analytic; inputs and state only in the total), the analytic and XLA
+    totals, the reductions against ``plain`` (XLA first, then analytic) and the FLOPs against
+    ``baseline``.
 
     Raises:
       KeyError: for a name the report does not hold.

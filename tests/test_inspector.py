@@ -195,11 +195,11 @@ def test_bad_inspect_flags_exit_2_in_one_line(extra, match, capsys):
     assert match in err and len(err.splitlines()) == 1, err
 
 
-def test_the_readme_quotes_the_committed_inspection():
+def test_the_docs_quote_the_committed_inspection():
     root = pathlib.Path(__file__).resolve().parents[1]
     result = json.loads((root / "benchmarks/results/inspect/inspect_cpu.json").read_text())
     wrn = result["models"]["wrn-28-2"]["rows"]
-    readme = " ".join((root / "README.md").read_text().split())
+    page = " ".join((root / "docs/memory.md").read_text().split())
     mib = 2**20
     plain, remat = wrn["plain"], wrn["remat full"]
     copies = plain["by_source"][
@@ -208,23 +208,23 @@ def test_the_readme_quotes_the_committed_inspection():
     assert (
         f"the plain step peaks at {plain['peak_bytes'] / mib:.1f} MiB in the forward pass with "
         f"{plain['by_category']['saved residual'] / mib:.1f} MiB of saved residuals, "
-        f"{copies / mib:.1f} MiB of them transposed copies" in readme
+        f"{copies / mib:.1f} MiB of them transposed copies" in page
     )
     said = "; ".join(remat["compare_to_plain"]["sentences"][:2])
-    assert f"`--remat full` {said}; peak {remat['peak_bytes'] / mib:.1f} MiB" in readme
+    assert f"`--remat full` {said}; peak {remat['peak_bytes'] / mib:.1f} MiB" in page
     best = wrn["mixed_fp16 + mb 8 + remat full + sparse 70% + uint8 input"]
     by = best["by_category"]
     assert (
         f"row peaks at {best['peak_bytes'] / mib:.1f} MiB (XLA's total "
-        f"{best['xla']['total_bytes'] / mib:.1f}: the rest is the temporaries' block" in readme
+        f"{best['xla']['total_bytes'] / mib:.1f}: the rest is the temporaries' block" in page
     )
     assert (
         f"with {by['workspace'] / mib:.1f} MiB of workspace (index arrays and copies of the "
         f"sparse weights), {by['optimizer state'] / mib:.1f} MiB of optimizer state and "
-        f"{by['parameter'] / mib:.1f} MiB of float16 parameters live" in readme
+        f"{by['parameter'] / mib:.1f} MiB of float16 parameters live" in page
     )
     assert "rewire" in " ".join(best["by_source"])
-    text = (root / "README.md").read_text()
+    text = (root / "docs/memory.md").read_text()
     for source, nbytes in list(best["by_source"].items())[:4]:
         assert f"| {nbytes / mib:.2f} | `{source}` |" in text, source
     biggest = best["top_buffers"][0]

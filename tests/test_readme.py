@@ -8,16 +8,18 @@ import pytest
 
 from lowmem_jax.report import summary_table
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+YOUR_MODEL = ROOT / "docs" / "your_model.md"  # the whole step for a bundled model, in one block
 
 
 @pytest.mark.slow
 def test_readme_example_runs():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", YOUR_MODEL.read_text(), re.S)
     runnable = [b for b in blocks if "import lowmem_jax as lm" in b]
-    assert runnable, "the README lost its runnable example"
+    assert runnable, "docs/your_model.md lost its runnable example"
     namespace: dict = {}
-    exec(compile(runnable[0], str(README), "exec"), namespace)
+    exec(compile(runnable[0], str(YOUR_MODEL), "exec"), namespace)
     assert int(namespace["state"].step) == 3
     assert namespace["metrics"]["loss"].dtype.name == "float32"
 
@@ -58,17 +60,25 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_memory_tables_are_the_committed_reports():
-    """Every README table marked ``summary_table: <report.json>`` equals that report's rows."""
-    text = README.read_text()
-    blocks = re.findall(
-        r"<!-- summary_table: (\S+) [^>]*-->\n(.*?)<!-- /summary_table -->", text, re.S
-    )
-    assert blocks, "the README lost its memory table"
-    for path, table in blocks:
-        report = json.loads((README.parent / path).read_text())
+    """Every table marked ``summary_table: <report.json>`` in the README or a page of docs/
+    equals that report's rows."""
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = [
+        (page, path, table)
+        for page in pages
+        for path, table in re.findall(
+            r"<!-- summary_table: (\S+) [^>]*-->\n(.*?)<!-- /summary_table -->",
+            page.read_text(),
+            re.S,
+        )
+    ]
+    assert blocks, "the README and docs/ lost their memory table"
+    for page, path, table in blocks:
+        report = json.loads((ROOT / path).read_text())
         names = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
         expected = summary_table(report, names)
-        assert table == expected, f"stale numbers in the README; from {path}:\n{expected}"
+        shown = page.relative_to(ROOT)
+        assert table == expected, f"stale numbers in {shown}; from {path}:\n{expected}"
 
 
 def test_readme_headline_table_is_the_committed_results():

@@ -1,5 +1,6 @@
 """Datasets. Nothing here downloads: digits ships with scikit-learn, the synthetic translation
-task is generated, and CIFAR-10 / IWSLT'14 are read from TFDS directories prepared once (README).
+task is generated, and CIFAR-10 / IWSLT'14 are read from TFDS directories prepared once
+(docs/datasets.md).
 """
 
 from lowmem_jax.data.digits import iterate_batches, load_digits

@@ -1,7 +1,7 @@
 """CIFAR-10 through tensorflow-datasets, as NumPy arrays for JAX, with the WRN augmentation.
 
 Reading uses ``tfds.data_source`` (random-access ArrayRecord files; TensorFlow is not needed to
-read). Nothing is downloaded here: the data must have been prepared once (README, "Datasets").
+read). Nothing is downloaded here: the data must have been prepared once (docs/datasets.md).
 
 * images: float32 ``[N, 32, 32, 3]``, scaled to [0, 1] and normalised per channel with the
   CIFAR-10 training mean and standard deviation (or uint8 raw pixels, ``input_dtype``);

@@ -4,8 +4,9 @@ Datasets (nothing is downloaded):
 
 * ``digits``: the 1,797 8x8 digits that ship with scikit-learn, split 80/20 by the seed,
   upsampled to ``image_size`` (8, 16 or 32) pixels;
-* ``cifar10``: read with ``tfds.data_source`` from a TFDS directory prepared once (README);
-  training batches get the WRN augmentation (4-px reflect pad, random crop, flip).
+* ``cifar10``: read with ``tfds.data_source`` from a TFDS directory prepared once
+  (docs/datasets.md); training batches get the WRN augmentation (4-px reflect pad, random
+  crop, flip).
 
 Epoch ``e`` (1-based) visits the training set in the order seeded by ``seed + e`` and augments
 with ``default_rng([seed, e])``; a resumed run replays the skipped batches' augmentation, so

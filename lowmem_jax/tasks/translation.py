@@ -7,9 +7,10 @@ Datasets (nothing is downloaded):
   ``synthetic-reverse-long``: the reversal with vocabulary 64 and lengths 8..32, a task the
   small model does not saturate in a few hundred steps (:data:`SYNTHETIC`). BLEU is computed
   on the id strings (``"5 9 4"``).
-- ``iwslt14`` / ``ted_multi``: German -> English from TFDS directories prepared once (README);
-  a joint SentencePiece tokenizer of ``vocab_size`` ids is trained on the training split and
-  saved as ``tokenizer.model`` in ``checkpoint_dir`` (reused on resume). Held-out = ``test``.
+- ``iwslt14`` / ``ted_multi``: German -> English from TFDS directories prepared once
+  (docs/datasets.md); a joint SentencePiece tokenizer of ``vocab_size`` ids is trained on the
+  training split and saved as ``tokenizer.model`` in ``checkpoint_dir`` (reused on resume).
+  Held-out = ``test``.
 
 Batches come from :class:`lowmem_jax.data.TokenBatcher` (``max_tokens`` padded tokens per
 batch, lengths rounded up to ``length_multiple``, rows padded to the budget and to a multiple of
