@@ -1,7 +1,7 @@
 """The report grid run for real on the backend JAX has: compiled bytes, runtime peak, step time.
 
 For each model and each configuration (``plain``, then the rows of
-:func:`lowmem_jax.report.standard_grid`), in a fresh Python process (the runtime peak is a
+:func:`lowmem_jax.report_grid.standard_grid`), in a fresh Python process (the runtime peak is a
 per-process high-water mark): build the step exactly as ``lowmem analyze`` does
 (:func:`lowmem_jax.workloads.build`, or :func:`~lowmem_jax.workloads.build_plain` for ``plain``),
 initialise a state on a random batch of the workload's shapes, compile, run one warm-up step and
@@ -53,7 +53,7 @@ def grid_names(model: str, batch_size: int) -> list[str]:
 
 
 def _grid(model: str, batch_size: int):
-    from lowmem_jax.report import model_grid
+    from lowmem_jax.report_grid import model_grid
 
     return model_grid(model, batch_size)
 

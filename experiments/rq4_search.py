@@ -43,7 +43,7 @@ from experiments import study  # noqa: E402
 from experiments.memory_reports import MODELS, load_or_run_report  # noqa: E402
 from experiments.rq3_compute import prepare, time_interleaved  # noqa: E402
 from lowmem_jax.plan import Plan  # noqa: E402
-from lowmem_jax.report import divisor_at_most  # noqa: E402
+from lowmem_jax.report_grid import divisor_at_most  # noqa: E402
 from lowmem_jax.workloads import analyze_model  # noqa: E402
 
 OUT = os.path.join(study.RESULTS, "rq4")

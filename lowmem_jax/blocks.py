@@ -14,9 +14,10 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 from flax import nnx
+
+from lowmem_jax import linen_wrap
 
 __all__ = ["AUTO_BLOCKS", "repeated_blocks", "linen_blocks", "nnx_blocks", "no_blocks_warning"]
 
@@ -73,9 +74,7 @@ def linen_blocks(cls: type, fields: dict, rng_names, args: tuple, kwargs: dict) 
         finally:
             stack.pop()
 
-    rngs = {name: jax.random.key(0) for name in {"params", *rng_names}}
-    with nn.intercept_methods(recorder):
-        jax.eval_shape(lambda: cls(**fields, parent=None).init(rngs, *args, **kwargs))
+    linen_wrap.traced_init(cls, fields, rng_names, args, kwargs, recorder)
     found = repeated_blocks([tuple(c) for c in calls])
     if key is not None:
         _DISCOVERED[key] = found

@@ -36,7 +36,7 @@ from lowmem_jax.plan_flags import (
     add_plan_flags,
     add_workload_flags,
 )
-from lowmem_jax.report import GRIDS
+from lowmem_jax.report_grid import GRIDS
 
 MIB = 2.0**20
 
@@ -120,7 +120,8 @@ def _use_devices(args: argparse.Namespace) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from lowmem_jax.report import model_grid, run_report, to_markdown, write_report
+    from lowmem_jax.report import run_report, to_markdown, write_report
+    from lowmem_jax.report_grid import model_grid
     from lowmem_jax.workloads import workload
 
     if args.jobs < 1:

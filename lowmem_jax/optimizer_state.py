@@ -8,7 +8,8 @@ chosen format and every update runs in float32::
     updates, inner = inner_opt.update(f32(grads), inner, f32(params))
     return cast(updates, params' dtypes), QuantizedState(encode(inner))
 
-Formats (``format``), per floating leaf of the inner state:
+Formats (``format``), per floating leaf of the inner state (encoded and decoded by
+:mod:`lowmem_jax.optimizer_state_format`):
 
 ============  =================================================================================
 ``auto``      float32 slots for float32 parameters; bfloat16 for 16-bit parameters (the
@@ -43,8 +44,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowmem_jax import leafwise, quantization
+from lowmem_jax import leafwise, optimizer_state_format
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer, cast_floating
+from lowmem_jax.optimizer_state_format import (
+    DEFAULT_BLOCK,
+    FORMATS,
+    QUANTIZED_FORMATS,
+    check_format,
+    encode_like,
+    encode_new,
+    is_quantized,
+)
 
 __all__ = [
     "FORMATS",
@@ -53,12 +63,6 @@ __all__ = [
     "QuantizedStateOptimizer",
     "quantized_state",
 ]
-
-FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
-#: The formats whose leaves are codes + scales rather than float arrays of the slots' shapes.
-QUANTIZED_FORMATS = ("int8", "int4")
-_FLOAT_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-_DEFAULT_BLOCK = {"int8": 2048, "int4": 128}
 
 
 class QuantizedState(NamedTuple):
@@ -70,13 +74,9 @@ class QuantizedState(NamedTuple):
     rng: jax.Array | None
 
 
-def _is_quantized(x: Any) -> bool:
-    return isinstance(x, quantization.Quantized)
-
-
 def _decoded_placeholder(x: Any) -> jax.Array:
     """The empty stand-in of a stored leaf as :meth:`QuantizedStateOptimizer.decode` gives it."""
-    if _is_quantized(x):
+    if is_quantized(x):
         return jnp.zeros((0,), jnp.float32)
     return leafwise.placeholder(cast_floating(x, jnp.float32))
 
@@ -86,10 +86,6 @@ def _restrict(params_def, leaves: list, chosen: dict[int, Any]) -> PyTree:
     return params_def.unflatten(
         [chosen[i] if i in chosen else leafwise.placeholder(x) for i, x in enumerate(leaves)]
     )
-
-
-def _path_names(path) -> set[str]:
-    return {str(getattr(k, "name", None) or getattr(k, "key", "")) for k in path}
 
 
 class QuantizedStateOptimizer(Optimizer):
@@ -122,53 +118,25 @@ class QuantizedStateOptimizer(Optimizer):
 
     # -- encoding -----------------------------------------------------------------------------
 
-    def _encode_new(self, path, x):
-        """The stored form of a fresh (``init``) leaf."""
-        if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
-            return x
-        if self.format == "auto":  # half slots in bfloat16: float16 squares underflow
-            return x.astype(jnp.bfloat16) if jnp.dtype(x.dtype).itemsize < 4 else x
-        if x.size < self.min_size or self.format in _FLOAT_DTYPES:
-            dtype = jnp.float32 if x.size < self.min_size else _FLOAT_DTYPES[self.format]
-            return x.astype(dtype)
-        second = bool(_path_names(path) & set(self.second_moments))
-        if self.format == "int8":
-            book, rank1 = ("dynamic_unsigned" if second else "dynamic"), False
-        else:  # int4: first moments block-wise DE, second moments rank-1 + zero-free linear
-            book, rank1 = ("linear" if second else "dynamic"), second
-        bits = 8 if self.format == "int8" else 4
-        return quantization.quantize(x, book, bits, block_size=self.block_size, rank1=rank1)
-
-    def _encode_like(self, old, new, key):
-        """``new`` (float32) stored as ``old`` was: same code book and blocks, or same dtype."""
-        if _is_quantized(old):
-            meta = old.meta
-            return quantization.quantize(
-                new,
-                meta.code_book,
-                meta.bits,
-                block_size=meta.block_size or self.block_size,
-                rank1=meta.block_size == 0,
-                key=key,
-            )
-        if hasattr(old, "dtype") and jnp.issubdtype(old.dtype, jnp.floating):
-            return new.astype(old.dtype)
-        return new
-
     def encode(self, state: PyTree) -> PyTree:
         """A fresh inner state -> its stored form (``state.inner_state`` of :meth:`init`)."""
-        return jax.tree_util.tree_map_with_path(self._encode_new, state)
+
+        def leaf(path, x):
+            return encode_new(
+                path,
+                x,
+                self.format,
+                min_size=self.min_size,
+                block_size=self.block_size,
+                second_moments=self.second_moments,
+            )
+
+        return jax.tree_util.tree_map_with_path(leaf, state)
 
     @staticmethod
     def decode(stored: PyTree) -> PyTree:
         """The stored inner state -> the inner state with float32 floating leaves."""
-
-        def leaf(x):
-            if _is_quantized(x):
-                return quantization.dequantize(x)
-            return cast_floating(x, jnp.float32)
-
-        return jax.tree.map(leaf, stored, is_leaf=_is_quantized)
+        return optimizer_state_format.decode(stored)
 
     def _wrap(self, inner_state: PyTree) -> QuantizedState:
         rng = jax.random.PRNGKey(self.seed) if self.stochastic_rounding else None
@@ -198,7 +166,7 @@ class QuantizedStateOptimizer(Optimizer):
         reference = grads if params is None else params
         grads32 = cast_floating(grads, jnp.float32)
         params32 = None if params is None else cast_floating(params, jnp.float32)
-        old, treedef = jax.tree.flatten(state.inner_state, is_leaf=_is_quantized)
+        old, treedef = jax.tree.flatten(state.inner_state, is_leaf=is_quantized)
         rng, keys = state.rng, [None] * len(old)
         if rng is not None:
             rng, sub = jax.random.split(rng)
@@ -209,7 +177,10 @@ class QuantizedStateOptimizer(Optimizer):
                 grads32, self.decode(state.inner_state), params32
             )
             new = treedef.flatten_up_to(inner_state)
-            leaves = [self._encode_like(o, x, k) for o, x, k in zip(old, new, keys, strict=True)]
+            leaves = [
+                encode_like(o, x, k, self.block_size)
+                for o, x, k in zip(old, new, keys, strict=True)
+            ]
             stored = jax.tree.unflatten(treedef, leaves)
         else:
             dtypes = [x.dtype for x in jax.tree.leaves(reference)]
@@ -244,7 +215,7 @@ class QuantizedStateOptimizer(Optimizer):
 
     def _update_in_groups(self, schedule, grads, state, params, keys, dtypes):
         params_def = jax.tree.structure(grads)
-        stored = leafwise.mirrors(state.inner_state, params_def, _is_quantized)
+        stored = leafwise.mirrors(state.inner_state, params_def, is_quantized)
         starts = np.cumsum([0] + [len(leaves) for leaves in stored.leaves])
         shared = {
             k: self.decode(leaves[0])
@@ -296,7 +267,7 @@ class QuantizedStateOptimizer(Optimizer):
                 new_updates = params_def.flatten_up_to(new_updates)
                 new_leaves = leafwise.mirrors(new_state, params_def).leaves
                 stored_out = [
-                    self._encode_like(old, new_leaves[k][i], key)
+                    encode_like(old, new_leaves[k][i], key, self.block_size)
                     for (k, i), old, key in zip(spots, state_in, keys_in, strict=True)
                 ]
                 # in the parameters' dtypes here: a group's updates are materialized
@@ -343,8 +314,8 @@ class QuantizedStateOptimizer(Optimizer):
         out = dict(self.inner.describe(None if state is None else state.inner_state, params))
         facts: dict[str, Any] = {"format": self.format}
         if state is not None:
-            leaves = jax.tree.leaves(state.inner_state, is_leaf=_is_quantized)
-            facts["quantized_leaves"] = sum(_is_quantized(x) for x in leaves)
+            leaves = jax.tree.leaves(state.inner_state, is_leaf=is_quantized)
+            facts["quantized_leaves"] = sum(is_quantized(x) for x in leaves)
             facts["stored_bytes"] = sum(
                 int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state)
             )
@@ -385,7 +356,7 @@ def quantized_state(
       ValueError: an unknown format, or a block size that is not an even integer >= 2.
     """
     check_format(format)
-    block = _DEFAULT_BLOCK.get(format, 2048) if block_size is None else block_size
+    block = DEFAULT_BLOCK.get(format, 2048) if block_size is None else block_size
     if not isinstance(block, int) or block < 2 or block % 2:
         raise ValueError(f"block_size must be an even integer >= 2, got {block_size!r}")
     if min_size < 0:
@@ -400,9 +371,3 @@ def quantized_state(
         seed,
         sequential,
     )
-
-
-def check_format(format: str) -> None:
-    """Raises ``ValueError`` unless ``format`` is one of :data:`FORMATS`."""
-    if format not in FORMATS:
-        raise ValueError(f"Unknown optimizer_state={format!r}; allowed values: {list(FORMATS)}")

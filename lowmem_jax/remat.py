@@ -55,6 +55,7 @@ import jax
 from flax import nnx
 
 from lowmem_jax import blocks as blocks_lib
+from lowmem_jax import linen_wrap
 from lowmem_jax.jaxprs import traced_equations
 
 __all__ = [
@@ -279,11 +280,7 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
             )
         return _remat_nnx_module(module, spec.policy, names)
     cls, names = type(module), () if auto else tuple(blocks)
-    fields = {
-        f.name: getattr(module, f.name)
-        for f in dataclasses.fields(module)
-        if f.name not in ("parent", "name")
-    }
+    fields = linen_wrap.fields(module)
 
     if auto:
 
@@ -304,8 +301,7 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
         def call(self, *args, **kwargs):
             return _checkpointed_call(nn.remat, self, cls, args, kwargs, spec.policy)
 
-    rematted = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
-    return rematted(**fields)
+    return linen_wrap.with_call(module, call)
 
 
 def _call_with_blocks(module, cls: type, names: tuple[str, ...], policy, args, kwargs):

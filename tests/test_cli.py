@@ -204,7 +204,7 @@ def test_analyze_argv_gives_back_every_plan_of_the_report_grid(model, batch):
     import dataclasses
 
     from lowmem_jax.plan import Plan
-    from lowmem_jax.report import standard_grid
+    from lowmem_jax.report_grid import standard_grid
 
     for name, _, plan in standard_grid(batch):
         argv = analyze_argv(model, batch, plan)

@@ -14,7 +14,7 @@ from lowmem_jax.checkpointing import checkpoint_steps
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.loop import TrainConfig
 from lowmem_jax.plan import Plan
-from lowmem_jax.report import standard_grid
+from lowmem_jax.report_grid import standard_grid
 
 
 def _record(name, seed, value, technique="precision"):
@@ -215,7 +215,7 @@ def test_greedy_search_adds_what_lowers_xla_memory_and_stops(tmp_path, monkeypat
 
 def test_envelope_accuracy_trains_the_plans_of_the_memory_rows_it_quotes():
     from experiments import envelope_accuracy
-    from lowmem_jax.report import model_grid
+    from lowmem_jax.report_grid import model_grid
 
     for task, (model, _, _) in envelope_accuracy.TASKS.items():
         batch = 128 if task == "digits" else 100

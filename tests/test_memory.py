@@ -12,7 +12,8 @@ from lowmem_jax import cli, memory
 from lowmem_jax.flops import count_flops
 from lowmem_jax.ops import conv2d
 from lowmem_jax.plan_flags import plan_from_args
-from lowmem_jax.report import model_grid, run_report, standard_grid, write_report
+from lowmem_jax.report import run_report, write_report
+from lowmem_jax.report_grid import model_grid, standard_grid
 from lowmem_jax.workloads import analyze_model
 
 B, D, H, OUT = 16, 12, 32, 5

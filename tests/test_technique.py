@@ -17,7 +17,7 @@ from lowmem_jax.envelope import ENVELOPES
 from lowmem_jax.plan_flags import add_plan_flags, add_workload_flags, analyze_argv, plan_from_args
 from lowmem_jax.plan_search import plan_name, plan_of
 from lowmem_jax.plan_space import axes_in
-from lowmem_jax.report import model_grid
+from lowmem_jax.report_grid import model_grid
 from lowmem_jax.techniques import TECHNIQUES, technique
 
 PLAN_FIELDS = [f.name for f in dataclasses.fields(lm.Plan)]

@@ -14,12 +14,12 @@ initializers. Which layers:
   layers whose parameters carry a leading layer axis): a stack is many layers, not an end.
 
 Linen: the copy is an instance of a subclass of the model's class with the same fields whose
-``__call__`` runs under ``nn.intercept_methods``. At ``init`` it first traces the model once
-(``jax.eval_shape``, nothing runs) to find the layers in the order they run, then creates the
-chosen layers' factors in their place (spectral initialisation from the layer's
-``kernel_init``): ``Dense_0/{first,last}/kernel`` instead of ``Dense_0/kernel``. At ``apply``
-the stored parameters decide: a layer with factors runs factorized, one with a ``kernel``
-dense. Only ``__call__`` is intercepted (``apply(..., method=...)`` runs unchanged).
+``__call__`` runs under ``nn.intercept_methods`` (:mod:`lowmem_jax.linen_wrap`). At ``init`` it
+first traces the model once (``jax.eval_shape``, nothing runs) to find the layers in the order
+they run, then creates the chosen layers' factors in their place (spectral initialisation from
+the layer's ``kernel_init``): ``Dense_0/{first,last}/kernel`` instead of ``Dense_0/kernel``. At
+``apply`` the stored parameters decide: a layer with factors runs factorized, one with a
+``kernel`` dense. Only ``__call__`` is intercepted (``apply(..., method=...)`` runs unchanged).
 
 NNX: an ``nnx.clone`` whose chosen layers are factorized modules holding the decomposition of
 the layer's current kernel (:func:`~lowmem_jax.factorization.factorize_kernel`; a stacked
@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lowmem_jax import linen_wrap
 from lowmem_jax.factorization.config import FactorConfig, layer_method
 from lowmem_jax.factorization.layers import (
     FactorizedConv,
@@ -230,9 +231,7 @@ def _linen_layers(
                 seen[path] = (target, unsupported)
         return next_fun(*args, **kwargs)
 
-    rngs = {name: jax.random.key(0) for name in rng_names}
-    with nn.intercept_methods(recorder):
-        shapes = jax.eval_shape(lambda: base(**fields, parent=None).init(rngs, *args, **kwargs))
+    shapes = linen_wrap.traced_init(base, fields, rng_names, args, kwargs, recorder)
     params = shapes.get("params", {})
     layers = []
     for path, (target, unsupported) in seen.items():
@@ -256,7 +255,7 @@ def _factorize_linen(module: nn.Module, config: FactorConfig) -> nn.Module:
     base = type(module)
 
     def call(self, *args, **kwargs):
-        fields = _fields(self)
+        fields = linen_wrap.fields(self)
         chosen: set[str] | None = None
         if self.is_initializing():
             found = _linen_layers(base, fields, tuple(self.scope.rngs), args, kwargs)
@@ -277,16 +276,7 @@ def _factorize_linen(module: nn.Module, config: FactorConfig) -> nn.Module:
         with nn.intercept_methods(interceptor):
             return base.__call__(self, *args, **kwargs)
 
-    factorized = type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__})
-    return factorized(**_fields(module))
-
-
-def _fields(module: nn.Module) -> dict:
-    return {
-        f.name: getattr(module, f.name)
-        for f in dataclasses.fields(module)
-        if f.name not in ("parent", "name")
-    }
+    return linen_wrap.with_call(module, call)
 
 
 # --- NNX ----------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from lowmem_jax.checkpointing import average_last_checkpoints, param_checksum
+from lowmem_jax.checkpoint_averaging import average_last_checkpoints
+from lowmem_jax.checkpointing import param_checksum
 from lowmem_jax.data import synthetic
 from lowmem_jax.data.token_batching import TokenBatcher, pad_batch
 from lowmem_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
