@@ -30,6 +30,7 @@ LossFn = Callable[[PyTree, PyTree, PyTree, Any], tuple[jax.Array, tuple[PyTree, 
 
 __all__ = [
     "BlockwiseLeaf",
+    "LazyLeaf",
     "Optimizer",
     "OptaxOptimizer",
     "as_optimizer",
@@ -59,6 +60,23 @@ class BlockwiseLeaf:
 
     def dense(self) -> jax.Array:
         """All blocks' dense weights, ``[L, *block_shape]``."""
+        raise NotImplementedError
+
+
+class LazyLeaf:
+    """A parameter held in a form other than its dense array, densified where the model reads
+    it (Linen's ``self.param`` unboxes it as a ``flax.core.meta.AxisMetadata``; NNX and plain
+    ``jnp`` code through ``__jax_array__``): inside the layer, so a layer run under remat
+    rebuilds its dense weights in the backward pass instead of keeping them from the forward.
+
+    Subclasses are pytrees (their arrays are children) and implement :meth:`dense`.
+    """
+
+    shape: tuple[int, ...]  # the dense shape
+    dtype: Any  # the dense weights' dtype
+
+    def dense(self) -> jax.Array:
+        """The dense ``[*shape]`` weights."""
         raise NotImplementedError
 
 
@@ -99,8 +117,8 @@ class Optimizer:
         """The stored parameters (and the state that locates them) -> the model's parameters.
 
         Runs inside the step, so what it builds is transient. ``blockwise``: leaves of stacked
-        blocks may come back as :class:`BlockwiseLeaf` (the step's loss asks for it; everything
-        else gets dense arrays)."""
+        blocks may come back as :class:`BlockwiseLeaf`, others as :class:`LazyLeaf` (the step's
+        loss asks for it; everything else gets dense arrays)."""
         del state, blockwise
         return params
 
@@ -153,10 +171,36 @@ def differentiated_loss(
 
         def loss(stored, model_state, batch, rng):  # the dense weights exist per microbatch
             params = opt.materialize(stored, opt_state, blockwise=True)
+            if not reads_lazy_leaves(loss_fn, params, model_state, batch, rng):
+                params = densify_lazy_leaves(params)
             return loss_fn(params, model_state, batch, rng)
 
         return loss, params
     return loss_fn, opt.materialize(params, opt_state)
+
+
+def _is_lazy(x: Any) -> bool:
+    return isinstance(x, LazyLeaf)
+
+
+def densify_lazy_leaves(params: PyTree) -> PyTree:
+    """``params`` with every :class:`LazyLeaf` replaced by its dense array."""
+    return jax.tree.map(lambda x: x.dense() if _is_lazy(x) else x, params, is_leaf=_is_lazy)
+
+
+def reads_lazy_leaves(loss_fn: LossFn, params: PyTree, *args: Any) -> bool:
+    """Whether ``loss_fn(params, *args)`` traces with ``params``' :class:`LazyLeaf` leaves as
+    they are (abstractly: nothing runs). ``True`` when there are none. A model that maps over
+    a leaf's leading axis (``nn.scan``, ``nnx.scan``, ``vmap``) slices the compressed arrays
+    instead of the dense weights and fails here: it then gets them dense, as before the model
+    is called."""
+    if not any(_is_lazy(x) for x in jax.tree.leaves(params, is_leaf=_is_lazy)):
+        return True
+    try:
+        jax.eval_shape(loss_fn, params, *args)
+    except Exception:  # noqa: BLE001 -- any failure means: give this model dense weights
+        return False
+    return True
 
 
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:

@@ -51,7 +51,7 @@ import optax
 from jax.extend import core as jex_core
 
 from lowmem_jax import remat
-from lowmem_jax.base import BlockwiseLeaf, Optimizer, as_optimizer
+from lowmem_jax.base import BlockwiseLeaf, LazyLeaf, Optimizer, as_optimizer
 from lowmem_jax.flops import count_flops, xla_flops
 from lowmem_jax.plan import Plan
 
@@ -256,10 +256,12 @@ def dense_weight_bytes(
         nonlocal total
         stored = {id(x) for x in jax.tree.leaves(params)}
         dense = opt.materialize(params, opt_state, blockwise=opt.grads_wrt_stored)
-        for x in jax.tree.leaves(dense, is_leaf=lambda x: isinstance(x, BlockwiseLeaf)):
+        for x in jax.tree.leaves(dense, is_leaf=lambda x: isinstance(x, BlockwiseLeaf | LazyLeaf)):
             if isinstance(x, BlockwiseLeaf):
                 blocks = 1 if blocks_rematerialized else x.shape[0]
                 total += blocks * math.prod(x.shape[1:]) * jnp.dtype(x.dtype).itemsize
+            elif isinstance(x, LazyLeaf):  # built where a layer reads it: counted whole
+                total += math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
             elif id(x) not in stored:
                 total += _nbytes(x)
         return 0

@@ -20,6 +20,8 @@ slot (compressed). Both classes answer the same questions, so the sparse optimiz
 * :meth:`~Storage.materialize`: stored leaf -> dense leaf (compressed: a scatter, transient);
 * :meth:`~Storage.materialize_blockwise`: the same for a leaf of stacked blocks, which the
   block loop densifies one block at a time (compressed: :class:`CompressedStack`);
+* :meth:`~Storage.materialize_lazy`: the same for any other leaf, densified where the model
+  reads it (compressed: :class:`CompressedLeaf`);
 * :meth:`~Storage.live`: bool per slot, which slots hold a non-zero weight;
 * :meth:`~Storage.gather`: a dense gradient -> the stored layout;
 * :meth:`~Storage.rewire`: one prune-and-regrow update in this storage
@@ -34,8 +36,9 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from flax.core import meta
 
-from lowmem_jax.base import BlockwiseLeaf
+from lowmem_jax.base import BlockwiseLeaf, LazyLeaf
 from lowmem_jax.sparsity import algorithms
 
 if TYPE_CHECKING:
@@ -46,6 +49,7 @@ __all__ = [
     "MaskedStorage",
     "CompressedStorage",
     "CompressedStack",
+    "CompressedLeaf",
     "MASKED",
     "COMPRESSED",
 ]
@@ -80,6 +84,14 @@ class Storage:
         """A leaf of ``L`` stacked blocks (``[L, *block_shape]``) as the block loop reads it:
         here the dense leaf; a storage that can build one block's weights from the stored
         form alone returns a :class:`~lowmem_jax.base.BlockwiseLeaf`."""
+        return self.materialize(stored, pattern, spec)
+
+    def materialize_lazy(
+        self, stored: jax.Array, pattern: jax.Array, spec: LeafSpec
+    ) -> jax.Array | LazyLeaf:
+        """A leaf as the step's loss hands it to the model: here the dense leaf; a storage
+        whose dense form is worth building only where a layer reads it returns a
+        :class:`~lowmem_jax.base.LazyLeaf`."""
         return self.materialize(stored, pattern, spec)
 
     def live(self, pattern: jax.Array, spec: LeafSpec) -> jax.Array:
@@ -171,6 +183,9 @@ class CompressedStorage(Storage):
     def materialize_blockwise(self, stored, pattern, spec):
         return CompressedStack(stored, pattern, spec.shape)
 
+    def materialize_lazy(self, stored, pattern, spec):
+        return CompressedLeaf(stored, pattern, spec.shape)
+
     def live(self, pattern, spec):
         return pattern < spec.size
 
@@ -194,19 +209,28 @@ class CompressedStorage(Storage):
         return out.survivors, indices, out.threshold
 
 
-def _scatter(values: jax.Array, positions: jax.Array, size: int) -> jax.Array:
+def _scatter(
+    values: jax.Array, positions: jax.Array, size: int, fresh_zeros: bool = False
+) -> jax.Array:
     """Flat ``[size]``: ``values`` at ``positions``, 0 elsewhere; positions outside
     ``[0, size)`` are dropped (unused slots, other blocks' weights).
 
     The positions in range are distinct, and the others are made distinct (``size + slot``), so
     the scatter may promise unique indices: JAX's derivative of a scatter that cannot (and
     XLA:CPU's lowering of one) tracks which update won with dense int32 maps of the layer.
+
+    ``fresh_zeros``: the zeros it writes into are computed from ``positions`` (``min(p_0, 0)``,
+    always 0), so XLA cannot share one zero array among layers: a shared one is copied per
+    scatter, and XLA:CPU schedules those copies (each layer's dense weights) at the start of the
+    step, which keeps every layer's dense weights live at once.
     """
     slot = jnp.arange(positions.shape[0], dtype=jnp.int32)
     distinct = jnp.where((positions >= 0) & (positions < size), positions, size + slot)
-    return (
-        jnp.zeros((size,), values.dtype).at[distinct].set(values, mode="drop", unique_indices=True)
-    )
+    if fresh_zeros:
+        zeros = jnp.broadcast_to(jnp.minimum(positions[0], 0).astype(values.dtype), (size,))
+    else:
+        zeros = jnp.zeros((size,), values.dtype)
+    return zeros.at[distinct].set(values, mode="drop", unique_indices=True)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -242,6 +266,59 @@ class CompressedStack(BlockwiseLeaf):
 
     def __repr__(self) -> str:
         return f"CompressedStack(shape={self.shape}, capacity={self.values.shape[0]})"
+
+
+@jax.tree_util.register_pytree_node_class
+class CompressedLeaf(LazyLeaf, meta.AxisMetadata):
+    """A compressed leaf, ``values`` ``[capacity]`` at the flat positions ``indices`` of the
+    dense ``shape``, densified (a scatter into zeros, O(size)) where the model reads it: Linen's
+    ``self.param`` unboxes it (a ``flax.core.meta.AxisMetadata``), ``jnp`` and NNX layers
+    convert it through ``__jax_array__``. Under remat the layer's backward pass scatters again
+    instead of keeping the dense weights from the forward pass; its gradient w.r.t. ``values`` is
+    a gather.
+
+    A transform that maps over the leaf's leading axis (``nn.scan``) cannot slice it: adding or
+    removing an axis raises (:func:`lowmem_jax.base.reads_lazy_leaves` then gives the model dense
+    weights)."""
+
+    def __init__(self, values: jax.Array, indices: jax.Array, shape: tuple[int, ...]):
+        self.values, self.indices, self.shape = values, indices, tuple(shape)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dense(self) -> jax.Array:
+        size = math.prod(self.shape)
+        return _scatter(self.values, self.indices, size, fresh_zeros=True).reshape(self.shape)
+
+    def unbox(self) -> jax.Array:
+        return self.dense()
+
+    def __jax_array__(self) -> jax.Array:
+        return self.dense()
+
+    def replace_boxed(self, val: jax.Array) -> jax.Array:
+        return val
+
+    def add_axis(self, index, params):
+        raise ValueError("a compressed sparse leaf cannot be stacked or sliced by a transform")
+
+    remove_axis = add_axis
+
+    def tree_flatten(self):
+        return (self.values, self.indices), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(*children, shape)
+
+    def __repr__(self) -> str:
+        return f"CompressedLeaf(shape={self.shape}, capacity={self.values.shape[0]})"
 
 
 MASKED = MaskedStorage()

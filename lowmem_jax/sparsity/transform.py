@@ -234,7 +234,8 @@ class SparseTraining(Optimizer):
         """The dense parameters the model sees; ``state`` is the :class:`SparseState` or any
         pytree containing one. ``blockwise``: the :attr:`stacked` leaves as the storage's
         per-block form (compressed: :class:`~.storage.CompressedStack`, densified one block at
-        a time by the model's block loop)."""
+        a time by the model's block loop), the others in its lazy form (compressed:
+        :class:`~.storage.CompressedLeaf`, densified where a layer reads it)."""
         pattern = _find_state(state).pattern
         values = leaves_by_key(params, self.layout.keys)
         dense = {}
@@ -242,7 +243,10 @@ class SparseTraining(Optimizer):
             stacked = (
                 blockwise and self.stacked is not None and self.stacked(tuple(s.key.split("/")))
             )
-            build = self.storage.materialize_blockwise if stacked else self.storage.materialize
+            if stacked:
+                build = self.storage.materialize_blockwise
+            else:
+                build = self.storage.materialize_lazy if blockwise else self.storage.materialize
             dense[s.key] = build(values[s.key], pattern[s.key], s)
         return replace_leaves(params, dense)
 
