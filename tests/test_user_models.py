@@ -477,11 +477,11 @@ def test_nnx_per_layer_rng_streams_get_a_fresh_key_per_layer_and_step():
 # --- compressed sparse weights, built where each layer reads them ----------------------------
 
 
-def _sparse_step_figures(sparse, batch):
+def _sparse_step_figures(api, sparse, batch):
     """``(argument bytes, temp bytes, state after one step)`` of the donated remat step of the
-    Linen model (4 blocks of 64 channels), XLA:CPU."""
-    plan = lm.Plan(remat="full", remat_blocks=BLOCK["linen"], sparsity=sparse)
-    subject = setup("linen", "layer", plan, width=64, depth=4, dropout=0.0)
+    ``api`` model (4 blocks of 64 channels), XLA:CPU."""
+    plan = lm.Plan(remat="full", remat_blocks=BLOCK[api], sparsity=sparse)
+    subject = setup(api, "layer", plan, width=64, depth=4, dropout=0.0)
     tx = plan.wrap_optimizer(optax.adam(1e-3), subject.params)
     state = lm.TrainState.create(
         params=subject.params, tx=tx, plan=plan, model_state=subject.model_state
@@ -493,25 +493,27 @@ def _sparse_step_figures(sparse, batch):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU buffer assignment")
-def test_compressed_sparse_weights_are_built_inside_each_rematerialized_block(monkeypatch):
-    """A Linen layer reads its compressed kernel (``CompressedLeaf``, unboxed by ``self.param``)
-    inside its block's checkpoint, so the backward pass rebuilds one block's dense weights at a
-    time: temp falls by at least half of the other blocks' dense weights against building
-    them all before the model runs (as before); issue 37's rule (temp <= the dense step's +
-    10% of the argument bytes saved) holds; the parameters after a step are the same."""
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_compressed_sparse_weights_are_built_inside_each_rematerialized_block(api, monkeypatch):
+    """A layer reads its compressed kernel (``CompressedLeaf``: Linen's ``self.param`` unboxes
+    it, NNX indexes it) inside its block's checkpoint, so the backward pass rebuilds one
+    block's dense weights at a time: temp falls by at least half of the other blocks' dense
+    weights against building them all before the model runs (as before); issue 37's rule (temp
+    <= the dense step's + 10% of the argument bytes saved) holds; the parameters after a step
+    are the same."""
     from lowmem_jax.sparsity import storage
 
     batch = {"image": jax.random.normal(jax.random.key(3), (8, 8, 8, 1)), "label": jnp.arange(8)}
     sparse = lm.sparsity.SparseConfig(
         algorithm="static", density=0.3, distribution="uniform", compressed=True
     )
-    dense_args, dense_temp, _ = _sparse_step_figures(None, batch)
-    args, temp, lazy_state = _sparse_step_figures(sparse, batch)
+    dense_args, dense_temp, _ = _sparse_step_figures(api, None, batch)
+    args, temp, lazy_state = _sparse_step_figures(api, sparse, batch)
     assert temp <= dense_temp + 0.1 * (dense_args - args), (temp, dense_temp, dense_args - args)
 
     up_front = storage.CompressedStorage.materialize
     monkeypatch.setattr(storage.CompressedStorage, "materialize_lazy", up_front)
-    _, eager_temp, eager_state = _sparse_step_figures(sparse, batch)
+    _, eager_temp, eager_state = _sparse_step_figures(api, sparse, batch)
     one_block = 3 * 3 * 64 * 64 * 4
     assert eager_temp - temp >= 0.5 * 3 * one_block, (eager_temp, temp)
     close = jax.tree.map(

@@ -272,10 +272,10 @@ class CompressedStack(BlockwiseLeaf):
 class CompressedLeaf(LazyLeaf, meta.AxisMetadata):
     """A compressed leaf, ``values`` ``[capacity]`` at the flat positions ``indices`` of the
     dense ``shape``, densified (a scatter into zeros, O(size)) where the model reads it: Linen's
-    ``self.param`` unboxes it (a ``flax.core.meta.AxisMetadata``), ``jnp`` and NNX layers
-    convert it through ``__jax_array__``. Under remat the layer's backward pass scatters again
-    instead of keeping the dense weights from the forward pass; its gradient w.r.t. ``values`` is
-    a gather.
+    ``self.param`` unboxes it (a ``flax.core.meta.AxisMetadata``), NNX layers index it
+    (``kernel[...]``), ``jnp`` converts it through ``__jax_array__``. Under remat the layer's
+    backward pass scatters again instead of keeping the dense weights from the forward pass; its
+    gradient w.r.t. ``values`` is a gather.
 
     A transform that maps over the leaf's leading axis (``nn.scan``) cannot slice it: adding or
     removing an axis raises (:func:`lowmem_jax.base.reads_lazy_leaves` then gives the model dense
@@ -301,6 +301,9 @@ class CompressedLeaf(LazyLeaf, meta.AxisMetadata):
 
     def __jax_array__(self) -> jax.Array:
         return self.dense()
+
+    def __getitem__(self, index) -> jax.Array:  # NNX reads a variable as ``kernel[...]``
+        return self.dense()[index]
 
     def replace_boxed(self, val: jax.Array) -> jax.Array:
         return val
