@@ -44,7 +44,7 @@ PLANS = {
 MODEL_PLANS = {"dynamicconv-iwslt": ("fp32", "microbatches 4", "remat full")}
 
 
-def _mib(report: lm.MemoryReport) -> float:
+def _mib(report: lm.memory.MemoryReport) -> float:
     return report.xla["total_bytes"] / 2**20
 
 

@@ -60,7 +60,7 @@ def main(coordinator: str, process_id: int, num_processes: int, stage: str, out:
     shapes = jax.eval_shape(lambda: lm.TrainState.create(params=params, tx=tx(), plan=plan))
     state = jax.jit(
         lambda: lm.TrainState.create(params=params, tx=tx(), plan=plan),
-        out_shardings=lm.state_shardings(shapes, plan),
+        out_shardings=lm.techniques.shard.state_shardings(shapes, plan),
     )()
     step = lm.make_train_step(lm.classifier_loss_fn(Net()), tx(), plan)
     rows = BATCH // num_processes

@@ -76,7 +76,7 @@ def _run(model, plan, tx, batches, variables=None):
     model_state = {k: v for k, v in variables.items() if k != "params"}
     wrapped = plan.wrap_optimizer(tx, params)
     state = lm.TrainState.create(params=params, model_state=model_state, tx=wrapped, plan=plan)
-    shardings = lm.state_shardings(state, plan)
+    shardings = lm.techniques.shard.state_shardings(state, plan)
     if shardings is not None:
         state = jax.device_put(state, shardings)
     loss_fn = lm.classifier_loss_fn(plan.configure_model(model))
@@ -203,7 +203,7 @@ def test_zero1_with_an_int8_optimizer_state_equals_one_device():
     wrapped = plan.wrap_optimizer(tx, variables["params"])
     step = lm.make_train_step(lm.classifier_loss_fn(WideMLP()), wrapped, plan, donate=False)
     start = lm.TrainState.create(params=variables["params"], tx=wrapped, plan=plan)
-    shardings = lm.state_shardings(start, plan)
+    shardings = lm.techniques.shard.state_shardings(start, plan)
     for batch, (w, _) in zip(batches, want, strict=True):
         state, _ = step(jax.device_put(start, shardings), batch)
         assert_trees_close(to_numpy(state), w, rtol=2e-5, atol=1e-6)

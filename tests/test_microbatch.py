@@ -14,7 +14,7 @@ def _setup(model, batch_size, seed=0):
     variables = model.init(jax.random.key(seed), batch["image"], train=False)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
-    grad_fn = lm.scaled_grad_fn(lm.classifier_loss_fn(model), lm.NoOpLossScale())
+    grad_fn = lm.scaled_grad_fn(lm.classifier_loss_fn(model), lm.loss_scale.NoOpLossScale())
     return grad_fn, params, model_state, batch
 
 

@@ -27,7 +27,7 @@ def _states(plan, tx, batches, donate):
     state = lm.TrainState.create(
         params=params, model_state={"batch_stats": variables["batch_stats"]}, tx=wrapped, plan=plan
     )
-    shardings = lm.state_shardings(state, plan)
+    shardings = lm.techniques.shard.state_shardings(state, plan)
     if shardings is not None:
         state = jax.device_put(state, shardings)
     step = lm.make_train_step(

@@ -43,7 +43,7 @@ def test_fp32_format_is_the_inner_optimizer(name):
     got, state = _run(lm.quantized_state(inner, "fp32"), PARAMS)
     for a, b in zip(ref, got, strict=True):
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9), a, b)
-    assert isinstance(state, lm.QuantizedState) and state.rng is None
+    assert isinstance(state, lm.optimizer_state.QuantizedState) and state.rng is None
 
 
 def test_works_inside_chain_and_with_injected_hyperparameters():
@@ -278,7 +278,7 @@ def test_sparse_slot_reset_of_regrown_weights_reaches_the_quantized_slots(fmt):
 
 
 def test_plan_puts_16_bit_slots_inside_and_codes_outside_sparse_training():
-    params = lm.cast_floating(tiny_params(), jnp.bfloat16)
+    params = lm.precision.cast_floating(tiny_params(), jnp.bfloat16)
     cfg = sparsity.SparseConfig(algorithm="set", density=0.3, update_period=2, drop_fraction=0.5)
     # Pure bf16, optimizer_state auto: bfloat16 slots, float32 arithmetic, inside.
     inside = lm.Plan(precision="bf16", sparsity=cfg).wrap_optimizer(optax.adam(1e-2), params)

@@ -90,10 +90,10 @@ def test_temp_bytes_fall_as_remat_saves_less():
     ],
 )
 def test_a_schedule_parses_to_one_policy_per_block(name, policies):
-    spec = lm.parse_policy(name)
+    spec = lm.remat.parse_policy(name)
     assert spec.schedule == policies and spec.enabled
     assert lm.remat.schedule_name(policies) == name
-    assert not lm.parse_policy("blocks:none*3").enabled
+    assert not lm.remat.parse_policy("blocks:none*3").enabled
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,7 @@ def test_a_schedule_parses_to_one_policy_per_block(name, policies):
 )
 def test_a_malformed_schedule_is_refused_naming_remat(name):
     with pytest.raises(ValueError, match=r"Unknown remat=.*blocks:P\[\*K\]"):
-        lm.parse_policy(name)
+        lm.remat.parse_policy(name)
 
 
 def test_a_schedule_must_give_every_block_of_the_model_a_policy():
@@ -177,14 +177,14 @@ def test_parameters_do_not_depend_on_policy():
 @pytest.mark.parametrize("name", ["some", "every:0", "every:x", "save:", "offload:", "", None])
 def test_unknown_policy_raises(name):
     with pytest.raises(ValueError, match=r"remat=.*allowed values"):
-        lm.parse_policy(name)
+        lm.remat.parse_policy(name)
 
 
 @pytest.mark.parametrize(
     "name, length, expected", [("sqrt", 9, 3), ("sqrt", 3, 2), ("every:4", 3, 3), ("full", 5, 1)]
 )
 def test_segment_length(name, length, expected):
-    assert lm.parse_policy(name).segment_length(length) == expected
+    assert lm.remat.parse_policy(name).segment_length(length) == expected
 
 
 @pytest.mark.parametrize(

@@ -208,7 +208,7 @@ def test_snip_masks_come_from_the_gradient_on_the_init_batch():
         algorithm="static", init="snip", density=0.2, distribution="uniform", compressed=True
     )
     setup = build(workload("wrn-10-1", 8, image_size=8), lm.Plan(sparsity=snip))
-    assert setup.tx.needs_init_grads and not lm.as_optimizer(optax.sgd(0.1)).needs_init_grads
+    assert setup.tx.needs_init_grads and not lm.base.as_optimizer(optax.sgd(0.1)).needs_init_grads
     batch = setup.example_batch()
     state = setup.init_state(batch)
     # By hand: the loss's gradient on the whole batch at the initial parameters (jitted: op by
