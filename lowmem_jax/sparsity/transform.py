@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,31 +35,12 @@ from lowmem_jax.sparsity import masks as masks_lib
 from lowmem_jax.sparsity import slots as slots_lib
 from lowmem_jax.sparsity.config import DSR_PRUNED_FRACTION, SparseConfig
 from lowmem_jax.sparsity.layout import Layout, leaves_by_key, make_layout, replace_leaves
+from lowmem_jax.sparsity.state import SparseState, density_report, find_state
 from lowmem_jax.sparsity.storage import Storage
 
 PyTree = Any
 
 __all__ = ["SparseState", "SparseTraining", "sparse_training", "density_report"]
-
-
-class SparseState(NamedTuple):
-    """The sparse optimizer's state (a pytree).
-
-    Attributes:
-      inner_state: the inner transform's state (its slots shaped like the stored parameters).
-      pattern: ``{leaf_key: pattern}``, where each sparse leaf's non-zeros are: bool masks
-        ``[*shape]`` (masked storage) or int32 flat positions ``[capacity]`` (compressed;
-        ``size`` in unused slots), see :mod:`.storage`.
-      count: int32 scalar, optimizer steps applied.
-      threshold: float32 scalar, DSR's ``H`` (unused otherwise).
-      rng: uint32 ``[2]`` raw key for random regrowth (``fold_in(rng, count)``).
-    """
-
-    inner_state: PyTree
-    pattern: dict[str, jax.Array]
-    count: jax.Array
-    threshold: jax.Array
-    rng: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +217,7 @@ class SparseTraining(Optimizer):
         per-block form (compressed: :class:`~.storage.CompressedStack`, densified one block at
         a time by the model's block loop), the others in its lazy form (compressed:
         :class:`~.storage.CompressedLeaf`, densified where a layer reads it)."""
-        pattern = _find_state(state).pattern
+        pattern = find_state(state).pattern
         values = leaves_by_key(params, self.layout.keys)
         dense = {}
         for s in self.layout.leaves:
@@ -374,20 +355,6 @@ def _shape_like(
     }
 
 
-def _find_state(tree: PyTree) -> SparseState:
-    if isinstance(tree, SparseState):
-        return tree
-    found = []
-    jax.tree.map(
-        lambda x: found.append(x) if isinstance(x, SparseState) else None,
-        tree,
-        is_leaf=lambda x: isinstance(x, SparseState),
-    )
-    if len(found) != 1:
-        raise ValueError(f"expected exactly one SparseState in opt_state, found {len(found)}")
-    return found[0]
-
-
 def sparse_training(
     inner: optax.GradientTransformation,
     config: SparseConfig,
@@ -407,15 +374,3 @@ def sparse_training(
     if not layout.leaves:
         raise ValueError("config.is_sparse selected no parameter leaf; nothing to sparsify")
     return SparseTraining(inner=inner, config=config, layout=layout, stacked=stacked)
-
-
-def density_report(sparse: SparseTraining, opt_state: PyTree) -> dict[str, Any]:
-    """Per-layer and total non-zero counts of the current pattern (host-side, for logging)."""
-    pattern = _find_state(opt_state).pattern
-    layers = {}
-    for s in sparse.layout.leaves:
-        nnz = int(sparse.storage.nnz(pattern[s.key], s))
-        layers[s.key] = {"nnz": nnz, "size": s.size, "density": nnz / s.size}
-    total = sum(v["nnz"] for v in layers.values())
-    size = sum(v["size"] for v in layers.values())
-    return {"layers": layers, "nnz": total, "size": size, "density": total / size}
