@@ -233,13 +233,9 @@ def _scatter(
     return zeros.at[distinct].set(values, mode="drop", unique_indices=True)
 
 
-@jax.tree_util.register_pytree_node_class
-class CompressedStack(BlockwiseLeaf):
-    """A compressed leaf of ``L`` stacked blocks: ``values`` ``[capacity]`` at the flat
-    positions ``indices`` of the dense ``shape = [L, *block_shape]``. Block ``i`` holds the
-    positions ``[i * n, (i + 1) * n)``, ``n = prod(block_shape)``; :meth:`block` scatters
-    the ``[capacity]`` values into ``[n]``, dropping the other blocks' (O(capacity) work per
-    block; its gradient w.r.t. ``values`` is a gather)."""
+class _Compressed:
+    """``values`` ``[capacity]`` at the flat positions ``indices`` of a dense ``shape`` (a
+    pytree: the arrays are children, so casts and gradients reach them)."""
 
     def __init__(self, values: jax.Array, indices: jax.Array, shape: tuple[int, ...]):
         self.values, self.indices, self.shape = values, indices, tuple(shape)
@@ -247,6 +243,25 @@ class CompressedStack(BlockwiseLeaf):
     @property
     def dtype(self):
         return self.values.dtype
+
+    def tree_flatten(self):
+        return (self.values, self.indices), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(*children, shape)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={self.shape}, capacity={self.values.shape[0]})"
+
+
+@jax.tree_util.register_pytree_node_class
+class CompressedStack(_Compressed, BlockwiseLeaf):
+    """A compressed leaf of ``L`` stacked blocks: ``values`` ``[capacity]`` at the flat
+    positions ``indices`` of the dense ``shape = [L, *block_shape]``. Block ``i`` holds the
+    positions ``[i * n, (i + 1) * n)``, ``n = prod(block_shape)``; :meth:`block` scatters
+    the ``[capacity]`` values into ``[n]``, dropping the other blocks' (O(capacity) work per
+    block; its gradient w.r.t. ``values`` is a gather)."""
 
     def block(self, index):
         n = math.prod(self.shape[1:])
@@ -257,19 +272,9 @@ class CompressedStack(BlockwiseLeaf):
         """All blocks, ``[L, *block_shape]``."""
         return _scatter(self.values, self.indices, math.prod(self.shape)).reshape(self.shape)
 
-    def tree_flatten(self):
-        return (self.values, self.indices), self.shape
-
-    @classmethod
-    def tree_unflatten(cls, shape, children):
-        return cls(*children, shape)
-
-    def __repr__(self) -> str:
-        return f"CompressedStack(shape={self.shape}, capacity={self.values.shape[0]})"
-
 
 @jax.tree_util.register_pytree_node_class
-class CompressedLeaf(LazyLeaf, meta.AxisMetadata):
+class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
     """A compressed leaf, ``values`` ``[capacity]`` at the flat positions ``indices`` of the
     dense ``shape``, densified (a scatter into zeros, O(size)) where the model reads it: Linen's
     ``self.param`` unboxes it (a ``flax.core.meta.AxisMetadata``), NNX layers index it
@@ -280,13 +285,6 @@ class CompressedLeaf(LazyLeaf, meta.AxisMetadata):
     A transform that maps over the leaf's leading axis (``nn.scan``) cannot slice it: adding or
     removing an axis raises (:func:`lowmem_jax.base.reads_lazy_leaves` then gives the model dense
     weights)."""
-
-    def __init__(self, values: jax.Array, indices: jax.Array, shape: tuple[int, ...]):
-        self.values, self.indices, self.shape = values, indices, tuple(shape)
-
-    @property
-    def dtype(self):
-        return self.values.dtype
 
     @property
     def ndim(self) -> int:
@@ -312,16 +310,6 @@ class CompressedLeaf(LazyLeaf, meta.AxisMetadata):
         raise ValueError("a compressed sparse leaf cannot be stacked or sliced by a transform")
 
     remove_axis = add_axis
-
-    def tree_flatten(self):
-        return (self.values, self.indices), self.shape
-
-    @classmethod
-    def tree_unflatten(cls, shape, children):
-        return cls(*children, shape)
-
-    def __repr__(self) -> str:
-        return f"CompressedLeaf(shape={self.shape}, capacity={self.values.shape[0]})"
 
 
 MASKED = MaskedStorage()
