@@ -85,16 +85,23 @@ class SkipGuard:
             self.warn_after = max(1, self.max_consecutive // 4) if self.max_consecutive else 25
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> str | None:
-        """Updates the streak with step ``step``'s metrics; returns a warning line when a
-        streak reaches ``warn_after``.
+        """Updates the streak with step ``step``'s metrics (their ``skip_streak`` when the step
+        counts it, as :func:`lowmem_jax.make_train_step`'s does; else one more or none from
+        ``grads_finite`` / ``update_finite``); returns a warning line when a streak reaches
+        ``warn_after``.
 
         Raises:
           NoProgressError: when the streak reaches ``max_consecutive``.
         """
-        if bool(metrics["grads_finite"]) and bool(metrics["update_finite"]):
-            self.streak = 0
+        if "skip_streak" in metrics:  # the step's own count: right when steps are observed sparsely
+            streak = int(metrics["skip_streak"])
+        elif bool(metrics["grads_finite"]) and bool(metrics["update_finite"]):
+            streak = 0
+        else:
+            streak = self.streak + 1
+        previous, self.streak = self.streak, streak
+        if not streak:
             return None
-        self.streak += 1
         if self.max_consecutive and self.streak >= self.max_consecutive:
             cause = skip_cause(metrics, self.min_loss_scale)
             raise NoProgressError(
@@ -104,7 +111,7 @@ class SkipGuard:
                 streak=self.streak,
                 cause=cause,
             )
-        if self.streak == self.warn_after:
+        if previous < self.warn_after <= self.streak:
             return (
                 f"step {step}: {self.streak} consecutive skipped steps "
                 f"({skip_cause(metrics, self.min_loss_scale)})"

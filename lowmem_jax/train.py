@@ -53,7 +53,10 @@ class TrainState(struct.PyTreeNode):
       opt_state: the optimizer's state.
       model_state: non-parameter collections, e.g. ``{"batch_stats": ...}`` (float32).
       loss_scale: a :mod:`lowmem_jax.loss_scale` state.
-      skipped_steps: int32 scalar, steps skipped for non-finite gradients.
+      skipped_steps: int32 scalar, steps skipped for non-finite gradients or updates.
+      skip_streak: int32 scalar, the steps skipped in a row up to the last one (0 after an
+        applied step): a hand-written loop stops a run that makes no progress on it
+        (:class:`lowmem_jax.SkipGuard` names the likely cause).
       rng: a raw uint32 PRNG key (``jax.random.PRNGKey``; typed keys are converted, so the state
         converts to NumPy and checkpoints plainly); step ``t`` uses ``fold_in(rng, t)``.
     """
@@ -64,6 +67,7 @@ class TrainState(struct.PyTreeNode):
     model_state: PyTree
     loss_scale: Any
     skipped_steps: jax.Array
+    skip_streak: jax.Array
     rng: jax.Array
 
     @classmethod
@@ -99,6 +103,7 @@ class TrainState(struct.PyTreeNode):
             model_state=dict(model_state or {}),
             loss_scale=plan.make_loss_scale(),
             skipped_steps=jnp.zeros((), jnp.int32),
+            skip_streak=jnp.zeros((), jnp.int32),
             rng=_raw_key(jax.random.PRNGKey(0) if rng is None else rng),
         )
 
@@ -153,7 +158,8 @@ def make_train_step(
     ``metrics`` holds the loss function's metrics (averaged over microbatches, float32) plus
     ``loss_scale`` (the scale used in this step), ``grads_finite`` and ``update_finite``
     (bools: were the gradients, and the updates and new parameters, finite; the step is
-    applied iff both) and ``skipped_steps`` (running count).
+    applied iff both), ``skipped_steps`` (running count) and ``skip_streak`` (skipped in a row,
+    0 after an applied step).
     """
     opt = as_optimizer(tx)
     model_loss = plan.model_loss(loss_fn)
@@ -179,6 +185,7 @@ def make_train_step(
             (state.params, state.opt_state, state.model_state),
         )
         skipped = state.skipped_steps + (~applied).astype(jnp.int32)
+        streak = jnp.where(applied, 0, state.skip_streak + 1)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
@@ -186,6 +193,7 @@ def make_train_step(
             model_state=model_state,
             loss_scale=state.loss_scale.adjust(grads_finite),  # the scale answers to overflow
             skipped_steps=skipped,
+            skip_streak=streak,
         )
         metrics = {
             **metrics,
@@ -193,6 +201,7 @@ def make_train_step(
             "grads_finite": grads_finite,
             "update_finite": update_finite,
             "skipped_steps": skipped,
+            "skip_streak": streak,
         }
         return new_state, metrics
 
@@ -222,9 +231,10 @@ def make_plain_train_step(
 
     ``jax.grad`` of ``loss_fn`` w.r.t. ``state.params`` (as stored: no cast, no loss scale,
     one batch), ``tx.update``, ``optax.apply_updates``; jitted, state donated. ``rng`` and
-    ``step`` as :func:`make_train_step` uses them; ``loss_scale`` and ``skipped_steps`` are
-    carried untouched. Pair it with a model as its author would run it (the bundled models:
-    ``unroll=True``, ``conv_impl="xla"``; see :func:`lowmem_jax.workloads.build_plain`).
+    ``step`` as :func:`make_train_step` uses them; ``loss_scale``, ``skipped_steps`` and
+    ``skip_streak`` are carried untouched. Pair it with a model as its author would run it (the
+    bundled models: ``unroll=True``, ``conv_impl="xla"``; see
+    :func:`lowmem_jax.workloads.build_plain`).
     """
 
     def plain_step(state: TrainState, batch: PyTree):

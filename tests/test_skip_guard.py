@@ -38,6 +38,18 @@ def test_the_guard_warns_once_per_streak_and_never_stops_at_zero():
         SkipGuard(-1)
 
 
+def test_the_guard_reads_the_step_s_own_streak_when_it_sees_few_steps():
+    """A loop that syncs every k-th step observes only those: the step's ``skip_streak`` is the
+    streak, so the guard warns and stops on it without having seen the steps between."""
+    guard = SkipGuard(10, warn_after=4)
+    assert guard.observe(5, {**SKIPPED, "skip_streak": 5}) is not None  # crossed 4 unseen
+    assert guard.observe(8, {**SKIPPED, "skip_streak": 8}) is None  # warned once per streak
+    assert guard.observe(9, {**APPLIED, "skip_streak": 0}) is None and guard.streak == 0
+    with pytest.raises(NoProgressError) as err:
+        guard.observe(30, {**SKIPPED, "skip_streak": 12})
+    assert err.value.streak == 12
+
+
 def test_causes_name_the_guard_that_fired():
     assert "at loss scale 1 (its floor)" in skip_cause(SKIPPED, min_loss_scale=1.0)
     assert "still falling" in skip_cause({**SKIPPED, "loss_scale": 64.0}, min_loss_scale=1.0)

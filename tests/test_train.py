@@ -103,6 +103,18 @@ def test_loss_scale_floor_survives_the_jitted_step():
     assert float(state.loss_scale.loss_scale) == 4.0 and int(state.skipped_steps) == 3
 
 
+def test_the_step_counts_skipped_steps_in_a_row_and_resets_on_an_applied_one():
+    """``skip_streak`` (state and metrics): what a hand-written loop stops a stuck run on."""
+    state, step, batch = _state_and_step(lm.Plan(), optax.sgd(0.1))
+    poisoned = {**batch, "image": batch["image"].at[0, 0].set(jnp.nan)}
+    streaks = []
+    for b in (poisoned, poisoned, poisoned, batch, poisoned):
+        state, metrics = step(state, b)
+        streaks.append(int(metrics["skip_streak"]))
+    assert streaks == [1, 2, 3, 0, 1] and int(state.skip_streak) == 1
+    assert int(state.skipped_steps) == 4
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_param_policies_store_half_params(precision):
     plan = lm.Plan(precision=precision)
