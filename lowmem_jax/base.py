@@ -17,6 +17,7 @@ that stores parameters differently needs no hook in either.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -172,6 +173,12 @@ def differentiated_loss(
         def loss(stored, model_state, batch, rng):  # the dense weights exist per microbatch
             params = opt.materialize(stored, opt_state, blockwise=True)
             if not reads_lazy_leaves(loss_fn, params, model_state, batch, rng):
+                warnings.warn(
+                    "the model maps over a parameter's leading axis (nn.scan, nnx.scan, vmap), "
+                    "so its compressed sparse weights are densified before it runs, all at once "
+                    "(not inside each block, even under remat)",
+                    stacklevel=2,
+                )
                 params = densify_lazy_leaves(params)
             return loss_fn(params, model_state, batch, rng)
 

@@ -542,3 +542,16 @@ def test_a_model_that_slices_a_compressed_leaf_gets_it_dense():
     dense = densify_lazy_leaves({"w": leaf})["w"]
     np.testing.assert_array_equal(dense, [[1, 0, 0, 0], [0, 2, 0, 3]])
     assert float(matmul({"w": leaf}, x)) == float(per_row({"w": dense}, x)) == 18.0
+
+    class Stored(lm.Optimizer):  # hands the loss a lazy leaf, as compressed storage does
+        grads_wrt_stored = True
+
+        def materialize(self, params, state, blockwise=False):
+            return {"w": leaf}
+
+    def scanned_loss(params, model_state, batch, rng):
+        return per_row(params, batch), (model_state, {})
+
+    loss, _ = lm.base.differentiated_loss(scanned_loss, Stored(), {"w": leaf.values}, None)
+    with pytest.warns(UserWarning, match="densified before it runs"):
+        assert float(loss({"w": leaf.values}, {}, x, None)[0]) == 18.0
