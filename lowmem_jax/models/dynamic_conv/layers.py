@@ -16,7 +16,9 @@ Embeddings are scaled by ``sqrt(C)`` and added to fairseq's sinusoidal positions
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -34,6 +36,8 @@ __all__ = [
     "EncoderLayer",
     "DecoderLayer",
     "sinusoidal_positions",
+    "layer_runs",
+    "embed_init",
 ]
 
 
@@ -285,3 +289,18 @@ def _sinusoid(positions: jax.Array, dim: int) -> jax.Array:
     if dim % 2:
         emb = jnp.pad(emb, [(0, 0)] * (emb.ndim - 1) + [(0, 1)])
     return emb
+
+
+def layer_runs(kernel_sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """``[3, 7, 31, 31]`` -> ``[(3, 1), (7, 1), (31, 2)]``: runs of equal (same-shape) layers."""
+    return [(k, len(list(g))) for k, g in itertools.groupby(kernel_sizes)]
+
+
+def embed_init(pad_id: int, std: float):
+    """Normal(0, std) with a zero row at ``pad_id``, as fairseq's ``Embedding``."""
+
+    def init(key, shape, dtype=jnp.float32):
+        w = jax.random.normal(key, shape, dtype) * std
+        return w.at[pad_id].set(0) if 0 <= pad_id < shape[0] else w
+
+    return init

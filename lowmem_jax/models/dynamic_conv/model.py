@@ -22,9 +22,8 @@ Shapes: ``src_tokens [B, S]``, ``tgt_in_tokens [B, T]`` int; logits ``[B, T, V_t
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -37,27 +36,14 @@ from lowmem_jax.models.dynamic_conv.layers import (
     DecoderLayer,
     EncoderLayer,
     _sinusoid,
+    embed_init,
+    layer_runs,
     sinusoidal_positions,
 )
 from lowmem_jax.remat import parse_policy, stack_policies
 from lowmem_jax.scanned_blocks import ScannedBlocks
 
 __all__ = ["DynamicConvTransformer"]
-
-
-def _runs(kernel_sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """``[3, 7, 31, 31]`` -> ``[(3, 1), (7, 1), (31, 2)]``: runs of equal (same-shape) layers."""
-    return [(k, len(list(g))) for k, g in itertools.groupby(kernel_sizes)]
-
-
-def _embed_init(pad_id: int, std: float):
-    """Normal(0, std) with a zero row at ``pad_id``, as fairseq's ``Embedding``."""
-
-    def init(key, shape, dtype=jnp.float32):
-        w = jax.random.normal(key, shape, dtype) * std
-        return w.at[pad_id].set(0) if 0 <= pad_id < shape[0] else w
-
-    return init
 
 
 class DynamicConvTransformer(nn.Module):
@@ -162,13 +148,13 @@ class DynamicConvTransformer(nn.Module):
             self.src_vocab_size,
             self.embed_dim,
             dtype=self.dtype,
-            embedding_init=_embed_init(self.pad_id, std),
+            embedding_init=embed_init(self.pad_id, std),
         )
         self.tgt_embed = nn.Embed(
             self.tgt_vocab_size,
             self.embed_dim,
             dtype=self.dtype,
-            embedding_init=_embed_init(self.pad_id, std),
+            embedding_init=embed_init(self.pad_id, std),
         )
         if not self.share_decoder_embeddings:
             self.embed_out = self.param(
@@ -187,8 +173,8 @@ class DynamicConvTransformer(nn.Module):
             "dtype": self.dtype,
             "factorize": self.factorize,
         }
-        encoder_runs = _runs(self.encoder_kernel_sizes)
-        decoder_runs = _runs(self.decoder_kernel_sizes)
+        encoder_runs = layer_runs(self.encoder_kernel_sizes)
+        decoder_runs = layer_runs(self.decoder_kernel_sizes)
         policies = iter(
             stack_policies(
                 self.remat, self.block_stacks(), "DynamicConvTransformer (encoder, then decoder)"
@@ -227,7 +213,7 @@ class DynamicConvTransformer(nn.Module):
         """The layers of each scanned stack, in the order they run (the encoder's runs of equal
         kernel sizes, then the decoder's): a ``blocks:`` remat schedule gives one policy per
         layer."""
-        runs = _runs(self.encoder_kernel_sizes) + _runs(self.decoder_kernel_sizes)
+        runs = layer_runs(self.encoder_kernel_sizes) + layer_runs(self.decoder_kernel_sizes)
         return [n for _, n in runs]
 
     def _embed(self, embed: nn.Embed, tokens: jax.Array, train: bool) -> jax.Array:
@@ -273,7 +259,7 @@ class DynamicConvTransformer(nn.Module):
     # Incremental decoding (inference only: no dropout). A decoder layer has no self-attention,
     # so its state after t target tokens is the window of its causal conv's last K - 1 inputs;
     # the encoder-decoder attention's key / value projections of `memory` are fixed, so they are
-    # computed once. Each run of equal kernel sizes (`_runs`) is one `ScannedBlocks` stack with
+    # computed once. Each run of equal kernel sizes (`layer_runs`) is one `ScannedBlocks` stack with
     # params stacked on a leading [n] axis; its cache entries are stacked the same way, so a step
     # scans over a run's layers as the full decoder does.
 
@@ -300,7 +286,7 @@ class DynamicConvTransformer(nn.Module):
         params = self.variables["params"]
         return [
             (k, params[f"decoder_k{k}_{i}"]["stack"])
-            for i, (k, _) in enumerate(_runs(self.decoder_kernel_sizes))
+            for i, (k, _) in enumerate(layer_runs(self.decoder_kernel_sizes))
         ]
 
     def init_cache(self, memory: jax.Array, src_mask: jax.Array) -> dict[str, Any]:
@@ -317,7 +303,7 @@ class DynamicConvTransformer(nn.Module):
             sinusoidal position counter of :func:`sinusoidal_positions`); starts at 0.
           - ``src_mask``: ``[B, S]`` bool, as given.
           - ``layers``: a tuple with one dict per run of ``n`` decoder layers of kernel size
-            ``K`` (``_runs(decoder_kernel_sizes)``): ``conv [n, B, K - 1, C]``, the last
+            ``K`` (``layer_runs(decoder_kernel_sizes)``): ``conv [n, B, K - 1, C]``, the last
             ``K - 1`` conv inputs, zeros at the start (the causal conv's left padding, so ``K``
             larger than the target length needs nothing special); ``k`` and ``v``
             ``[n, B, S, C]``, each layer's encoder-decoder attention projections of ``memory``.
