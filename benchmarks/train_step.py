@@ -16,9 +16,7 @@ Writes ``<out-dir>/train_step_<model>_b<batch>_<backend>.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +29,9 @@ import optax
 import lowmem_jax as lm
 from lowmem_jax.memory import xla_memory
 from lowmem_jax.workloads import workload
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import result_writer  # noqa: E402
 
 # name -> Plan keyword arguments ("plain" is special: no lowmem transform at all).
 CONFIGS: dict[str, dict] = {
@@ -85,8 +86,9 @@ def _plain_step(model, tx):
     return jax.jit(step, donate_argnums=(0,))
 
 
-def build(name: str, model_name: str, batch_size: int):
-    """Returns (jitted step, state, batch) for configuration ``name``."""
+def build(name: str, model_name: str, batch_size: int, plan_fields: dict | None = None):
+    """Returns (jitted step, state, batch) for configuration ``name`` (its ``Plan`` fields
+    ``plan_fields``, default ``CONFIGS[name]``)."""
     rng = np.random.default_rng(0)
     batch = {
         "image": jnp.asarray(rng.normal(size=(batch_size, 32, 32, 3)), jnp.float32),
@@ -98,7 +100,7 @@ def build(name: str, model_name: str, batch_size: int):
         variables = model.init(jax.random.key(0), batch["image"][:2], train=False)
         state = (variables["params"], tx.init(variables["params"]), variables["batch_stats"])
         return _plain_step(model, tx), state, batch
-    plan = lm.Plan(**CONFIGS[name])
+    plan = lm.Plan(**(CONFIGS[name] if plan_fields is None else plan_fields))
     model = plan.configure_model(workload(model_name).model)
     variables = model.init(jax.random.key(0), batch["image"][:2], train=False)
     state = lm.TrainState.create(
@@ -197,12 +199,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
-    names = [n for n in args.configs.split(",") if n]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown --configs {unknown}; allowed values: {list(CONFIGS)}")
-    if "plain" not in names:
-        names.insert(0, "plain")  # every ratio is taken against it
+    names = result_writer.selected_configs(parser, args.configs, CONFIGS, baseline="plain")
 
     rows = []
     for name in names:
@@ -223,21 +220,11 @@ def main(argv=None) -> int:
         "model": args.model,
         "batch_size": args.batch_size,
         "repeats": args.repeats,
-        "backend": jax.default_backend(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "jax_version": jax.__version__,
-        "command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
+        **result_writer.metadata(__file__, argv),
         "configs": rows,
     }
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(
-        args.out_dir, f"train_step_{args.model}_b{args.batch_size}_{result['backend']}"
-    )
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(to_markdown(result))
-    plot(result, stem + ".png")
+    stem = f"train_step_{args.model}_b{args.batch_size}_{result['backend']}"
+    result_writer.write(os.path.join(args.out_dir, stem), result, to_markdown, plot)
     print(to_markdown(result))
     return 0
 

@@ -68,6 +68,8 @@ def techniques(block: str) -> dict[str, dict]:
         "remat full": remat,
         "sparse 70% dsr": {"sparsity": sparse},
         "remat full + sparse 70% dsr": {"sparsity": sparse, **remat},
+        "act int8": {"activations": "int8"},
+        "remat full + act int8": {"activations": "int8", **remat},
         "state bf16": {"optimizer_state": "bf16"},
         "state int8": {"optimizer_state": "int8"},
         "state int4": {"optimizer_state": "int4"},
@@ -156,7 +158,17 @@ def _sparse_rule(cell: dict, plain: dict) -> dict | None:
     return {"saved_bytes": saved, "limit_bytes": int(limit), "holds": cell["temp_bytes"] <= limit}
 
 
+def _activation_rule(cell: dict, twin: dict) -> dict | None:
+    """Compressed activations must lower the step's total against the same plan without them."""
+    if cell.get("status") != "ok" or twin.get("status") != "ok":
+        return None
+    limit = twin["total_bytes"]
+    return {"limit_bytes": int(limit), "holds": cell["total_bytes"] < limit}
+
+
 STATE_ROWS = ("state bf16", "state int8", "state int4")
+#: Each compressed-activations row and the row it is measured against (the same plan without).
+ACTIVATION_ROWS = {"act int8": "plain", "remat full + act int8": "remat full"}
 #: Each compressed sparse row and the row it is measured against (the same plan, dense).
 SPARSE_ROWS = {"sparse 70% dsr": "plain", "remat full + sparse 70% dsr": "remat full"}
 
@@ -184,6 +196,7 @@ def add_rules(result: dict) -> dict:
         for twins, rule, key in (
             (dict.fromkeys(STATE_ROWS, "plain"), _state_rule, "total"),
             (SPARSE_ROWS, _sparse_rule, "temp"),
+            (ACTIVATION_ROWS, _activation_rule, "total"),
         ):
             for name, twin in twins.items():
                 for optimizer, cell in rows.get(name, {}).items():
@@ -286,7 +299,8 @@ def _cell_text(cell: dict) -> str:
     rule = cell.get("rule")
     if rule is not None:
         verdict = "holds" if rule["holds"] else "FAILS"
-        text += f" (rule {verdict}: {rule['of']} <= {rule['limit_bytes'] / MIB:.1f})"
+        relation = "<" if "saved_bytes" not in rule else "<="
+        text += f" (rule {verdict}: {rule['of']} {relation} {rule['limit_bytes'] / MIB:.1f})"
     exact = cell.get("exact")
     if exact is not None:
         text += "; losses equal plain's " + (

@@ -5,12 +5,12 @@ every setting the library has. Each technique states its own limit in each envel
 step is outside it (:attr:`lowmem_jax.technique.Technique.envelope`); an envelope is the
 collection of those limits, checked in the registry's order:
 
-=========  ===============================  ==============  ========  ===============  ==========
-envelope   precisions                       microbatch >=   sparsity  optimizer state  factorize
-=========  ===============================  ==============  ========  ===============  ==========
-report     fp32, mixed_fp16, mixed_bf16     8 examples      <= 70%    auto..int8       no
-any        all five                         1 example       < 100%    auto..int4       yes
-=========  ===============================  ==============  ========  ===============  ==========
+========  ============================  ============  ===========  ========  =========  =========
+envelope  precisions                    microbatch >= activations  sparsity  opt. state factorize
+========  ============================  ============  ===========  ========  =========  =========
+report    fp32, mixed_fp16, mixed_bf16  8 examples    none         <= 70%    auto..int8 no
+any       all five                      1 example     all formats  < 100%    auto..int4 yes
+========  ============================  ============  ===========  ========  =========  =========
 """
 
 from __future__ import annotations

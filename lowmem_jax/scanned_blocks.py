@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax.activation_compression import active_spec, compress_residuals
 from lowmem_jax.base import BlockwiseLeaf
 from lowmem_jax.remat import RematSpec, parse_policy
 
@@ -123,12 +124,12 @@ class ScannedBlocks(nn.Module):
         blockwise = {i: x for i, x in enumerate(leaves) if _is_blockwise(x)}
         params = [None if i in blockwise else x for i, x in enumerate(leaves)]
 
-        def apply_block(h, xs):
+        def apply_block(h, xs, context, stored):
             p, state, key, index = xs
             # Tied to the block's input, the stored weights are densified when the block runs:
             # XLA may not hoist a lone block's dense copy (loop-invariant) out of an enclosing
             # loop (the microbatches'), where it would stay alive throughout.
-            stored, h = jax.lax.optimization_barrier((blockwise, h))
+            stored, h = jax.lax.optimization_barrier((stored, h))
             p = [stored[i].block(index) if i in stored else x for i, x in enumerate(p)]
             p = jax.tree.unflatten(treedef, p)
             if self.param_layout is not None:
@@ -146,10 +147,13 @@ class ScannedBlocks(nn.Module):
             return h, {c: new_state.get(c, state[c]) for c in state}
 
         xs = (params, others, keys, jnp.arange(self.length, dtype=jnp.int32))
+        closed = (tuple(context), blockwise)
         outs = []
         for spec, start, stop in runs:
             run_xs = jax.tree.map(lambda a, i=start, j=stop: a[i:j], xs) if len(runs) > 1 else xs
-            x, run_others = _scan_run(apply_block, x, run_xs, stop - start, spec, self.unroll)
+            x, run_others = _scan_run(
+                apply_block, x, run_xs, closed, stop - start, spec, self.unroll
+            )
             outs.append(run_others)
         new_others = (
             outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
@@ -189,35 +193,53 @@ def _policy_runs(remat: str | RematSpec | tuple[str, ...], length: int) -> list[
     return runs
 
 
-def _scan_run(apply_block, x, xs, length: int, spec: RematSpec, unroll: bool | None):
-    """``length`` blocks applied in sequence under ``spec``; ``(x, per-block outputs)``."""
+def _scan_run(apply_block, x, xs, closed, length: int, spec: RematSpec, unroll: bool | None):
+    """``length`` blocks applied in sequence under ``spec``; ``(x, per-block outputs)``.
+
+    ``apply_block(h, xs, *closed)``: ``closed`` are the values every block reads (the context,
+    the blockwise-stored weights), passed explicitly so that a compressed-activations wrapper
+    (:func:`lowmem_jax.activation_compression.active_spec`, the outermost: each block's
+    residuals, its checkpointed input under remat, are stored compressed) sees them."""
     unroll = straight_line(unroll, spec, x.dtype)
     segment = spec.segment_length(length) if spec.segment else 1
+    compressed = active_spec()
+
+    def outermost(fn):
+        if compressed is None:
+            return lambda h, block_xs: fn(h, block_xs, *closed)
+        # The block's input and its context are data; every argument would be stacked by the
+        # loop, so none is kept as it is.
+        body = compress_residuals(fn, compressed, data_argnums=(0, 2), keep_arguments=False)
+        return lambda h, block_xs: body(h, block_xs, *closed)
+
     if length == 1:
         # A lone block may change the shape (stride, width), which a scan carry cannot;
         # outside a loop, CSE must be prevented explicitly for remat to hold.
         if spec.enabled:
             apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=True)
-        x, out = apply_block(x, jax.tree.map(lambda a: a[0], xs))
+        x, out = outermost(apply_block)(x, jax.tree.map(lambda a: a[0], xs))
         return x, jax.tree.map(lambda a: a[None], out)
     if segment == 1:
         if spec.enabled:
             apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
-        return jax.lax.scan(apply_block, x, xs, unroll=unroll)
-    return _segmented_scan(apply_block, x, xs, length, segment, spec, unroll)
+        return jax.lax.scan(outermost(apply_block), x, xs, unroll=unroll)
+    return _segmented_scan(apply_block, outermost, x, xs, length, segment, spec, unroll)
 
 
-def _segmented_scan(apply_block, x, xs, length: int, segment: int, spec: RematSpec, unroll: bool):
-    """Scans ``length`` blocks in checkpointed segments of ``segment`` blocks (plus a remainder)."""
+def _segmented_scan(
+    apply_block, outermost, x, xs, length: int, segment: int, spec: RematSpec, unroll: bool
+):
+    """Scans ``length`` blocks in checkpointed segments of ``segment`` blocks (plus a remainder);
+    ``outermost`` wraps each segment (:func:`_scan_run`)."""
     full = length // segment * segment
     # Blocks inside a segment are checkpointed too: the backward pass of a segment then holds K
     # block inputs plus one block's internals, not K blocks' internals (n/K + K inputs overall).
     apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
 
-    def run_segment(h, seg_xs):
-        return jax.lax.scan(apply_block, h, seg_xs, unroll=unroll)
+    def run_segment(h, seg_xs, *closed):
+        return jax.lax.scan(lambda c, b: apply_block(c, b, *closed), h, seg_xs, unroll=unroll)
 
-    run_segment = jax.checkpoint(run_segment, policy=spec.policy, prevent_cse=False)
+    run_segment = outermost(jax.checkpoint(run_segment, policy=spec.policy, prevent_cse=False))
     head = jax.tree.map(lambda a: a[:full].reshape((-1, segment) + a.shape[1:]), xs)
     x, ys = jax.lax.scan(run_segment, x, head, unroll=unroll)
     ys = jax.tree.map(lambda a: a.reshape((full,) + a.shape[2:]), ys)

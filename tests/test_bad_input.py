@@ -116,6 +116,7 @@ def test_missing_datasets_are_one_line_with_how_to_prepare_them(tmp_path, capsys
         (["analyze", "--plain", "--remat", "full", "--microbatches", "2"],
          "--plain is the step without any technique; it takes no --microbatches, --remat"),
         (["analyze", "--plain", "--sparsity", "0.5"], "it takes no --sparsity"),
+        (["analyze", "--activations", "int3"], "Unknown activations='int3'; allowed values"),
         (["analyze", "--model", "dynamicconv-small", "--input-dtype", "uint8"],
          "input_dtype='uint8' applies to image batches"),
         (["report", "--model", "foo", "--shard-devices", "none"], "Unknown model='foo'"),

@@ -19,6 +19,8 @@ order  technique          acts on
 20     loss_scale         the gradient (scale, unscale, skip, adjust): the step's core
 30     microbatches       the gradient (``lax.scan`` accumulation)
 40     remat              the model, per block
+45     activations        the loss: the residuals its backward pass reads, stored compressed
+                          (around remat's checkpoints: a block's saved input is compressed too)
 50     sparsity           the optimizer and the parameters' storage
 60     optimizer_state    the optimizer state's stored format
 80     shard              the step's layouts over a device mesh; zero3's gathering

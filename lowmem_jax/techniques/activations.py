@@ -1,0 +1,80 @@
+"""Compressed activations (:mod:`lowmem_jax.activation_compression`): ``activations``."""
+
+from lowmem_jax import activation_compression as compression_lib
+from lowmem_jax.technique import EnvelopeRule, PlanField, Technique, Verdict
+
+
+def _wrap_loss(loss_fn, plan):
+    """The model's loss with its activation residuals compressed: those that depend on the
+    batch (argument 2 of ``loss_fn(params, model_state, batch, rng)``); scanned block stacks
+    compress per block inside their loop."""
+    return compression_lib.compress_residuals(loss_fn, plan.activations, data_argnums=(2,))
+
+
+def _outside(config, limit):
+    fmt = config.get("activations", "none")
+    return None if fmt in limit else f"activations {fmt}"
+
+
+def _took_effect(evidence, plan):
+    """The residuals the step stores compressed (its ``compress_activation`` calls), with their
+    bytes before and after; calls inside a loop count once."""
+    spec = compression_lib.parse_spec(plan.activations)
+    if not spec.enabled:
+        return None
+    # Autodiff may split a call, leaving pieces that compute constants (no operands).
+    calls = [
+        eqn.params["jaxpr"]
+        for eqn, _ in evidence.equations()
+        if eqn.primitive.name in ("pjit", "jit")
+        and eqn.params.get("name") == compression_lib.compress_activation.__name__
+        and eqn.params["jaxpr"].in_avals
+    ]
+    before = sum(_nbytes(jaxpr.in_avals[0]) for jaxpr in calls)
+    after = sum(_nbytes(jaxpr.out_avals[0]) for jaxpr in calls)
+    return Verdict(
+        "activations",
+        bool(calls),
+        f"{len(calls)} activation residuals stored in {spec.name}: {before / 2**20:.2f} -> "
+        f"{after / 2**20:.2f} MiB per call (a loop's body counts once)",
+    )
+
+
+def _nbytes(aval) -> int:
+    return aval.size * aval.dtype.itemsize
+
+
+TECHNIQUE = Technique(
+    name="activations",
+    order=45,
+    fields=(
+        PlanField(
+            "activations",
+            str,
+            "none",
+            "the stored format of the activation residuals the backward pass reads "
+            "(:mod:`lowmem_jax.activation_compression`): ``none``, ``bf16``, ``int8``, "
+            "``int4``, ``int2`` (per-group minimum and range, stochastic rounding as in "
+            "ActNN; ``int8:nearest`` etc. round to nearest). The forward pass is exact; "
+            "weight gradients and gradients through nonlinearities see the compression.",
+            help="stored format of the activations the backward pass reads: none, bf16, int8, "
+            "int4, int2 (ActNN-style per-group quantization with stochastic rounding; "
+            "NAME:nearest rounds to nearest). Forward values are exact",
+            choices=None,
+            omit_default=True,
+        ),
+    ),
+    validate=lambda plan: compression_lib.parse_spec(plan.activations),
+    label=lambda plan: None if plan.activations == "none" else f"act {plan.activations}",
+    wrap_loss=_wrap_loss,
+    compiler_options=lambda plan: compression_lib.compiler_options(plan.activations),
+    # Not in the report; inside its envelope only where measured to keep accuracy (none yet).
+    envelope=EnvelopeRule(
+        "activations",
+        {"report": ("none",), "any": compression_lib.FORMATS},
+        _outside,
+    ),
+    # Not searched until its accuracy on the benchmarks is measured (issue 39).
+    axis=None,
+    took_effect=_took_effect,
+)
