@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import lowmem_jax as lm
 from lowmem_jax import activation_compression as ac
+from lowmem_jax.activation_formats import MASK
 
 INT_FORMATS = ["int8", "int4", "int2"]
 
@@ -71,9 +72,9 @@ def test_bf16_and_bit_masks_store_what_they_promise():
     x = jax.random.normal(jax.random.key(0), (33, 65))
     np.testing.assert_array_equal(_roundtrip(x, "bf16"), x.astype(jnp.bfloat16).astype(x.dtype))
     mask = x > 0.3
-    stored = ac.compress(mask, ac._MASK)
+    stored = ac.compress(mask, MASK)
     assert stored.dtype == jnp.uint8 and stored.size == -(-mask.size // 8)
-    np.testing.assert_array_equal(ac.decompress(stored, mask.shape, mask.dtype, ac._MASK), mask)
+    np.testing.assert_array_equal(ac.decompress(stored, mask.shape, mask.dtype, MASK), mask)
 
 
 @pytest.mark.parametrize("name", ["none", "bf16", "int8", "int4", "int2", "int8:nearest"])
@@ -161,6 +162,32 @@ def test_a_scanned_stack_compresses_one_block_at_a_time():
     residuals = closed.jaxpr.outvars[trees["n_out"] :]
     stacked = [v for v in residuals if v.aval.dtype == jnp.uint8 and v.aval.ndim == 3]
     assert len(stacked) >= 3  # [blocks, groups, bytes]: compressed inside the loop
+
+
+def test_a_loop_of_the_user_s_own_compresses_one_iteration_at_a_time():
+    # A scan over layers written with lax.scan (what nn.scan / nnx.scan become): its body is
+    # compressed inside the loop, so the loop stacks compressed residuals.
+    def loss(w, x):
+        h, _ = jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)
+        return jnp.mean(h**2)
+
+    w = jax.random.normal(jax.random.key(0), (6, 64, 64)) / 8
+    x = jax.random.normal(jax.random.key(1), (256, 64))
+    compressed = ac.compress_residuals(loss, "int8", data_argnums=(1,))
+    grads = jax.jit(jax.grad(compressed))(w, x)
+    reference = jax.grad(loss)(w, x)
+    assert 0 < jnp.linalg.norm(grads - reference) < 0.01 * jnp.linalg.norm(reference)
+    closed, trees, _ = ac._plan_residuals(loss, (w, x), (1,), ac.parse_spec("int8"))
+    residuals = [v.aval for v in closed.jaxpr.outvars[trees["n_out"] :]]
+    assert any(a.dtype == jnp.uint8 and a.shape[0] == 6 for a in residuals)  # [layers, ...]
+    assert not any(
+        jnp.issubdtype(a.dtype, jnp.floating) and a.size >= 6 * 256 * 64 for a in residuals
+    )
+
+    def temp(fn):
+        return jax.jit(jax.grad(fn)).lower(w, x).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(compressed) < 0.5 * temp(loss)
 
 
 def _step_memory(model, variables, batch, plan):

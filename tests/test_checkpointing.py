@@ -14,6 +14,7 @@ import pytest
 from conftest import assert_tensorboard_matches_jsonl
 
 import lowmem_jax as lm
+from lowmem_jax import cli
 from lowmem_jax.checkpointing import (
     Checkpointer,
     CheckpointError,
@@ -202,7 +203,17 @@ def _listing(directory) -> dict[str, int]:
     return {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")}
 
 
-def test_a_checkpoint_directory_survives_a_wrong_resume_and_a_second_run(tmp_path):
+def _refusal(command, capsys) -> str:
+    """``lowmem train``'s one-line error (exit 2) for ``command`` (a ``SHORT``-style command
+    line), run in this process."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(command[3:])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_checkpoint_directory_survives_a_wrong_resume_and_a_second_run(tmp_path, capsys):
     """Resuming with one wrong flag renamed every good checkpoint to <step>.corrupt, and a new
     run in the directory deleted the old run's checkpoints and overwrote its metrics: both are
     refused in one line (exit 2) before anything is built, and the directory is untouched (and
@@ -214,22 +225,16 @@ def test_a_checkpoint_directory_survives_a_wrong_resume_and_a_second_run(tmp_pat
     before = _listing(tmp_path)
     assert {"5", "10", "run.json", "metrics.jsonl"} <= set(before)
 
-    wrong = subprocess.run(
-        [*SHORT, "--model", "wrn-16-2", "--checkpoint-dir", str(tmp_path), "--resume"],
-        capture_output=True, text=True, timeout=600, env=RUN_ENV,
-    )  # fmt: skip
-    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
-    assert "model: 'wrn-10-1' in the run, 'wrn-16-2' in this command" in wrong.stderr
-    again = subprocess.run([*SHORT, "--seed", "1", "--checkpoint-dir", str(tmp_path)],
-                           capture_output=True, text=True, timeout=600, env=RUN_ENV)  # fmt: skip
-    assert again.returncode == 2 and "already holds a run (checkpoints at steps 5, 10)" in (
-        again.stderr
-    )
-    assert "--resume" in again.stderr and "--overwrite" in again.stderr
-    fewer = subprocess.run([*SHORT, "--steps", "5", "--checkpoint-dir", str(tmp_path), "--resume"],
-                           capture_output=True, text=True, timeout=600, env=RUN_ENV)  # fmt: skip
-    assert fewer.returncode == 2 and len(fewer.stderr.strip().splitlines()) == 1, fewer.stderr
-    assert f"the run in checkpoint_dir={tmp_path} is at step 10, past the 5 steps" in fewer.stderr
+    # The refusals come before anything is built: in this process, as `lowmem train` runs them.
+    wrong = _refusal([*SHORT, "--model", "wrn-16-2", "--checkpoint-dir", str(tmp_path),
+                      "--resume"], capsys)  # fmt: skip
+    assert "model: 'wrn-10-1' in the run, 'wrn-16-2' in this command" in wrong
+    again = _refusal([*SHORT, "--seed", "1", "--checkpoint-dir", str(tmp_path)], capsys)
+    assert "already holds a run (checkpoints at steps 5, 10)" in again
+    assert "--resume" in again and "--overwrite" in again
+    fewer = _refusal([*SHORT, "--steps", "5", "--checkpoint-dir", str(tmp_path), "--resume"],
+                     capsys)  # fmt: skip
+    assert f"the run in checkpoint_dir={tmp_path} is at step 10, past the 5 steps" in fewer
     assert _listing(tmp_path) == before  # nothing renamed, deleted or overwritten
 
     resumed = subprocess.run(
