@@ -92,16 +92,14 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
             rows[1],
         ),
     ]
-    if digits:  # compressed activations alone, at each width (issue 39)
-        out += [
-            (
-                study.Variant(
-                    f"act_{fmt}", "activations", f"activations {fmt}", Plan(activations=fmt)
-                ),
-                None,
-            )
-            for fmt in ("int8", "int2")
-        ]
+    # Compressed activations alone, at two widths (issue 39).
+    out += [
+        (
+            study.Variant(f"act_{fmt}", "activations", f"activations {fmt}", Plan(activations=fmt)),
+            None,
+        )
+        for fmt in ("int8", "int2")
+    ]
     if not digits:  # which part of the best row costs the accuracy: each half alone
         dense = dataclasses.replace(best, sparsity=None)
         mixed = dataclasses.replace(best, precision="mixed_fp16")

@@ -282,9 +282,10 @@ def test_the_figures_quoted_are_the_committed_benchmark_s():
 def test_the_accuracy_quoted_is_the_committed_study_s():
     root = pathlib.Path(__file__).parents[1]
     result = json.loads((root / "experiments/results/envelope_accuracy/accuracy.json").read_text())
-    rows = {r["name"]: r for r in result["tasks"]["digits"]}
     page = " ".join((root / "docs" / "techniques.md").read_text().split())
-    for fmt in ("int8", "int2"):
-        delta = rows[f"act_{fmt}"]["delta_vs_baseline"]
-        low, high = (100 * x for x in delta["ci95"])
-        assert f"`{fmt}` {100 * delta['mean']:+.2f} [{low:+.2f}, {high:+.2f}]" in page
+    for task, scale in (("digits", 100), ("translation", 1)):  # points; BLEU
+        rows = {r["name"]: r for r in result["tasks"][task]}
+        for fmt in ("int8", "int2"):
+            delta = rows[f"act_{fmt}"]["delta_vs_baseline"]
+            low, high = (scale * x for x in delta["ci95"])
+            assert f"`{fmt}` {scale * delta['mean']:+.2f} [{low:+.2f}, {high:+.2f}]" in page
