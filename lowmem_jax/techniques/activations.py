@@ -6,8 +6,8 @@ from lowmem_jax.technique import EnvelopeRule, PlanField, Technique, Verdict
 
 def _wrap_loss(loss_fn, plan):
     """The model's loss with its activation residuals compressed: those that depend on the
-    batch (argument 2 of ``loss_fn(params, model_state, batch, rng)``); scanned block stacks
-    compress per block inside their loop."""
+    batch (argument 2 of ``loss_fn(params, model_state, batch, rng)``); loops (scanned block
+    stacks, a model's own scans) compress per iteration inside the loop."""
     return compression_lib.compress_residuals(loss_fn, plan.activations, data_argnums=(2,))
 
 
@@ -17,8 +17,9 @@ def _outside(config, limit):
 
 
 def _took_effect(evidence, plan):
-    """The residuals the step stores compressed (its ``compress_activation`` calls), with their
-    bytes before and after; calls inside a loop count once."""
+    """The residuals the step stores compressed (its ``compress_activation`` calls: floating
+    ones in the format, boolean masks in bits), with their bytes before and after; calls inside
+    a loop count once."""
     spec = compression_lib.parse_spec(plan.activations)
     if not spec.enabled:
         return None
@@ -35,7 +36,8 @@ def _took_effect(evidence, plan):
     return Verdict(
         "activations",
         bool(calls),
-        f"{len(calls)} activation residuals stored in {spec.name}: {before / 2**20:.2f} -> "
+        f"{len(calls)} activation residuals stored in {spec.name} (masks in bits): "
+        f"{before / 2**20:.2f} -> "
         f"{after / 2**20:.2f} MiB per call (a loop's body counts once)",
     )
 
@@ -68,7 +70,8 @@ TECHNIQUE = Technique(
     label=lambda plan: None if plan.activations == "none" else f"act {plan.activations}",
     wrap_loss=_wrap_loss,
     compiler_options=lambda plan: compression_lib.compiler_options(plan.activations),
-    # Not in the report; inside its envelope only where measured to keep accuracy (none yet).
+    # Not in the report. Measured: within -0.5 points on digits at int8 and int2, but -6.68 BLEU
+    # (int8) and -54.74 (int2) on the translation stand-in: inside no envelope but "any".
     envelope=EnvelopeRule(
         "activations",
         {"report": ("none",), "any": compression_lib.FORMATS},
