@@ -129,8 +129,9 @@ class Setup:
 
     def example_batch(self, seed: int = 0) -> dict[str, jax.Array]:
         """A random batch of the workload's shapes: float images ~ N(0, 1) (uint8 ones uniform
-        in [0, 256)), labels in [0, 10),
-        tokens in [4, 1000) (no padding, no special ids)."""
+        in [0, 256)), labels in [0, 10), tokens in [4, min(1000, the model's vocabulary)) (no
+        padding, no special ids; ``src`` from ``src_vocab_size``, the others from
+        ``tgt_vocab_size`` where the model has them)."""
         keys = jax.random.split(jax.random.PRNGKey(seed), len(self.workload.batch))
         out = {}
         for key, (name, leaf) in zip(keys, sorted(self.workload.batch.items()), strict=True):
@@ -141,7 +142,9 @@ class Setup:
             elif name == "label":
                 out[name] = jax.random.randint(key, leaf.shape, 0, 10, leaf.dtype)
             else:
-                out[name] = jax.random.randint(key, leaf.shape, 4, 1000, leaf.dtype)
+                field = "src_vocab_size" if name == "src" else "tgt_vocab_size"
+                vocab = min(1000, getattr(self.workload.model, field, 1000))
+                out[name] = jax.random.randint(key, leaf.shape, 4, vocab, leaf.dtype)
         return out
 
     def verdicts(self) -> list[Verdict]:

@@ -68,6 +68,17 @@ def test_dynamicconv_workloads_are_translation_with_token_batches(
     assert workload(name).batch["src"].shape == (100, 40)  # the recipe's 4,000 tokens
 
 
+def test_the_example_batch_of_a_small_vocabulary_gives_a_finite_loss():
+    """dynamicconv-small's vocabularies are 32 tokens: example tokens up to 1,000 made every
+    label out of range (a NaN loss, every step skipped)."""
+    setup = lm.build(workload("dynamicconv-small", 4, seq_len=8, **TINY_TRANSLATION), lm.Plan())
+    batch = setup.example_batch()
+    assert all(int(x.max()) < 32 and int(x.min()) >= 4 for x in batch.values())
+    state = setup.init_state(batch)
+    loss, _ = setup.loss_fn(state.params, state.model_state, batch, jax.random.key(0))
+    assert jnp.isfinite(loss)
+
+
 def test_model_overrides_reach_the_model():
     model = workload("dynamicconv-small", dropout=0.0, **TINY_TRANSLATION).model
     assert model.dropout == 0.0 and model.embed_dim == 32 and model.encoder_kernel_sizes == (3,)
