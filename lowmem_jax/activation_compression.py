@@ -145,24 +145,35 @@ def _action(var: Any, activation: bool, producer: Any, spec: ActivationSpec) -> 
     return None
 
 
+def _stored_format(action: Any, spec: ActivationSpec) -> ActivationSpec | None:
+    """The format an action stores its residual in (``None``: as it is, or not at all)."""
+    return {"compress": spec, "bits": MASK}.get(action) if isinstance(action, str) else None
+
+
 def _store(x: jax.Array, action: Any, spec: ActivationSpec) -> Any:
-    if action == "compress":
-        return compress_activation(x, spec)
-    if action == "bits":
-        return compress_activation(x, MASK)
-    if action is not None:
-        return None  # a fill
-    return x
+    fmt = _stored_format(action, spec)
+    if fmt is not None:
+        return compress_activation(x, fmt)
+    return None if action is not None else x  # a fill is rebuilt, not stored
 
 
 def _load(stored: Any, action: Any, shape: Any, dtype: Any, spec: ActivationSpec) -> jax.Array:
-    if action == "compress":
-        return decompress(stored, shape, dtype, spec)
-    if action == "bits":
-        return decompress(stored, shape, dtype, MASK)
-    if action is not None:
-        return jnp.full(shape, action[1], dtype)
-    return stored
+    fmt = _stored_format(action, spec)
+    if fmt is not None:
+        return decompress(stored, shape, dtype, fmt)
+    return jnp.full(shape, action[1], dtype) if action is not None else stored
+
+
+def _barrier(stored: list, actions: list, other: Any) -> tuple[list, Any]:
+    """``stored`` with its compressed arrays passed through one optimization barrier together
+    with ``other`` (the others untouched: a residual kept as it is, a block's weights, must stay
+    the very array, which a loop then recognises as its input and does not stack a copy of)."""
+    packed = [i for i, a in enumerate(actions) if a in ("compress", "bits")]
+    barred, other = lax.optimization_barrier(([stored[i] for i in packed], other))
+    stored = list(stored)
+    for i, x in zip(packed, barred, strict=True):
+        stored[i] = x
+    return stored, other
 
 
 def _body_wrapper(spec: ActivationSpec):
@@ -264,23 +275,13 @@ def compress_residuals(
             # The outputs wait for the compressed residuals: else XLA may compress late (the
             # float residuals kept meanwhile) or fuse the compression into the backward pass's
             # decompression (one fusion reading the float residual, kept until then).
-            # Only the compressed ones: a residual passed through as it is (a block's weights)
-            # must stay the very array, which a loop then recognises as its input and does not
-            # stack a copy of.
-            packed = [i for i, c in enumerate(chosen) if c in ("compress", "bits")]
-            out_leaves, barred = lax.optimization_barrier((out_leaves, [stored[i] for i in packed]))
-            for i, x in zip(packed, barred, strict=True):
-                stored[i] = x
+            stored, out_leaves = _barrier(stored, chosen, out_leaves)
             return jax.tree.unflatten(trees["out"], out_leaves), stored
 
         def backward(stored, cotangent):
             trees, chosen, avals = saved["trees"], saved["chosen"], saved["avals"]
             # Decompressed when the backward pass reaches this function, not hoisted earlier.
-            packed = [i for i, c in enumerate(chosen) if c in ("compress", "bits")]
-            barred, cotangent = lax.optimization_barrier(([stored[i] for i in packed], cotangent))
-            stored = list(stored)
-            for i, x in zip(packed, barred, strict=True):
-                stored[i] = x
+            stored, cotangent = _barrier(stored, chosen, cotangent)
             res = [
                 _load(s, c, shape, dtype, spec)
                 for s, c, (shape, dtype) in zip(stored, chosen, avals, strict=True)

@@ -109,10 +109,10 @@ def _mlp_args():
 def test_forward_is_exact_and_gradients_are_near_float32(name, tolerance):
     w, x = _mlp_args()
     compressed = ac.compress_residuals(_mlp, name, data_argnums=(1,))
-    assert compressed(w, x) == _mlp(w, x)
+    assert compressed(w, x) == _mlp(w, x)  # the same program: bitwise
     loss, grads = jax.jit(jax.value_and_grad(compressed))(w, x)
     ref_loss, ref = jax.value_and_grad(_mlp)(w, x)
-    assert loss == ref_loss
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)  # another program: float32 rounding
     for key in ("a", "b"):
         rel = jnp.linalg.norm(grads[key] - ref[key]) / jnp.linalg.norm(ref[key])
         assert 0 < rel < tolerance, (key, rel)
@@ -120,7 +120,8 @@ def test_forward_is_exact_and_gradients_are_near_float32(name, tolerance):
 
 def test_parameters_are_stored_as_they_are():
     # A linear map of a computed activation: the input gradient reads only the weights, which
-    # must not be compressed, so it is exact; the weight gradient reads the compressed input.
+    # must not be compressed, so it is the float32 one; the weight gradient reads the compressed
+    # input (int2: far off).
     def linear(w, x):
         return jnp.sum(((2 * x) @ w) * jnp.arange(w.shape[1], dtype=jnp.float32))
 
@@ -128,8 +129,9 @@ def test_parameters_are_stored_as_they_are():
     grad = jax.grad(ac.compress_residuals(linear, "int2", data_argnums=(1,)), argnums=(0, 1))
     dw, dx = jax.jit(grad)(w, x)
     ref_dw, ref_dx = jax.grad(linear, argnums=(0, 1))(w, x)
-    np.testing.assert_array_equal(dx, ref_dx)
-    assert not np.array_equal(dw, ref_dw)
+    # Two programs: equal to float32 rounding; the weight gradient is off by the compression.
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-5, atol=1e-6 * float(jnp.abs(ref_dx).max()))
+    assert jnp.linalg.norm(dw - ref_dw) > 1e-3 * jnp.linalg.norm(ref_dw)
 
 
 def test_stored_bytes_fall_with_the_bits():
