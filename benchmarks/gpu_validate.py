@@ -17,6 +17,13 @@ initialise a state on a random batch of the workload's shapes, compile, run one 
 * the measured step time (median of ``--repeats``), and each figure's ratio to ``plain``
   measured in the same run.
 
+On a backend that keeps memory statistics, each configuration runs in two processes: the
+first compiles the step and the initialisation into a persistent compilation cache, the
+second reads them back and measures. A GPU compile autotunes its kernels, and the
+autotuner's scratch buffers would otherwise set the process's peak. ``--jobs N`` measures N
+configurations at once: they compile in parallel and take turns, under a file lock, for the
+timed steps.
+
 A configuration that fails (e.g. out of memory) is recorded with its error and the run goes on.
 
 Usage::
@@ -31,18 +38,26 @@ Writes ``<out-dir>/validate_<backend>.{json,md,png}``; on a GPU, commit them as
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import fcntl
 import json
 import os
 import platform
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import validate_results  # noqa: E402
+from benchmarks.validate_results import PLAIN  # noqa: E402
+
 # The models of the committed memory reports (their default batches: 128 images, 100 x 40 tokens).
 MODELS = ("wrn-28-2", "dynamicconv-iwslt")
-PLAIN = "plain"
-MIB = 2.0**20
 _WORKER = "--worker"
 _RESULT_MARK = "GPU_VALIDATE_RESULT "
 
@@ -67,8 +82,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     from lowmem_jax.step_timing import time_step
     from lowmem_jax.workloads import build, build_plain, workload
 
-    # Only where asked for (the tests): a cached executable makes compile_seconds meaningless.
-    _use_compilation_cache(os.environ.get("LOWMEM_CACHE_DIR", ""))
+    # The run's own cache (phase "compile" writes it, phase "measure" reads it), else only where
+    # asked for (the tests): a cached executable makes compile_seconds meaningless.
+    _use_compilation_cache(spec.get("cache_dir") or os.environ.get("LOWMEM_CACHE_DIR", ""))
 
     work = workload(
         spec["model"], spec["batch_size"], seq_len=spec["seq_len"], image_size=spec["image_size"]
@@ -79,16 +95,20 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         plans = {name: plan for name, _, plan in _grid(spec["model"], spec["batch_size"])}
         setup = build(work, plans[spec["name"]])
     device = jax.devices()[0]
+    # Compiled from shapes, before any buffer exists: with --jobs, workers compile at once.
+    start = time.perf_counter()
+    compiled = setup.step.lower(setup.abstract_state(), setup.abstract_batch()).compile()
+    compile_s = time.perf_counter() - start
     batch = setup.example_batch()
     state = setup.init_state(batch)
     jax.block_until_ready(state)
+    if spec.get("phase") == "compile":  # the executables are in the cache now
+        return {"name": spec["name"], "compile_seconds": compile_s}
     # Before the step: the state and batch in use, and the peak initialisation reached; a
     # runtime peak no higher after the steps was set by initialisation, not by the step.
     at_init = device.memory_stats()
-    start = time.perf_counter()
-    compiled = setup.step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - start
-    timed = time_step(compiled, state, batch, spec["repeats"])
+    with _device_lock(spec.get("lock")):  # one worker's timed steps on the device at a time
+        timed = time_step(compiled, state, batch, spec["repeats"])
     stats = device.memory_stats()
     inspected = None
     if spec.get("inspect"):  # XLA's buffers at the compiled step's peak (lm.inspect)
@@ -116,113 +136,61 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_fresh(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """:func:`measure` in a new process; a failure becomes ``{"name", "error"}``."""
+@contextlib.contextmanager
+def _device_lock(path: str | None):
+    """An exclusive lock on ``path`` (a file) while the body runs; no lock for ``None``."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_fresh(spec: dict[str, Any], timeout: float, cache_dir: str | None = None) -> dict[str, Any]:
+    """:func:`measure` in a new process; a failure becomes ``{"name", "error"}``.
+
+    With ``cache_dir`` (a backend that keeps memory statistics), in two processes: the first
+    compiles the step and the initialisation into JAX's persistent cache there, the second
+    reads them back and measures. Compiling on a GPU runs the autotuner, whose scratch buffers
+    would otherwise set the process's peak (hundreds of MiB above a small step's own).
+    """
+    if cache_dir is None:
+        return _run_worker(spec, timeout)
+    first = _run_worker({**spec, "cache_dir": cache_dir, "phase": "compile"}, timeout)
+    if "error" in first:
+        return first
+    row = _run_worker({**spec, "cache_dir": cache_dir, "phase": "measure"}, timeout)
+    if "error" not in row:  # the compile that ran, not the cache read
+        row["compile_seconds"], row["cached_compile_seconds"] = (
+            first["compile_seconds"], row["compile_seconds"])  # fmt: skip
+    return row
+
+
+def _run_worker(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), _WORKER, json.dumps(spec)]
+    # Each worker takes device memory as it needs it (not 75% up front), so several fit at once
+    # and the allocator's peak is the step's own.
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"name": spec["name"], "error": f"timed out after {timeout:g} s"}
     for line in proc.stdout.splitlines():
         if line.startswith(_RESULT_MARK):
             return json.loads(line[len(_RESULT_MARK) :])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"name": spec["name"], "error": f"exit {proc.returncode}: {tail[:300]}"}
+    lines = proc.stderr.strip().splitlines() or ["no output"]
+    return {"name": spec["name"], "error": f"exit {proc.returncode}: {_error_line(lines)[:300]}",
+            "stderr_tail": lines[-25:]}  # fmt: skip
 
 
-def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each row's figures over ``plain``'s (the first row), where both were measured."""
-    plain = rows[0]
-    for r in rows:
-        ok = "error" not in r and "error" not in plain
-        r["reduction_xla_vs_plain"] = (
-            plain["xla"]["total_bytes"] / r["xla"]["total_bytes"] if ok else None
-        )
-        peaks = ok and r["runtime_peak_bytes"] and plain["runtime_peak_bytes"]
-        r["reduction_runtime_vs_plain"] = (
-            plain["runtime_peak_bytes"] / r["runtime_peak_bytes"] if peaks else None
-        )
-        r["time_vs_plain"] = r["step_seconds"] / plain["step_seconds"] if ok else None
-
-
-def _fmt(value: float | None, spec: str, unit: str = "") -> str:
-    return "n/a" if value is None else format(value, spec) + unit
-
-
-def _summary(r: dict[str, Any]) -> str:
-    if "error" in r:
-        return f"{r['name']:45s} ERROR {r['error']}"
-    peak = r["runtime_peak_bytes"]
-    return (
-        f"{r['name']:45s} XLA total {r['xla']['total_bytes'] / MIB:8.1f} MiB  runtime peak "
-        f"{_fmt(peak and peak / MIB, '.1f', ' MiB')}  step {1e3 * r['step_seconds']:.1f} ms"
-    )
-
-
-def to_markdown(result: dict[str, Any]) -> str:
-    src = f"XLA:{result['backend'].upper()}"
-    lines = [
-        f"# The report grid run on {result['device']}",
-        "",
-        f"Each configuration in a fresh process; {src} columns are compiled figures (total = "
-        "argument + output + temp - alias); `runtime peak` is `peak_bytes_in_use` of the device "
-        "after the steps (state and batch included; "
-        + ("not kept by the CPU backend, hence n/a" if result["backend"] == "cpu" else "runtime")
-        + f"); step time is the median of {result['repeats']} steps after a warm-up. Ratios are "
-        "against `plain` (a Flax/Optax step with no technique) in the same run.",
-        "",
-        f"Made by: `{result['command']}`",
-    ]
-    for model in result["models"]:
-        lines += [
-            "",
-            f"## `{model['model']}`, batch {model['batch_size']}",
-            "",
-            f"| config | {src} total MiB | runtime peak MiB | reduction ({src}) "
-            "| reduction (runtime) | ms / step | time / plain |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in model["configs"]:
-            if "error" in r:
-                lines.append(f"| {r['name']} | error: {r['error']} | | | | | |")
-                continue
-            peak = r["runtime_peak_bytes"]
-            lines.append(
-                f"| {r['name']} | {r['xla']['total_bytes'] / MIB:.1f} | "
-                f"{_fmt(peak and peak / MIB, '.1f')} | "
-                f"{_fmt(r['reduction_xla_vs_plain'], '.2f', 'x')} | "
-                f"{_fmt(r['reduction_runtime_vs_plain'], '.2f', 'x')} | "
-                f"{1e3 * r['step_seconds']:.1f} | {_fmt(r['time_vs_plain'], '.2f')} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    src = f"XLA:{result['backend'].upper()}"
-    models = result["models"]
-    height = max(len(m["configs"]) for m in models) * 0.3 + 1.5
-    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), height), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        rows = [r for r in model["configs"] if "error" not in r]
-        names = [r["name"] for r in rows]
-        ax.barh(names, [r["xla"]["total_bytes"] / MIB for r in rows], label=f"{src} total")
-        peaks = [(r["runtime_peak_bytes"] or 0) / MIB for r in rows]
-        if any(peaks):
-            ax.scatter(peaks, names, color="k", marker="|", s=200, zorder=3, label="runtime peak")
-        ax.set_xscale("log")
-        ax.set_xlabel("MiB (log)")
-        ax.invert_yaxis()
-        ax.set_title(f"{model['model']}, batch {model['batch_size']}", fontsize=10)
-        ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Training step memory on {result['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _error_line(lines: list[str]) -> str:
+    """The exception's own line of a traceback (JAX prints a notice after it), else the last."""
+    errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b", line)]
+    return (errors or lines)[-1]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -246,13 +214,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="configurations measured at once, each in its own process: they compile in "
+        "parallel and take turns (a file lock) for the timed steps",
+    )
+    parser.add_argument(
         "--inspect",
         action="store_true",
         help="also record XLA's buffers at each compiled step's peak by category (lm.inspect: "
         "one more compile per configuration)",
     )
     args = parser.parse_args(argv)
-    for flag in ("batch_size", "seq_len", "image_size", "repeats"):
+    for flag in ("batch_size", "seq_len", "image_size", "repeats", "jobs"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -265,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_RESULT_MARK + json.dumps(measure(json.loads(argv[1]))), flush=True)
         return 0
     args = _parse(argv)
+    # This process only names the device: it must not take 75% of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     from lowmem_jax.workloads import workload
@@ -290,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         plans.append((model, work.batch_size, [PLAIN, *(c for c in wanted if c != PLAIN)]))
 
     device = jax.devices()[0]
+    memory_stats = device.memory_stats() is not None
     result: dict[str, Any] = {
         "backend": jax.default_backend(),
         "device": f"{device.device_kind} ({jax.default_backend()}, {platform.machine()}, "
@@ -297,32 +275,43 @@ def main(argv: list[str] | None = None) -> int:
         "jax_version": jax.__version__,
         "repeats": args.repeats,
         "command": "python benchmarks/gpu_validate.py " + " ".join(argv),
+        "jobs": args.jobs,
+        # What a runtime peak no higher than runtime_peak_after_init_bytes was set by.
+        "before_step": "initialisation (compiled in an earlier process)" if memory_stats else None,
         "models": [],
     }
-    for model, batch_size, names in plans:
-        rows = []
-        for name in names:
-            spec = {
-                "model": model,
-                "batch_size": batch_size,
-                "seq_len": args.seq_len,
-                "image_size": args.image_size,
-                "repeats": args.repeats,
-                "name": name,
-                "inspect": args.inspect,
-            }
-            rows.append(run_fresh(spec, args.timeout))
-            print(f"{model} {_summary(rows[-1])}", flush=True)
-        add_ratios(rows)
-        result["models"].append({"model": model, "batch_size": batch_size, "configs": rows})
-
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"validate_{result['backend']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(to_markdown(result))
-    plot(result, stem + ".png")
+    lock = os.path.abspath(stem + ".lock") if args.jobs > 1 else None
+    # Where the runtime peak is kept, compile in one process and measure in another.
+    cache_dir = tempfile.mkdtemp(prefix="gpu_validate_cache_") if memory_stats else None
+    specs = [
+        {
+            "model": model,
+            "batch_size": batch_size,
+            "seq_len": args.seq_len,
+            "image_size": args.image_size,
+            "repeats": args.repeats,
+            "name": name,
+            "inspect": args.inspect,
+            "lock": lock,
+        }  # fmt: skip
+        for model, batch_size, names in plans
+        for name in names
+    ]
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        running = {pool.submit(run_fresh, spec, args.timeout, cache_dir): spec for spec in specs}
+        for done in concurrent.futures.as_completed(running):
+            spec = running[done]
+            rows[spec["model"], spec["name"]] = done.result()
+            print(f"{spec['model']} {validate_results.summary(done.result())}", flush=True)
+            # Written after every configuration: a run cut short keeps what it measured.
+            validate_results.write(result, plans, rows, stem, plot_too=len(rows) == len(specs))
+    if lock:
+        os.remove(lock)
+    if cache_dir:
+        shutil.rmtree(cache_dir)
     print(f"wrote {stem}.json, .md, .png")
     return 0
 

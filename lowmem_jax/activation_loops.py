@@ -13,7 +13,7 @@ from jax import lax
 from jax._src import source_info_util
 from jax.extend import core as jex_core
 
-from lowmem_jax.jaxprs import scan_dependence
+from lowmem_jax.jaxprs import scan_dependence, scan_layout
 
 __all__ = ["with_wrapped_loops", "MARK"]
 
@@ -102,7 +102,7 @@ def _wrapped_scan(eqn: Any, invals: list, flags: list[bool], wrap: WrapBody) -> 
     """The ``scan`` equation ``eqn`` run with its body wrapped (the body's arguments one by
     one, those that read the data as data)."""
     params = eqn.params
-    body, n_consts, n_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
+    body, (n_consts, n_carry) = params["jaxpr"], scan_layout(params)
     outs = scan_dependence(eqn, flags)
     flags = list(flags)
     for i in range(n_carry):  # a carry the body makes data-dependent is data from then on

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
-__all__ = ["equations", "traced_equations", "data_dependence", "scan_dependence"]
+__all__ = ["equations", "traced_equations", "data_dependence", "scan_dependence", "scan_layout"]
 
 
 def equations(jaxpr: Any, depth: int = 0) -> Iterator[tuple[Any, int]]:
@@ -75,11 +75,21 @@ def _called_jaxpr(eqn: Any) -> Any:
     return None
 
 
+def scan_layout(params: dict[str, Any]) -> tuple[int, int]:
+    """``(constants, carries)``: how many of a ``scan`` equation's inputs are each (the rest
+    are the scanned ``xs``). JAX up to 0.10 names the counts (``num_consts``, ``num_carry``);
+    later versions pack the inputs as ``(consts, carry, xs)`` in ``ft_in``."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def scan_dependence(eqn: Any, ins: list[bool]) -> list[bool]:
     """Which outputs of the ``scan`` equation ``eqn`` (carry, then stacked outputs) depend on its
     inputs flagged in ``ins``: the body analysed to a fixpoint over its carry."""
     body = eqn.params["jaxpr"].jaxpr
-    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry = scan_layout(eqn.params)
     flags = list(ins)
     while True:
         outs = data_dependence(body, flags)

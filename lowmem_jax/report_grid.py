@@ -58,6 +58,8 @@ def standard_grid(
     uint8 = {"input_dtype": "uint8"} if images else None
     if uint8:
         grid.append(("uint8 input", "input", Plan(**uint8)))
+    for fmt in ("bf16", "int8", "int2"):
+        grid.append((f"act {fmt}", "activations", Plan(activations=fmt)))
     for fmt in ("bf16", "int8", "int4"):
         plan = Plan(optimizer_state=fmt, sparsity=report_sparsity(0.9))
         grid.append((f"sparse 90% dsr + state {fmt}", "optimizer state", plan))
@@ -91,6 +93,10 @@ def standard_grid(
         grid.append((name, "combined", plan))
         if uint8:
             grid.append((f"{name} + uint8 input", "combined", dataclasses.replace(plan, **uint8)))
+        # Compression instead of recomputation: no second forward pass.
+        plan = dataclasses.replace(plan, remat="none", activations="int8")
+        name = f"mixed_fp16 + mb {size} + act int8 + sparse 70%"
+        grid.append((name, "combined", plan))
         # What `lowmem plan` answers at 700 MiB for the IWSLT transformer: float32, remat dots.
         plan = Plan(microbatches=batch_size // size, remat="dots", optimizer_state="bf16",
                     sparsity=report_sparsity(0.7))  # fmt: skip
@@ -127,16 +133,18 @@ GRIDS = ("quick", "full")
 def quick_rows(grid: list[GridRow]) -> list[GridRow]:
     """The rows of ``grid`` that ``--grid quick`` keeps: ``plain`` and ``baseline``;
     ``mixed_fp16``, the microbatch row nearest 8 examples, ``remat full``, ``sparse 70% dsr``,
-    ``state int8``, ``uint8 input`` and ``factorize tucker 25%``; of the combined rows, the
-    in-envelope ones (``mixed_fp16`` with the most techniques; ``lowmem plan``'s float32 answer)
-    and the least-memory ones at 90% sparsity or with a static mask (the last two)."""
+    ``state int8``, ``uint8 input``, ``factorize tucker 25%`` and ``act int8``; of the combined
+    rows, the in-envelope ones (``mixed_fp16`` with the most techniques, compressed activations
+    aside; ``lowmem plan``'s float32 answer) and the least-memory ones at 90% sparsity or with
+    a static mask (the last two)."""
     singles = {"mixed_fp16", "remat full", "sparse 70% dsr", "state int8", "uint8 input",
-               "factorize tucker 25%"}  # fmt: skip
+               "factorize tucker 25%", "act int8"}  # fmt: skip
     micro = [name for name, group, _ in grid if group == "microbatching"]
     if micro:
         singles.add(min(micro, key=lambda n: abs(int(n.split()[-1]) - 8)))
     combined = [name for name, group, _ in grid if group == "combined"]
-    inside = [n for n in combined if n.startswith("mixed_fp16 + ") and "sparse 70%" in n]
+    inside = [n for n in combined if n.startswith("mixed_fp16 + ") and "sparse 70%" in n
+              and "act " not in n]  # fmt: skip
     planned = [n for n in combined if "remat dots + state bf16" in n]  # lowmem plan's answer
     least = [n for n in combined if n.startswith("fp16 + ") and
              ("sparse 90%" in n or "static sparse" in n) and "state" not in n]  # fmt: skip

@@ -192,6 +192,23 @@ def test_a_loop_of_the_user_s_own_compresses_one_iteration_at_a_time():
     assert temp(compressed) < 0.5 * temp(loss)
 
 
+def test_scan_layout_reads_both_of_jax_s_parameter_layouts():
+    from lowmem_jax.jaxprs import scan_layout, traced_equations
+
+    def loop(w, c, xs):  # one constant (w), one carry (c), one scanned input (xs)
+        return jax.lax.scan(lambda c, x: (c * w + x, c), c, xs)
+
+    args = (jnp.float32(2.0), jnp.float32(0.0), jnp.ones(3))
+    (scan,) = [e for e in traced_equations(loop, *args) if e.primitive.name == "scan"]
+    assert scan_layout(scan.params) == (1, 1)
+
+    class Packed:  # JAX 0.11's ft_in: (consts, carry, xs) packed in one flat tree
+        def unpack(self):
+            return ([0, 0], [0], [0, 0, 0])
+
+    assert scan_layout({"ft_in": Packed()}) == (2, 1)
+
+
 def _step_memory(model, variables, batch, plan):
     loss_fn = lm.classifier_loss_fn(plan.configure_model(model))
     tx = plan.wrap_optimizer(optax.sgd(0.1), variables["params"])

@@ -25,10 +25,11 @@ def gpu_validate():
 def test_tiny_grid_on_cpu_measures_each_config_as_lowmem_analyze_compiles_it(
     gpu_validate, tmp_path
 ):
-    argv = ["--out-dir", str(tmp_path), *TINY, "--configs", "baseline", "--inspect"]
+    argv = ["--out-dir", str(tmp_path), *TINY, "--configs", "baseline", "--inspect", "--jobs", "2"]
     assert gpu_validate.main(argv) == 0
     result = json.loads((tmp_path / "validate_cpu.json").read_text())
     assert (tmp_path / "validate_cpu.png").stat().st_size > 0
+    assert not list(tmp_path.glob("*.lock")) and result["jobs"] == 2  # the lock is removed
     assert result["backend"] == "cpu" and result["command"].startswith("python benchmarks/")
     (model,) = result["models"]
     plain, baseline = model["configs"]
@@ -49,6 +50,20 @@ def test_tiny_grid_on_cpu_measures_each_config_as_lowmem_analyze_compiles_it(
     assert baseline["reduction_xla_vs_plain"] == pytest.approx(expected)
     table = (tmp_path / "validate_cpu.md").read_text()
     assert "| baseline |" in table and "n/a" in table
+
+
+@pytest.mark.slow
+def test_two_phases_compile_into_the_cache_then_measure_from_it(gpu_validate, tmp_path):
+    # What a GPU run does (there the autotuner's buffers stay out of the measuring process).
+    spec = {"model": "wrn-10-1", "batch_size": 4, "seq_len": 40, "image_size": 8,
+            "repeats": 1, "name": "baseline", "inspect": False, "lock": None}  # fmt: skip
+    cache = tmp_path / "cache"
+    row = gpu_validate.run_fresh(spec, 300.0, str(cache))
+    assert "error" not in row, row
+    assert any(cache.iterdir())  # the first process wrote the executables
+    assert row["compile_seconds"] > 0 and row["cached_compile_seconds"] > 0
+    assert row["xla"] == analyze_model("wrn-10-1", 4, Plan(), image_size=8).xla
+    assert row["step_seconds"] > 0 and row["loss"] > 0
 
 
 def test_a_config_that_fails_is_recorded_and_the_run_goes_on(gpu_validate, tmp_path):
@@ -81,3 +96,37 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, match):
 def test_help_names_the_output():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--out-dir" in proc.stdout
+
+
+def test_the_gpu_figures_quoted_are_the_committed_run_s():
+    root = BENCHMARKS.parent
+    gpu = json.loads((root / "benchmarks/results/validate_gpu.json").read_text())
+    rows = {(m["model"], c["name"]): c for m in gpu["models"] for c in m["configs"]}
+    assert "H200" in gpu["device"] and gpu["backend"] == "gpu"
+
+    def mib(model, name):
+        return f"{rows[model, name]['xla']['total_bytes'] / 2**20:,.1f}"
+
+    def x(name):
+        return f"{rows['wrn-28-2', name]['reduction_xla_vs_plain']:.1f}x"
+
+    best = "fp16 + mb 2 + remat full + sparse 90% + uint8 input"
+    inside = "mixed_fp16 + mb 8 + remat full + sparse 70% + uint8 input"
+    static = "fp16 + mb 2 + remat full + static sparse 70%"
+    measured = " ".join((root / "docs/measured.md").read_text().split())
+    readme = " ".join((root / "README.md").read_text().split())
+    assert f"**{x(best)}** ({mib('wrn-28-2', best)} of {mib('wrn-28-2', 'plain')} MiB)" in readme
+    assert f"row is {mib('wrn-28-2', best)} MiB (**{x(best)}**" in measured
+    assert f"({mib('wrn-28-2', 'plain')} vs" in measured
+    assert f"{mib('wrn-28-2', inside)} MiB ({x(inside)}" in measured
+    assert f"{mib('wrn-28-2', static)} MiB ({x(static)}" in measured
+    assert f"`baseline` ({mib('dynamicconv-iwslt', 'baseline')} MiB)" in measured
+    assert f"`mixed_fp16` ({mib('dynamicconv-iwslt', 'mixed_fp16')} MiB)" in measured
+    tables = load_benchmark("validate_results")
+    md = (root / "benchmarks/results/validate_gpu.md").read_text()
+    assert md == tables.to_markdown(gpu)  # the table is the JSON's
+    # The comparison table is what backend_compare.py makes of the committed files.
+    compare = load_benchmark("backend_compare")
+    reports = [json.loads((root / p).read_text()) for p in compare.REPORTS]
+    committed = json.loads((root / f"{compare.OUT}.json").read_text())
+    assert committed["models"] == json.loads(json.dumps(compare.compare(gpu, reports)))
