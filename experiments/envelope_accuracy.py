@@ -324,33 +324,52 @@ def held(task: str, rows: list[dict]) -> dict | None:
     return max(ok, key=lambda r: r["reduction_xla_vs_plain"], default=None)
 
 
+def headline_rows(task: str, report: dict, accuracy: dict) -> list[tuple[str, str]]:
+    """``(memory row name, envelope label)`` of the rows the headline shows for ``task``: the
+    best inside the technical report's envelope, the best overall and, where it is another
+    row, the largest measured reduction whose stand-in accuracy meets :data:`GOAL`."""
+    shown = [(report["best_in_envelope"]["name"], "the report's"), (report["best"]["name"], "any")]
+    kept = held(task, accuracy.get(task, []))
+    if kept is not None and kept["memory_row"] not in {name for name, _ in shown}:
+        goal = f"{GOAL[task]:+g} {UNIT[task].split(' of ')[0]}"
+        shown.append((kept["memory_row"], f"any, accuracy within {goal}"))
+    return shown
+
+
+def _cost_cells(cost: dict | None) -> str:
+    if cost is None:
+        return "not measured | not counted"
+    lo, hi = cost["time_ratio_range"]
+    return f"{cost['time_ratio']:.2f} ({lo:.2f}-{hi:.2f}) | {cost['flops_ratio']:.2f}"
+
+
 def headline_table(results: str = study.RESULTS) -> str:
-    """The README's first table: each benchmark's best row inside the technical report's
-    envelope and outside it, measured (XLA:CPU) and analytic against the plain step, with the
-    accuracy of that plan on the CPU stand-in task (``accuracy.json``); then, where it is
-    another row, the largest measured reduction whose stand-in accuracy meets the goal."""
+    """The README's first table: each benchmark's :func:`headline_rows`, measured (XLA:CPU) and
+    analytic against the plain step, each row's step time and FLOPs against the plain step's
+    (``step_cost.json``, :mod:`experiments.headline_cost`), and the accuracy of that plan on
+    the CPU stand-in task (``accuracy.json``)."""
     with open(os.path.join(results, "envelope_accuracy", "accuracy.json")) as f:
         accuracy = json.load(f)["tasks"]
+    cost_path = os.path.join(results, "envelope_accuracy", "step_cost.json")
+    costs = {}
+    if os.path.exists(cost_path):
+        with open(cost_path) as f:
+            costs = {(t, r["name"]): r for t, rows in json.load(f)["tasks"].items() for r in rows}
     lines = [
         "| benchmark | envelope | configuration | XLA:CPU MiB (plain) | reduction vs plain, "
-        "measured (XLA:CPU) | reduction vs plain, analytic | accuracy vs dense fp32 on the "
-        "CPU stand-in: mean [95% interval] |",
-        "|---|---|---|---:|---:|---:|---|",
+        "measured (XLA:CPU) | reduction vs plain, analytic | step time / plain, measured "
+        "(XLA:CPU, median (range) of paired rounds) | FLOPs / plain (jaxpr) | accuracy vs "
+        "dense fp32 on the CPU stand-in: mean [95% interval] |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for task, bench in REPORTS.items():
         report = load_or_run_report(TASKS[task][0])
         rows = {r["name"]: r for r in report["configs"]}
         evidence = {r["memory_row"]: r for r in accuracy.get(task, [])}
         plain_mib = rows["plain"]["xla"]["total_bytes"] / 2**20
-        shown = [(report[k], label) for k, label in (("best_in_envelope", "the report's"),
-                                                      ("best", "any"))]  # fmt: skip
-        kept = held(task, accuracy.get(task, []))
-        if kept is not None and kept["memory_row"] not in {b["name"] for b, _ in shown}:
-            goal = f"{GOAL[task]:+g} {UNIT[task].split(' of ')[0]}"
-            shown.append(({"name": kept["memory_row"]}, f"any, accuracy within {goal}"))
-        for best, label in shown:
-            best = rows[best["name"]]
-            acc = evidence.get(best["name"])
+        for name, label in headline_rows(task, report, accuracy):
+            best = rows[name]
+            acc = evidence.get(name)
             text = "not measured for this plan yet"
             if acc is not None and (acc["delta_vs_baseline"] or {}).get("ci95"):
                 seeds = len(acc["by_seed"])
@@ -358,10 +377,11 @@ def headline_table(results: str = study.RESULTS) -> str:
                 protocol = protocol or f"{seeds} seeds"
                 text = f"{delta_text(acc, task)} {UNIT[task]} ({protocol})"
             lines.append(
-                f"| {bench} | {label} | `{best['name']}` | "
-                f"{rows[best['name']]['xla']['total_bytes'] / 2**20:.1f} ({plain_mib:.1f}) | "
+                f"| {bench} | {label} | `{name}` | "
+                f"{best['xla']['total_bytes'] / 2**20:.1f} ({plain_mib:.1f}) | "
                 f"**{best['reduction_xla_vs_plain']:.1f}x** | "
-                f"{best['reduction_analytic_vs_plain']:.1f}x | {text} |"
+                f"{best['reduction_analytic_vs_plain']:.1f}x | "
+                f"{_cost_cells(costs.get((task, name)))} | {text} |"
             )
     return "\n".join(lines) + "\n"
 

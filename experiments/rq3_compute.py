@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import study  # noqa: E402
 from experiments.memory_reports import MODELS, load_or_run_report  # noqa: E402
 from lowmem_jax.report_grid import divisor_at_most, standard_grid  # noqa: E402
-from lowmem_jax.workloads import build, workload  # noqa: E402
+from lowmem_jax.workloads import build, build_plain, workload  # noqa: E402
 
 OUT = os.path.join(study.RESULTS, "rq3")
 
@@ -57,8 +57,10 @@ def timed_rows(batch_size: int, saved_name: str) -> list:
 
 
 def prepare(model: str, batch_size: int, plan, seq_len: int) -> dict:
-    """Compiles one configuration's step on a real state and batch; runs one warm-up step."""
-    setup = build(workload(model, batch_size, seq_len=seq_len), plan)
+    """Compiles one configuration's step on a real state and batch; runs one warm-up step.
+    ``plan`` ``None``: the plain Flax/Optax step."""
+    work = workload(model, batch_size, seq_len=seq_len)
+    setup = build_plain(work) if plan is None else build(work, plan)
     batch = setup.example_batch()
     state = setup.init_state(batch)
     start = time.perf_counter()

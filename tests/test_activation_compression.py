@@ -294,6 +294,17 @@ def test_the_figures_quoted_are_the_committed_benchmark_s():
         f"{100 * int8['gradient_relative_error']:.1f}%"
     )
     assert quoted in (root / "README.md").read_text()
+    # The report rows quoted: each model's act rows and the in-envelope combination both ways.
+    page = " ".join((root / "docs" / "techniques.md").read_text().split())
+    for folder, micro in (("memory_report", 8), ("memory_report_dynamicconv", 10)):
+        report = json.loads((root / "experiments/results" / folder / "report.json").read_text())
+        configs = {c["name"]: c for c in report["configs"]}
+        names = ["act int8", "act int2", f"mixed_fp16 + mb {micro} + act int8 + sparse 70%",
+                 f"mixed_fp16 + mb {micro} + remat full + sparse 70%"]  # fmt: skip
+        for name in names:
+            c = configs[name]
+            mib, x = c["xla"]["total_bytes"] / 2**20, c["reduction_xla_vs_plain"]
+            assert f"{mib:.1f} MiB ({x:.2f}x)" in page, name
     # The goal, on the committed run: residuals <= 0.3x at <= 1.15x the time.
     assert int8["residual_ratio"] <= 0.3 and int8["time_ratio"] <= 1.15
 

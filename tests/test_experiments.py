@@ -235,3 +235,25 @@ def test_envelope_accuracy_trains_the_plans_of_the_memory_rows_it_quotes():
                 assert cpu.sparsity.compressed and cpu.sparsity.distribution == "uniform"
             if task == "digits":  # the same batch, so the same microbatch size
                 assert cpu.microbatches == full.microbatches, row
+
+
+def test_the_headline_s_step_costs_are_of_the_rows_it_shows():
+    # experiments/headline_cost.py timed exactly the rows the headline shows, and each row's
+    # FLOPs ratio is the committed memory report's count over the plain step's.
+    from experiments import envelope_accuracy
+    from experiments.headline_cost import PATH
+    from experiments.memory_reports import load_or_run_report
+
+    with open(PATH) as f:
+        costs = json.load(f)["tasks"]
+    with open(os.path.join(envelope_accuracy.OUT, "accuracy.json")) as f:
+        accuracy = json.load(f)["tasks"]
+    for task, (model, _, _) in envelope_accuracy.TASKS.items():
+        report = load_or_run_report(model)
+        shown = [name for name, _ in envelope_accuracy.headline_rows(task, report, accuracy)]
+        assert [r["name"] for r in costs[task]] == shown
+        flops = {r["name"]: r["flops"] for r in report["configs"]}
+        for r in costs[task]:
+            assert r["flops_ratio"] == pytest.approx(flops[r["name"]] / flops["plain"])
+            lo, hi = r["time_ratio_range"]
+            assert 0 < lo <= r["time_ratio"] <= hi
