@@ -103,7 +103,11 @@ def add_train_flags(train: argparse.ArgumentParser) -> None:
         "dynamicconv-iwslt for translation datasets (default dynamicconv-small)",
     )
     train.add_argument(
-        "--data-dir", metavar="DIR", help="TFDS data directory; nothing is downloaded"
+        "--data-dir",
+        metavar="DIR",
+        help="TFDS data directory (cifar10, iwslt14, ted_multi), or the folder of Fashion-MNIST's "
+        "IDX files (default: /usr/share/datasets/fashion-mnist, Debian's dataset-fashion-mnist); "
+        "nothing is downloaded",
     )
     add_plan_flags(train, DEFAULT_PLAN)
     run = train.add_argument_group("the run (defaults: the dataset's and the model's recipe)")

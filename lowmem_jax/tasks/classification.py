@@ -1,9 +1,13 @@
-"""Image classification: the WideResNet on digits or CIFAR-10, scored by test accuracy.
+"""Image classification: the WideResNet on digits, Fashion-MNIST or CIFAR-10, scored by test
+accuracy.
 
 Datasets (nothing is downloaded):
 
 * ``digits``: the 1,797 8x8 digits that ship with scikit-learn, split 80/20 by the seed,
   upsampled to ``image_size`` (8, 16 or 32) pixels;
+* ``fashion-mnist``: the 60,000 / 10,000 28x28 images of Fashion-MNIST's IDX files
+  (:mod:`lowmem_jax.data.fashion_mnist`; ``data_dir`` defaults to where Debian's
+  ``dataset-fashion-mnist`` puts them), not augmented;
 * ``cifar10``: read with ``tfds.data_source`` from a TFDS directory prepared once
   (docs/datasets.md); training batches get the WRN augmentation (4-px reflect pad, random
   crop, flip).
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
     from lowmem_jax.loop import TrainConfig
 
 KIND = "classification"
-DATASETS = ("digits", "cifar10")
+DATASETS = ("digits", "fashion-mnist", "cifar10")
 DEFAULT_MODEL = "wrn-16-2"
 MODELS = "wrn-D-K (e.g. wrn-16-2, wrn-28-2)"
 DEFAULT_EPOCHS = 10
@@ -68,6 +72,12 @@ class Task:
                 fold=config.fold,
                 folds=config.folds,
             )
+            self.train, self.test, self.augment = splits["train"], splits["test"], False
+            self.pixel_stats = {k: splits[k] for k in ("pixel_mean", "pixel_std")}
+        elif config.dataset == "fashion-mnist":
+            from lowmem_jax.data import fashion_mnist
+
+            splits = fashion_mnist.load_fashion_mnist(config.data_dir, input_dtype=input_dtype)
             self.train, self.test, self.augment = splits["train"], splits["test"], False
             self.pixel_stats = {k: splits[k] for k in ("pixel_mean", "pixel_std")}
         else:
