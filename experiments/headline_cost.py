@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments import study  # noqa: E402
-from experiments.envelope_accuracy import OUT, TASKS, headline_rows  # noqa: E402
+from experiments.envelope_accuracy import OUT, REPORTS, TASKS, headline_rows  # noqa: E402
 from experiments.memory_reports import MODELS, load_or_run_report  # noqa: E402
 from experiments.rq3_compute import prepare, time_interleaved  # noqa: E402
 from lowmem_jax.report_grid import model_grid  # noqa: E402
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "time_source": "measured steps, XLA:" + study.environment()["backend"].upper(),
         "flops_source": "jaxpr count of the memory report's step",
         "environment": study.environment(),
-        "tasks": {task: measure_task(task, args.repeats) for task in TASKS},
+        "tasks": {task: measure_task(task, args.repeats) for task in REPORTS},
     }
     with open(PATH, "w") as f:
         json.dump(result, f, indent=1)
