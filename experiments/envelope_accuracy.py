@@ -18,7 +18,7 @@ the CPU stand-in tasks next to the dense fp32 baseline:
   rows'; microbatches are 8 per batch (the model has no batch statistics, so the microbatch
   size changes only the summation order; the token batches hold ~40 rows, not 100).
 
-    python experiments/envelope_accuracy.py [--task digits|fashion|translation|all] [--seeds 0,1,...]
+    python experiments/envelope_accuracy.py [--task digits|fashion|translation|all] [--seeds 0,1]
 
 Runs are kept one file each in ``results/envelope_accuracy/<task>/runs`` (a cut-short
 invocation resumes); ``results/envelope_accuracy/accuracy.{json,md,png}`` are rewritten from
