@@ -80,7 +80,8 @@ def test_a_missing_release_names_the_debian_package(tmp_path):
 @pytest.mark.parametrize(
     "content, match",
     [(b"\x00\x00\x07\x01\x00\x00\x00\x01\x00", "is not an IDX file"),
-     (b"\x00\x00\x08\x01\x00\x00\x00\x05\x01\x02", "holds 2 bytes of values")],
+     (b"\x00\x00\x08\x01\x00\x00\x00\x05\x01\x02", "holds 2 bytes of values"),
+     (b"\x00\x00\x08\x03\x00\x00\x00\x05", "ends inside its IDX header")],
 )  # fmt: skip
 def test_a_file_that_is_not_idx_is_refused_by_name(tmp_path, content, match):
     path = tmp_path / "x-idx1-ubyte.gz"
@@ -108,3 +109,8 @@ def test_lowmem_train_without_the_release_is_one_line_and_exit_2(tmp_path, capsy
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "apt install dataset-fashion-mnist" in err[0]
+
+
+def test_a_dtype_idx_cannot_hold_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not int64"):
+        fm.write_idx(str(tmp_path / "x"), np.zeros(3, np.int64))

@@ -118,6 +118,13 @@ def test_the_gpu_figures_quoted_are_the_committed_run_s():
     assert f"**{x(best)}** ({mib('wrn-28-2', best)} of {mib('wrn-28-2', 'plain')} MiB)" in readme
     assert f"row is {mib('wrn-28-2', best)} MiB (**{x(best)}**" in measured
     assert f"({mib('wrn-28-2', 'plain')} vs" in measured
+    dsr70 = "fp16 + mb 2 + remat full + sparse 70%"
+    compare = load_benchmark("backend_compare")
+    wrn_report = json.loads((root / compare.REPORTS[0]).read_text())
+    (wrn,) = compare.compare(gpu, [wrn_report])
+    cpu = {r["name"]: r["cpu_total_bytes"] / 2**20 for r in wrn["rows"]}
+    assert (f"DSR {mib('wrn-28-2', dsr70)} MiB against a static mask's {mib('wrn-28-2', static)}; "
+            f"XLA:CPU {cpu[dsr70]:.1f} against {cpu[static]:.1f}") in readme  # fmt: skip
     assert f"{mib('wrn-28-2', inside)} MiB ({x(inside)}" in measured
     assert f"{mib('wrn-28-2', static)} MiB ({x(static)}" in measured
     assert f"`baseline` ({mib('dynamicconv-iwslt', 'baseline')} MiB)" in measured
@@ -126,7 +133,6 @@ def test_the_gpu_figures_quoted_are_the_committed_run_s():
     md = (root / "benchmarks/results/validate_gpu.md").read_text()
     assert md == tables.to_markdown(gpu)  # the table is the JSON's
     # The comparison table is what backend_compare.py makes of the committed files.
-    compare = load_benchmark("backend_compare")
     reports = [json.loads((root / p).read_text()) for p in compare.REPORTS]
     committed = json.loads((root / f"{compare.OUT}.json").read_text())
     assert committed["models"] == json.loads(json.dumps(compare.compare(gpu, reports)))

@@ -44,10 +44,11 @@ def read_idx(path: str) -> np.ndarray:
         raw = f.read()
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _TYPES:
         raise ValueError(f"{path} is not an IDX file (header {raw[:4]!r})")
-    ndim = raw[3]
+    ndim, body = raw[3], 4 + 4 * raw[3]
+    if len(raw) < body:
+        raise ValueError(f"{path} ends inside its IDX header ({len(raw)} of {body} bytes)")
     shape = tuple(int(d) for d in np.frombuffer(raw, ">i4", count=ndim, offset=4))
     dtype = np.dtype(_TYPES[raw[2]])
-    body = 4 + 4 * ndim
     if len(raw) - body != int(np.prod(shape)) * dtype.itemsize:
         raise ValueError(
             f"{path} holds {len(raw) - body} bytes of values; its header says {shape} of {dtype}"
@@ -56,9 +57,15 @@ def read_idx(path: str) -> np.ndarray:
 
 
 def write_idx(path: str, array: np.ndarray) -> None:
-    """Writes ``array`` as an IDX file (gzipped when ``path`` ends in ``.gz``)."""
+    """Writes ``array`` as an IDX file (gzipped when ``path`` ends in ``.gz``).
+
+    Raises:
+      ValueError: a dtype IDX has no code for (it holds u1, i1, i2, i4, f4 and f8).
+    """
     codes = {np.dtype(v).newbyteorder("="): k for k, v in _TYPES.items()}
-    code = codes[array.dtype.newbyteorder("=")]
+    code = codes.get(array.dtype.newbyteorder("="))
+    if code is None:
+        raise ValueError(f"IDX holds {sorted(map(str, codes))}, not {array.dtype}")
     header = bytes([0, 0, code, array.ndim]) + np.asarray(array.shape, ">i4").tobytes()
     data = header + np.ascontiguousarray(array, _TYPES[code]).tobytes()
     opener = gzip.open if path.endswith(".gz") else open
