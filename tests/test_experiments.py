@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import types
 
 import pytest
@@ -258,3 +259,19 @@ def test_the_headline_s_step_costs_are_of_the_rows_it_shows():
             assert r["flops_ratio"] == pytest.approx(flops[r["name"]] / flops["plain"])
             lo, hi = r["time_ratio_range"]
             assert 0 < lo <= r["time_ratio"] <= hi
+
+
+def test_the_fashion_mnist_figures_quoted_are_the_committed_runs():
+    from experiments import envelope_accuracy
+
+    with open(os.path.join(envelope_accuracy.OUT, "accuracy.json")) as f:
+        rows = {r["name"]: r for r in json.load(f)["tasks"]["fashion"]}
+    base, inside = rows["baseline"]["by_seed"], rows["in_envelope"]["by_seed"]
+    deltas = ", ".join(f"{100 * (inside[s] - base[s]):+.2f}" for s in sorted(inside))
+    measured = pathlib.Path(__file__).resolve().parents[1] / "docs" / "measured.md"
+    page = " ".join(measured.read_text().split())
+    low, high = (100 * b for b in (min(base.values()), max(base.values())))
+    assert f"reaches {low:.2f}-{high:.2f}% after one epoch" in page
+    assert f"**{envelope_accuracy.delta_text(rows['in_envelope'], 'fashion')} points**" in page
+    assert f"seed {deltas};" in page
+    assert f"{rows['in_envelope']['skipped_steps']} steps skipped" in page
