@@ -64,7 +64,7 @@ _RESULT_MARK = "GPU_VALIDATE_RESULT "
 
 def grid_names(model: str, batch_size: int) -> list[str]:
     """``plain`` and the names of the standard report grid for ``model`` at ``batch_size``."""
-    return [PLAIN, *(name for name, _, _ in _grid(model, batch_size))]
+    return [PLAIN, *(name for name, _, _ in _grid(model, batch_size) if name != PLAIN)]
 
 
 def _grid(model: str, batch_size: int):

@@ -124,7 +124,7 @@ def test_the_gpu_figures_quoted_are_the_committed_run_s():
     (wrn,) = compare.compare(gpu, [wrn_report])
     cpu = {r["name"]: r["cpu_total_bytes"] / 2**20 for r in wrn["rows"]}
     assert (f"DSR {mib('wrn-28-2', dsr70)} MiB against a static mask's {mib('wrn-28-2', static)}; "
-            f"XLA:CPU {cpu[dsr70]:.1f} against {cpu[static]:.1f}") in readme  # fmt: skip
+            f"on XLA:CPU {cpu[dsr70]:.1f} against {cpu[static]:.1f}") in measured  # fmt: skip
     assert f"{mib('wrn-28-2', inside)} MiB ({x(inside)}" in measured
     assert f"{mib('wrn-28-2', static)} MiB ({x(static)}" in measured
     assert f"`baseline` ({mib('dynamicconv-iwslt', 'baseline')} MiB)" in measured
