@@ -1,6 +1,6 @@
 """Walking a traced step: every equation of a jaxpr, those nested in calls, loops,
 conditionals, checkpoints and custom derivatives included; which values depend on which inputs
-(nothing is compiled or run)."""
+(nothing is compiled or run); a function with its checkpoints inlined."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
-__all__ = ["equations", "traced_equations", "data_dependence", "scan_dependence", "scan_layout"]
+__all__ = [
+    "equations",
+    "traced_equations",
+    "data_dependence",
+    "scan_dependence",
+    "scan_layout",
+    "without_checkpoints",
+]
 
 
 def equations(jaxpr: Any, depth: int = 0) -> Iterator[tuple[Any, int]]:
@@ -97,3 +104,63 @@ def scan_dependence(eqn: Any, ins: list[bool]) -> list[bool]:
         if grown == flags[consts : consts + carry]:
             return outs
         flags[consts : consts + carry] = grown
+
+
+# Equations whose parameters hold jaxprs that run inside the equation as ordinary code: their
+# checkpoints are inlined too. Custom derivatives keep theirs (their rules were written for it).
+_INLINED_INSIDE = ("pjit", "jit", "closed_call", "scan", "while", "cond")
+
+
+def without_checkpoints(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with every ``jax.checkpoint`` region (``nn.remat``, ``nnx.remat``, a remat
+    policy's) evaluated in place, in loops, calls and conditionals too: the same values, and
+    under ``jax.vjp`` the residuals the function saves without rematerialization."""
+
+    def inlined(*args: Any) -> Any:
+        flat, tree = jax.tree.flatten(args)
+        closed, shape = jax.make_jaxpr(
+            lambda *leaves: fn(*jax.tree.unflatten(tree, leaves)), return_shape=True
+        )(*flat)
+        outs = _eval_inlined(closed.jaxpr, closed.consts, flat)
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return inlined
+
+
+def _eval_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in ("checkpoint", "remat2"):
+            body = eqn.params["jaxpr"]
+            outs = _eval_inlined(getattr(body, "jaxpr", body), getattr(body, "consts", ()), ins)
+        else:
+            params = eqn.params
+            if eqn.primitive.name in _INLINED_INSIDE:
+                params = {k: _inlined_param(v) for k, v in params.items()}
+            bind = eqn.primitive.get_bind_params(params)
+            # JAX <= 0.6 returns (subfuns, params); later versions the params alone.
+            subfuns, bind = bind if isinstance(bind, tuple) else ((), bind)
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*subfuns, *ins, **bind)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _inlined_param(value: Any) -> Any:
+    """A closed jaxpr parameter (or a tuple of them, ``cond``'s branches) with its checkpoints
+    inlined, on the same input types; anything else as it is."""
+    if isinstance(value, tuple):
+        return tuple(_inlined_param(v) for v in value)
+    if not (hasattr(value, "consts") and hasattr(value, "in_avals")):
+        return value
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in value.in_avals]
+    jaxpr = getattr(value, "jaxpr", value)
+    return jax.make_jaxpr(lambda *xs: _eval_inlined(jaxpr, value.consts, xs))(*avals)

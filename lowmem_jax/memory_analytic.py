@@ -24,6 +24,7 @@ __all__ = [
     "analytic_breakdown",
     "optimizer_breakdown",
     "saved_activation_bytes",
+    "microbatch_residuals",
     "dense_weight_bytes",
     "tree_bytes",
     "host_resident_bytes",
@@ -179,6 +180,31 @@ def _opt_state(state) -> PyTree:
     return getattr(state, "opt_state", ())
 
 
+def microbatch_residuals(
+    loss_fn: Callable,
+    state,
+    batch: PyTree,
+    microbatches: int = 1,
+    *,
+    tx: optax.GradientTransformation | Optimizer | None = None,
+) -> dict[str, Any]:
+    """:func:`saved_activation_bytes` of one microbatch (``batch``'s leading axis divided by
+    ``microbatches``) of the step on ``state``: the parameters as the model sees them (``tx``
+    may store them in another form), the state's ``model_state`` and ``rng``."""
+    opt = as_optimizer(optax.identity() if tx is None else tx)
+    micro = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // microbatches,) + x.shape[1:], x.dtype),
+        batch,
+    )
+    return saved_activation_bytes(
+        loss_fn,
+        _model_params(state, opt),
+        getattr(state, "model_state", {}),
+        micro,
+        getattr(state, "rng", None),
+    )
+
+
 def analytic_breakdown(
     *,
     state,
@@ -214,17 +240,7 @@ def analytic_breakdown(
     )
     activations = None
     if loss_fn is not None:
-        micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((x.shape[0] // microbatches,) + x.shape[1:], x.dtype),
-            batch,
-        )
-        activations = saved_activation_bytes(
-            loss_fn,
-            model_params,
-            getattr(state, "model_state", {}),
-            micro,
-            getattr(state, "rng", None),
-        )
+        activations = microbatch_residuals(loss_fn, state, batch, microbatches, tx=opt)
     out = {
         "source": "analytic",
         "model_bytes": tree_bytes(state.params),

@@ -151,7 +151,12 @@ class Setup:
         """Whether each technique of the plan took effect on this step
         (:func:`lowmem_jax.verdicts`: traced at the workload's batch shapes, not compiled)."""
         return verdicts(
-            self.step, self.abstract_state(), self.abstract_batch(), plan=self.plan, tx=self.tx
+            self.step,
+            self.abstract_state(),
+            self.abstract_batch(),
+            plan=self.plan,
+            tx=self.tx,
+            loss_fn=self.loss_fn,
         )
 
     def analyze(self) -> memory.MemoryReport:

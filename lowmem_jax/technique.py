@@ -18,7 +18,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from lowmem_jax.jaxprs import equations
+from lowmem_jax.jaxprs import equations, without_checkpoints
+from lowmem_jax.memory_analytic import microbatch_residuals
 
 __all__ = ["Technique", "PlanField", "Flags", "EnvelopeRule", "Axis", "Evidence", "Verdict"]
 
@@ -146,12 +147,24 @@ class Evidence:
       batch: the batch (arrays or shapes).
       tx: the step's optimizer (an ``lm.Optimizer``).
       jaxpr: the step's jaxpr (``jax.make_jaxpr(step)(state, batch).jaxpr``).
+      loss_fn: the loss the step differentiates, on the parameters the model sees
+        (``plan.model_loss(loss_fn)``); ``None`` where the caller gave no loss.
     """
 
     state: Any
     batch: Any
     tx: Any
     jaxpr: Any
+    loss_fn: Callable | None = None
+
+    def saved_residual_bytes(self, microbatches: int = 1, *, checkpoints: bool = True) -> int:
+        """The bytes one microbatch's forward pass saves for the backward pass
+        (:func:`lowmem_jax.memory_analytic.microbatch_residuals`, analytic); with
+        ``checkpoints=False``, of the same loss with its ``jax.checkpoint`` regions inlined
+        (:func:`lowmem_jax.jaxprs.without_checkpoints`: no rematerialization). Needs
+        :attr:`loss_fn`."""
+        loss = self.loss_fn if checkpoints else without_checkpoints(self.loss_fn)
+        return microbatch_residuals(loss, self.state, self.batch, microbatches, tx=self.tx)["bytes"]
 
     def equations(self) -> list[Any]:
         """Every equation of the step, those of nested jaxprs (loops, conds, checkpoints,

@@ -30,12 +30,16 @@ def verdicts(
     *,
     plan,
     tx: optax.GradientTransformation | Optimizer,
+    loss_fn: Callable | None = None,
 ) -> list[Verdict]:
     """Each registered technique's :attr:`~lowmem_jax.technique.Technique.took_effect` on the
     step ``train_step(state, batch)`` (traced, not compiled or run) of ``plan`` with optimizer
-    ``tx``, in the registry's order; techniques the plan leaves off give none."""
+    ``tx``, in the registry's order; techniques the plan leaves off give none. ``loss_fn``: the
+    loss the step was made from (``make_train_step``'s); with it, remat's verdict weighs the
+    residuals saved with and without its checkpoints."""
     jaxpr = jax.make_jaxpr(getattr(train_step, "__wrapped__", train_step))(state, batch).jaxpr
-    evidence = Evidence(state=state, batch=batch, tx=as_optimizer(tx), jaxpr=jaxpr)
+    loss = None if loss_fn is None else plan.model_loss(loss_fn)
+    evidence = Evidence(state=state, batch=batch, tx=as_optimizer(tx), jaxpr=jaxpr, loss_fn=loss)
     found = []
     for technique in TECHNIQUES:
         if technique.took_effect is not None:

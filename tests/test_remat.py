@@ -1,9 +1,11 @@
 import functools
+import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import lowmem_jax as lm
@@ -233,3 +235,78 @@ def test_scanned_blocks_pass_context_to_every_block(remat):
         expected = expected + 2.0 * ContextBlock().apply({"params": p}, x, memory, 1.0, False)
     # float32 sums in another order (the suite compiles without XLA's optimisations): ~1 ulp
     np.testing.assert_allclose(out, expected, rtol=1e-5)
+
+
+def _looped_loss(checkpoint):
+    """Blocks in a scan, a jitted call and a cond, each under ``checkpoint`` (or the same code
+    without it when ``checkpoint`` is the identity)."""
+
+    def block(x, w):
+        return jnp.tanh(jnp.sin(x @ w) @ w)
+
+    def loss(params, model_state, batch, rng):
+        x, _ = jax.lax.scan(lambda c, w: (checkpoint(block)(c, w), None), batch, params["ws"])
+        x = jax.jit(checkpoint(lambda y: jnp.cos(jnp.exp(y))))(x)
+        x = jax.lax.cond(x.sum() > 0, lambda y: checkpoint(jnp.sin)(y) * 2, lambda y: y, x)
+        return (x**2).sum(), (model_state, {})
+
+    return loss
+
+
+def test_without_checkpoints_saves_what_the_code_without_them_saves():
+    """Inlining every checkpoint (in a scan body, a jitted call, a cond branch) gives the loss
+    written without them: the same value and gradients, no checkpoint left, and the residual
+    bytes of that code (the reference), which are more than the checkpointed loss saves."""
+    from lowmem_jax.jaxprs import without_checkpoints
+    from lowmem_jax.memory_analytic import saved_activation_bytes
+
+    params = {"ws": jnp.asarray(np.random.default_rng(0).normal(size=(4, 16, 16)) * 0.2)}
+    batch = jnp.ones((8, 16))
+    remat, plain = _looped_loss(jax.checkpoint), _looped_loss(lambda f: f)
+    inlined = without_checkpoints(remat)
+    args = (params, {}, batch, None)
+    names = {e.primitive.name for e in traced_equations(inlined, *args)}
+    assert not names & {"checkpoint", "remat2"}, names
+    assert "remat2" in {e.primitive.name for e in traced_equations(remat, *args)}
+    want = jax.grad(lambda p: plain(p, {}, batch, None)[0])(params)
+    got = jax.grad(lambda p: inlined(p, {}, batch, None)[0])(params)
+    np.testing.assert_allclose(got["ws"], want["ws"], rtol=1e-6)
+    saved = {f: saved_activation_bytes(f, *args)["bytes"] for f in (remat, plain, inlined)}
+    assert saved[inlined] == saved[plain] > saved[remat], saved
+
+
+class _DenseStack(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        for _ in range(3):
+            x = nn.relu(nn.Dense(32)(x))
+        return nn.Dense(4)(x)
+
+
+def test_the_remat_verdict_weighs_saved_residuals_and_says_when_nothing_falls():
+    """With the step's loss, remat's verdict gives the residuals saved without and with its
+    checkpoints (the "with" figure is the analytic activation figure of lowmem analyze), and a
+    checkpoint that saves what the code saved anyway (around each Dense alone: its input)
+    took no effect."""
+    work = lm.workload("wrn-10-1", 8)
+    setup = lm.build(work, lm.Plan(remat="full"))
+    (verdict,) = setup.verdicts()
+    before, after = (float(x) for x in re.findall(r"([\d.]+) -> ([\d.]+) MiB", verdict.evidence)[0])
+    analytic = lm.memory.analytic_breakdown(
+        state=setup.abstract_state(), batch=work.batch, loss_fn=setup.plan.model_loss(setup.loss_fn)
+    )
+    assert verdict.took_effect and after == round(analytic["activation_bytes"] / 2**20, 2) < before
+
+    model = _DenseStack()
+    x = jnp.ones((16, 8))
+    variables = model.init(jax.random.key(0), x)
+    plan = lm.Plan(remat="full", remat_blocks=("Dense",))
+    tx = plan.wrap_optimizer(optax.sgd(0.1), variables["params"])
+    loss_fn = lm.classifier_loss_fn(plan.configure_model(model))
+    state = lm.TrainState.create(params=variables["params"], tx=tx, plan=plan)
+    batch = {"image": x, "label": jnp.zeros(16, jnp.int32)}
+    step = lm.make_train_step(loss_fn, tx, plan)
+    (verdict,) = lm.verdicts(step, state, batch, plan=plan, tx=tx, loss_fn=loss_fn)
+    assert not verdict.took_effect and verdict.evidence.startswith("4 checkpointed regions")
+    (counted,) = lm.verdicts(step, state, batch, plan=plan, tx=tx)  # no loss: regions only
+    assert counted.took_effect and "saved residuals" not in counted.evidence

@@ -31,18 +31,25 @@ def _configure_model(model, plan):
 
 
 def _took_effect(evidence, plan):
-    """The checkpointed regions of the step (``jax.checkpoint``), and how many sit in loops."""
+    """The checkpointed regions of the step (``jax.checkpoint``), how many sit in loops, and,
+    with the step's loss, the residuals one microbatch's forward pass saves with them and with
+    them inlined (analytic): no region, or no fewer bytes, is no effect."""
     if not remat_lib.parse_policy(plan.remat).enabled:
         return None
     names = ("remat2", "checkpoint")
     regions = [depth for eqn, depth in evidence.equations() if eqn.primitive.name in names]
     looped = sum(1 for depth in regions if depth)
-    return Verdict(
-        "remat",
-        bool(regions),
-        f"{len(regions)} checkpointed regions in the step ({looped} inside loops), policy "
-        f"{plan.remat}",
-    )
+    took_effect = bool(regions)
+    text = f"{len(regions)} checkpointed regions in the step ({looped} inside loops)"
+    if evidence.loss_fn is not None:
+        before = evidence.saved_residual_bytes(plan.microbatches, checkpoints=False)
+        after = evidence.saved_residual_bytes(plan.microbatches)
+        took_effect = took_effect and after < before
+        text += (
+            f", saved residuals {before / 2**20:.2f} -> {after / 2**20:.2f} MiB per "
+            "microbatch (analytic)"
+        )
+    return Verdict("remat", took_effect, f"{text}, policy {plan.remat}")
 
 
 TECHNIQUE = Technique(
