@@ -104,7 +104,9 @@ def run_cell(model: str, fields: dict, optimizer: str) -> dict:
     except (ValueError, TypeError, NotImplementedError) as err:
         return {"status": "refused", "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
     try:  # past the checks, anything that breaks is a failure of the technique
-        verdicts = lm.verdicts(step, state, subject.batch, plan=plan, tx=tx)
+        verdicts = lm.verdicts(
+            step, state, subject.batch, plan=plan, tx=tx, loss_fn=subject.loss_fn
+        )
         compiled = step.lower(state, subject.batch).compile()
     except Exception as err:  # noqa: BLE001 -- the table records what broke
         message = str(err).splitlines()[0][:300] if str(err) else ""

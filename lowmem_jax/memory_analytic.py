@@ -25,6 +25,7 @@ __all__ = [
     "optimizer_breakdown",
     "saved_activation_bytes",
     "microbatch_residuals",
+    "microbatch_args",
     "dense_weight_bytes",
     "tree_bytes",
     "host_resident_bytes",
@@ -188,21 +189,29 @@ def microbatch_residuals(
     *,
     tx: optax.GradientTransformation | Optimizer | None = None,
 ) -> dict[str, Any]:
-    """:func:`saved_activation_bytes` of one microbatch (``batch``'s leading axis divided by
-    ``microbatches``) of the step on ``state``: the parameters as the model sees them (``tx``
-    may store them in another form), the state's ``model_state`` and ``rng``."""
+    """:func:`saved_activation_bytes` of one microbatch of the step on ``state``
+    (:func:`microbatch_args`)."""
+    return saved_activation_bytes(loss_fn, *microbatch_args(state, batch, microbatches, tx=tx))
+
+
+def microbatch_args(
+    state,
+    batch: PyTree,
+    microbatches: int = 1,
+    *,
+    tx: optax.GradientTransformation | Optimizer | None = None,
+) -> tuple[PyTree, PyTree, PyTree, Any]:
+    """``(params, model_state, batch, rng)`` of one microbatch of the step on ``state``: the
+    parameters as the model sees them (``tx`` may store them in another form), the state's
+    ``model_state`` and ``rng``, ``batch``'s leading axis divided by ``microbatches``
+    (shapes)."""
     opt = as_optimizer(optax.identity() if tx is None else tx)
     micro = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // microbatches,) + x.shape[1:], x.dtype),
         batch,
     )
-    return saved_activation_bytes(
-        loss_fn,
-        _model_params(state, opt),
-        getattr(state, "model_state", {}),
-        micro,
-        getattr(state, "rng", None),
-    )
+    model_state = getattr(state, "model_state", {})
+    return _model_params(state, opt), model_state, micro, getattr(state, "rng", None)
 
 
 def analytic_breakdown(

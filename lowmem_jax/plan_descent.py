@@ -15,6 +15,7 @@ import itertools
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_search import Search, plan_of
 from lowmem_jax.remat import parse_policy, schedule_name
+from lowmem_jax.techniques import TECHNIQUES
 
 __all__ = ["descend"]
 
@@ -67,22 +68,21 @@ _DESCENT_REACH = 1.10
 
 
 def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan]:
-    """The plans one change away from ``plan``: one step along the precision, microbatch,
-    sparsity or optimizer-state axis, and (where the search has per-block schedules) one
-    block of a stack moved to another of ``none`` / ``dots`` / ``full`` (a stack's blocks
-    ordered ``full``, ``dots``, ``none``, as the dynamic program writes them)."""
-    density = 0.0 if plan.sparsity is None else 1 - plan.sparsity.density
-    here = {"precision": plan.precision, "microbatches": plan.microbatches,
-            "sparsity": round(density, 6), "optimizer_state": plan.optimizer_state}  # fmt: skip
+    """The plans one change away from ``plan``: one step along a storage axis or the
+    microbatch count, and (where the search has per-block schedules) one block of a stack
+    moved to another of ``none`` / ``dots`` / ``full`` (a stack's blocks ordered ``full``,
+    ``dots``, ``none``, as the dynamic program writes them)."""
+    moving = [a for a in _AXES if a.key in axes and not a.compute]
+    here = {a.key: _rounded(a.value(plan)) for a in moving}
     plans = []
-    for axis, value in here.items():
-        values = [round(v, 6) if axis == "sparsity" else v for v in axes[axis]]
-        if value not in values:
+    for axis in moving:
+        values = [_rounded(v) for v in axes[axis.key]]
+        if here[axis.key] not in values:
             continue
-        i = values.index(value)
+        i = values.index(here[axis.key])
         for j in (i - 1, i + 1):
             if 0 <= j < len(values):
-                o = {**here, axis: axes[axis][j]}
+                o = {**here, axis.key: axes[axis.key][j]}
                 plans.append(plan_of({**o, "remat": plan.remat, "factorize": plan.factorize}))
     stacks = getattr(search.work.model, "block_stacks", None)
     spec = parse_policy(plan.remat)
@@ -103,3 +103,9 @@ def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan
 
 
 _ORDER = ("full", "dots", "none")  # within a stack, as remat_schedule orders a stack's blocks
+_AXES = [t.axis for t in TECHNIQUES if t.axis is not None]
+
+
+def _rounded(value):
+    """A float rounded to 6 places (a sparsity from a density), anything else as it is."""
+    return round(value, 6) if isinstance(value, float) else value

@@ -6,9 +6,10 @@ predicted and compiled, and the log of what was considered.
 ~0.2% below it on any configuration of our reports but the plain step), times a calibration:
 the least ratio of XLA's total to the analytic one among compiled plans with the same settings
 but the microbatch count (:func:`calibration_key`); for settings not compiled yet, with
-``bound``, the least ratio compiled with the same precision and optimizer-state format, else
-the same precision (1 before one). A per-block schedule's activation bytes are the ``none``
-step's at that precision and microbatch count plus its blocks' changes
+``bound``, the least ratio compiled with the same values of the axes whose ratios are their own
+(precision, compressed activations, optimizer-state format; :meth:`Search.ratio`), 1 before
+one. A per-block schedule's activation bytes are the ``none`` step's at those settings and
+microbatch count plus its blocks' changes
 (:mod:`lowmem_jax.remat_schedule`) divided by the microbatch count (residuals scale with the
 batch).
 
@@ -63,28 +64,24 @@ class Search:
         saved activations, which do not depend on sparse storage or the optimizer state (a
         sparse model's materialized weights have the dense shapes)."""
         if plan not in self.predicted:
-            self.predicted[plan] = self._stored(
-                plan.precision,
-                plan.sparsity,
-                plan.optimizer_state,
-                plan.factorize,
-                plan.microbatches > 1,
-            ) + self._activation_bytes(plan)
+            stored = self._stored(settings(plan, "stored"), plan.factorize, plan.microbatches > 1)
+            self.predicted[plan] = stored + self._activation_bytes(plan)
         return int(self.predicted[plan] * self.ratio(plan, bound))
 
     def ratio(self, plan: Plan, bound: bool) -> float:
         """XLA's total over the analytic one for the plan's settings (the least compiled);
         where none was compiled, 1, or with ``bound`` the least ratio compiled with the same
-        precision and optimizer-state format, else the same precision (XLA:CPU computes bf16
-        convolutions in float32 and dequantizes a quantized state in temporaries: their
-        ratios are their own)."""
+        values of the axes whose ratios are their own (:attr:`Axis.own_ratio`: precision,
+        compressed activations, optimizer-state format), else of fewer of them (the last in
+        the registry's order dropped first, down to the first)."""
         key = calibration_key(plan)
         if key in self.calibration or not bound:
             return self.calibration.get(key, 1.0)
-        settings = dict(key)
-        for same in ("precision", "optimizer_state"), ("precision",):
+        mine = dict(key)
+        own = [a.key for a in _AXES if a.own_ratio]
+        for n in range(len(own), 0, -1):
             ratios = [r for k, r in self.calibration.items()
-                      if all(dict(k)[name] == settings[name] for name in same)]  # fmt: skip
+                      if all(dict(k)[name] == mine[name] for name in own[:n])]  # fmt: skip
             if ratios:
                 return min(ratios)
         return 1.0
@@ -92,29 +89,32 @@ class Search:
     def _activation_bytes(self, plan: Plan) -> int:
         """The analytic activations: traced for a named policy, summed for a schedule."""
         schedule = parse_policy(plan.remat).schedule
-        base = self._activations(plan.precision, "none" if schedule else plan.remat,
-                                 plan.factorize, plan.microbatches)  # fmt: skip
+        saved = settings(plan, "activations")
+        base = self._activations(saved, "none" if schedule else plan.remat, plan.factorize,
+                                 plan.microbatches)  # fmt: skip
         if not schedule:
             return base
-        costs = self.block_costs(plan.precision, plan.factorize)
+        costs = self.block_costs(saved, plan.factorize)
         change = remat_schedule.predict(costs, schedule).bytes - costs.base_bytes
         return int(base + change / plan.microbatches)
 
     @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
-    def block_costs(self, precision: str, factorize) -> remat_schedule.BlockCosts:
-        """Each block's costs at one microbatch: measured at fp32
-        (:func:`remat_schedule.measure_block_costs`), carried to another precision by its
+    def block_costs(self, saved: tuple, factorize) -> remat_schedule.BlockCosts:
+        """Each block's costs at one microbatch: measured with the activation-part settings
+        ``saved`` (:func:`settings`) at their defaults, e.g. fp32
+        (:func:`remat_schedule.measure_block_costs`), carried to other settings by their
         uniform schedules' counts (:func:`remat_schedule.rescale`)."""
-        if precision == "fp32":
+        default = settings(Plan(), "activations")
+        if saved == default:
             return remat_schedule.measure_block_costs(
                 self.work.model.block_stacks(),
-                lambda remat: self._activations("fp32", remat, factorize, 1),
+                lambda remat: self._activations(default, remat, factorize, 1),
                 lambda remat: self.flops(Plan(remat=remat, factorize=factorize)),
             )
-        uniform = {p: self._activations(precision, p, factorize, 1) for p in ("dots", "full")}
+        uniform = {p: self._activations(saved, p, factorize, 1) for p in ("dots", "full")}
         return remat_schedule.rescale(
-            self.block_costs("fp32", factorize),
-            self._activations(precision, "none", factorize, 1),
+            self.block_costs(default, factorize),
+            self._activations(saved, "none", factorize, 1),
             uniform,
         )
 
@@ -123,13 +123,14 @@ class Search:
         those with one policy throughout left out (they are the named classes)."""
         if not hasattr(self.work.model, "block_stacks"):
             return []  # a model without scanned stacks has no per-block schedule
-        front = remat_schedule.pareto_schedules(self.block_costs("fp32", factorize))
+        front = remat_schedule.pareto_schedules(
+            self.block_costs(settings(Plan(), "activations"), factorize)
+        )
         return [(s.flops, s.name) for s in front if len(set(s.policies)) > 1]
 
     @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
-    def _stored(self, precision, sparsity, state, factorize, accumulates) -> int:
-        plan = Plan(precision=precision, sparsity=sparsity, optimizer_state=state,
-                    factorize=factorize, microbatches=2 if accumulates else 1)  # fmt: skip
+    def _stored(self, stored: tuple, factorize, accumulates) -> int:
+        plan = Plan(**dict(stored), factorize=factorize, microbatches=2 if accumulates else 1)
         setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
             state=setup.abstract_state(), batch=self.work.batch,
@@ -140,9 +141,8 @@ class Search:
         return analytic["total_bytes"] - analytic["dense_weight_bytes"]
 
     @functools.cache  # noqa: B019
-    def _activations(self, precision, remat, factorize, microbatches) -> int:
-        plan = Plan(precision=precision, remat=remat, factorize=factorize,
-                    microbatches=microbatches)  # fmt: skip
+    def _activations(self, saved: tuple, remat, factorize, microbatches) -> int:
+        plan = Plan(**dict(saved), remat=remat, factorize=factorize, microbatches=microbatches)
         setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
             state=setup.abstract_state(), batch=self.work.batch,
@@ -195,14 +195,27 @@ class Search:
         return 40 if tokens is None else tokens.shape[1]
 
 
+# The registered axes, in the registry's order.
+_AXES = [t.axis for t in TECHNIQUES if t.axis is not None]
+
+
+def settings(plan: Plan, part: str) -> tuple[tuple[str, Any], ...]:
+    """The plan's fields set by the storage axes that change ``part`` of the analytic count
+    (:attr:`Axis.parts`: ``"stored"`` or ``"activations"``), as ``(field, value)`` pairs."""
+    return tuple(
+        (name, getattr(plan, name))
+        for axis in _AXES
+        if axis.storage and part in axis.parts
+        for name in axis.plan_fields(axis.values[0])
+    )
+
+
 def calibration_key(plan: Plan) -> tuple[tuple[str, Any], ...]:
-    """What a calibration is kept for, as ``(setting, value)`` pairs: every setting but the
+    """What a calibration is kept for, as ``(axis, value)`` pairs: every searched axis but the
     microbatch count (XLA's temp bytes for sparse rewiring or quantized state differ from the
     analytic count in ways that depend on each setting); the per-block schedules as one
     (``blocks``)."""
-    remat = "blocks" if parse_policy(plan.remat).schedule else plan.remat
-    return (("remat", remat), ("factorize", plan.factorize), ("precision", plan.precision),
-            ("sparsity", plan.sparsity), ("optimizer_state", plan.optimizer_state))  # fmt: skip
+    return tuple((axis.key, axis.value(plan)) for axis in _AXES if axis.values is not None)
 
 
 def plan_of(point: dict[str, Any]) -> Plan:

@@ -10,21 +10,24 @@ from typing import Any
 from lowmem_jax.envelope import Envelope
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_search import Search, plan_of
+from lowmem_jax.technique import Axis
 from lowmem_jax.techniques import TECHNIQUES
 
-__all__ = ["applicable", "axes_in", "class_corners", "mildest_first"]
+__all__ = ["applicable", "axes_in", "class_corners", "mildest_first", "storage_axes"]
 
 
 def axes_in(envelope: Envelope, batch_size: int, space: dict[str, tuple]) -> dict[str, tuple]:
     """Each registered axis' candidates in ``space`` (an axis whose candidates come from the
-    batch size: those ``batch_size`` allows, limited to ``space``'s where it has the key),
-    inside ``envelope``."""
+    batch size: those ``batch_size`` allows, limited to ``space``'s where it has the key; an
+    axis ``space`` leaves out: its technique off, a plan's default), inside ``envelope``."""
     axes = {}
     for technique in TECHNIQUES:
         axis = technique.axis
         if axis is None:
             continue
-        values = space[axis.key] if axis.values is not None else axis.space(batch_size)
+        values = axis.space(batch_size)
+        if axis.values is not None:
+            values = space.get(axis.key, (axis.value(Plan()),))
         if axis.values is None and axis.key in space:
             values = tuple(v for v in values if v in space[axis.key])
         if technique.envelope is not None:
@@ -65,21 +68,31 @@ def _builds(search: Search, key: str, value: Any) -> bool:
     return True
 
 
-def class_corners(axes: dict[str, tuple], remat, factorize, micro: int) -> list[Plan]:
-    """The least-memory plans of a class at ``micro`` microbatches: the most sparsity, each
-    precision and optimizer-state format (fewer state bits can cost temp bytes, so each)."""
-    sparsity = max(axes["sparsity"])
+def storage_axes(axes: dict[str, tuple]) -> list[Axis]:
+    """The storage axes of ``axes`` in the registry's order: those that neither make a compute
+    class nor come from the batch size (:class:`~lowmem_jax.technique.Axis`)."""
     return [
-        plan_of({"remat": remat, "factorize": factorize, "precision": p, "microbatches": micro,
-                 "sparsity": sparsity, "optimizer_state": s})
-        for p in axes["precision"] for s in axes["optimizer_state"]
-    ]  # fmt: skip
+        t.axis for t in TECHNIQUES if t.axis is not None and t.axis.key in axes and t.axis.storage
+    ]
 
 
-def mildest_first(axes: dict[str, tuple]) -> list[tuple]:
-    """(precision, sparsity, optimizer_state) combinations: fewest techniques first, then the
-    mildest settings (each axis' order)."""
-    names = ("precision", "sparsity", "optimizer_state")
-    combos = itertools.product(*(range(len(axes[n])) for n in names))
+def class_corners(axes: dict[str, tuple], remat, factorize, micro: int) -> list[Plan]:
+    """The least-memory plans of a class at ``micro`` microbatches: each storage axis at its
+    last value, or at each value where fewer stored bytes can cost temporaries
+    (:attr:`Axis.corner`; e.g. the most sparsity, each precision and optimizer-state format)."""
+    storage = storage_axes(axes)
+    values = [axes[a.key] if a.corner == "each" else axes[a.key][-1:] for a in storage]
+    fixed = {"remat": remat, "factorize": factorize, "microbatches": micro}
+    return [
+        plan_of({**fixed, **{a.key: v for a, v in zip(storage, combo, strict=True)}})
+        for combo in itertools.product(*values)
+    ]
+
+
+def mildest_first(axes: dict[str, tuple]) -> list[dict[str, Any]]:
+    """The points of the storage axes (``{axis key: value}``): fewest techniques first, then
+    the mildest settings (each axis' order), ties in the registry's order."""
+    keys = [a.key for a in storage_axes(axes)]
+    combos = itertools.product(*(range(len(axes[k])) for k in keys))
     ordered = sorted(combos, key=lambda idx: (sum(i > 0 for i in idx), sum(idx), idx))
-    return [tuple(axes[n][i] for n, i in zip(names, idx, strict=True)) for idx in ordered]
+    return [{k: axes[k][i] for k, i in zip(keys, idx, strict=True)} for idx in ordered]

@@ -131,8 +131,9 @@ def plan_for_budget(
     """The plan with the fewest FLOPs whose compiled step on ``work`` fits ``budget_bytes``
     (module docstring), inside ``envelope`` (``report`` or ``any``); ``recipe``: the
     optimizer (``None``: the workload's), which sets the optimizer state's bytes; ``space``:
-    the settings to search (``None``: :data:`SPACE`; the same keys, each a tuple, mildest
-    first; a ``microbatches`` tuple limits the counts too).
+    the settings to search (``None``: :data:`SPACE`; keys of it, each a tuple, mildest first;
+    an axis left out is not searched: its technique stays off; a ``microbatches`` tuple limits
+    the counts too).
 
     ``objective="time"``: the first plan that fits in each of the ``time_candidates``
     cheapest classes that have one, each more than 0.5% costlier in FLOPs than the last, is
@@ -264,10 +265,8 @@ def _fits_in_class(search: Search, axes, remat, factorize, flops) -> Iterator[tu
         corners = class_corners(axes, remat, factorize, micro)
         if all(search.predict(c, bound=True) > search.budget for c in corners):
             continue
-        for precision, sparsity, state in mildest_first(axes):
-            plan = plan_of({"remat": remat, "factorize": factorize, "precision": precision,
-                            "microbatches": micro, "sparsity": sparsity,
-                            "optimizer_state": state})  # fmt: skip
+        for point in mildest_first(axes):
+            plan = plan_of({"remat": remat, "factorize": factorize, "microbatches": micro, **point})
             if _fits_verified(search, plan, flops):
                 yield plan, flops
 

@@ -18,8 +18,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from lowmem_jax.jaxprs import equations, without_checkpoints
-from lowmem_jax.memory_analytic import microbatch_residuals
+from lowmem_jax.jaxprs import equations, traced_equations, without_checkpoints
+from lowmem_jax.memory_analytic import microbatch_args, microbatch_residuals
 
 __all__ = ["Technique", "PlanField", "Flags", "EnvelopeRule", "Axis", "Evidence", "Verdict"]
 
@@ -97,6 +97,11 @@ class EnvelopeRule:
 class Axis:
     """A technique's axis in the planner's search (:mod:`lowmem_jax.planner`).
 
+    The planner sorts axes by role: ``compute`` axes make its classes (cheapest FLOPs first),
+    the axis whose candidates come from the batch size splits it (microbatches), and every
+    other axis is a *storage* axis, searched mildest first inside a class by
+    :func:`lowmem_jax.plan_space.mildest_first`.
+
     Attributes:
       key: the axis' name in a search space and in a point of it.
       values: the candidates, mildest first; ``None``: from the batch size (``candidates``).
@@ -107,6 +112,16 @@ class Axis:
       candidates: ``candidates(batch_size) -> values`` where ``values`` is ``None``.
       families: values that stand for a family of settings the planner expands itself, not a
         plan (remat's ``"blocks"``: the per-block schedules of :mod:`lowmem_jax.remat_schedule`).
+      value_of: ``value_of(plan) -> value``: the plan's point on the axis (``plan_fields``'
+        inverse); ``None``: the plan field named ``key``.
+      parts: a storage axis' parts of the analytic count: ``"stored"`` (parameters, optimizer
+        state, batch) and/or ``"activations"`` (the saved residuals).
+      own_ratio: XLA's total over the analytic count depends on the value in a way of its own
+        (XLA:CPU computes bf16 convolutions in float32; a quantized format decodes into
+        temporaries), so the planner borrows a calibration only from the same value.
+      corner: the storage axis' values at a class's least-memory plans (its *corners*):
+        ``"last"`` (the last value stores least) or ``"each"`` (fewer stored bytes can cost
+        temporaries, so every value is a corner).
     """
 
     key: str
@@ -116,6 +131,19 @@ class Axis:
     compute: bool = False
     candidates: Callable[[int], tuple] | None = None
     families: tuple = ()
+    value_of: Callable[[Any], Any] | None = None
+    parts: tuple[str, ...] = ("stored",)
+    own_ratio: bool = False
+    corner: str = "each"
+
+    @property
+    def storage(self) -> bool:
+        """A storage axis: neither a compute class nor from the batch size."""
+        return not self.compute and self.values is not None
+
+    def value(self, plan: Any) -> Any:
+        """The plan's point on this axis (:attr:`value_of`)."""
+        return self.value_of(plan) if self.value_of is not None else getattr(plan, self.key)
 
     def space(self, batch_size: int) -> tuple:
         """The candidates for a batch of ``batch_size``."""
@@ -157,13 +185,22 @@ class Evidence:
     jaxpr: Any
     loss_fn: Callable | None = None
 
-    def saved_residual_bytes(self, microbatches: int = 1, *, checkpoints: bool = True) -> int:
+    def saved_residual_bytes(
+        self, microbatches: int = 1, *, checkpoints: bool = True
+    ) -> int | None:
         """The bytes one microbatch's forward pass saves for the backward pass
         (:func:`lowmem_jax.memory_analytic.microbatch_residuals`, analytic); with
         ``checkpoints=False``, of the same loss with its ``jax.checkpoint`` regions inlined
-        (:func:`lowmem_jax.jaxprs.without_checkpoints`: no rematerialization). Needs
-        :attr:`loss_fn`."""
-        loss = self.loss_fn if checkpoints else without_checkpoints(self.loss_fn)
+        (:func:`lowmem_jax.jaxprs.without_checkpoints`: no rematerialization), or ``None``
+        where a checkpoint sits inside a custom derivative (e.g. compressed activations'),
+        whose rule cannot be rewritten. Needs :attr:`loss_fn`."""
+        loss = self.loss_fn
+        if not checkpoints:
+            loss = without_checkpoints(loss)
+            args = microbatch_args(self.state, self.batch, microbatches, tx=self.tx)
+            left = {e.primitive.name for e in traced_equations(loss, *args)}
+            if left & {"checkpoint", "remat2"}:
+                return None
         return microbatch_residuals(loss, self.state, self.batch, microbatches, tx=self.tx)["bytes"]
 
     def equations(self) -> list[Any]:

@@ -298,3 +298,24 @@ def test_a_budget_below_the_least_state_is_refused_before_compiling(monkeypatch)
     work = lm.workload(MODEL, 8)
     with pytest.raises(planner.NoPlanFits, match=r"budget 0\.001 MiB is below .* nothing was"):
         planner.plan_for_budget(work, 1024)
+
+
+def test_outside_the_report_s_envelope_the_planner_compresses_activations():
+    """Compressed activations are a storage axis (lowmem_jax.techniques.activations): outside
+    the report's envelope a budget that float32 residuals miss gets the mildest format that
+    fits, with no remat (no recomputed FLOPs); inside it the axis is ``none`` only. An axis the
+    space leaves out (here the optimizer state) stays off."""
+    space = {"remat": ("none",), "factorize": (None,), "precision": ("fp32",),
+             "sparsity": (0.0,), "activations": ("none", "int8", "int2")}  # fmt: skip
+    work = lm.workload(MODEL, 8)
+    totals = {fmt: analyze_model(MODEL, 8, lm.Plan(activations=fmt)).xla["total_bytes"]
+              for fmt in ("none", "int8")}  # fmt: skip
+    assert totals["int8"] < totals["none"]
+    budget = (totals["int8"] + totals["none"]) // 2
+    result = planner.plan_for_budget(work, budget, envelope="any", space=space)
+    assert result.plan == lm.Plan(activations="int8") and result.xla["total_bytes"] <= budget
+    assert result.argv[-2:] == ["--activations", "int8"]
+    axes = axes_in(ENVELOPES["report"], 8, space)
+    assert axes["activations"] == ("none",) and axes["optimizer_state"] == ("auto",)
+    with pytest.raises(planner.NoPlanFits):
+        planner.plan_for_budget(work, budget, envelope="report", space=space)

@@ -287,7 +287,8 @@ def test_the_remat_verdict_weighs_saved_residuals_and_says_when_nothing_falls():
     """With the step's loss, remat's verdict gives the residuals saved without and with its
     checkpoints (the "with" figure is the analytic activation figure of lowmem analyze), and a
     checkpoint that saves what the code saved anyway (around each Dense alone: its input)
-    took no effect."""
+    took no effect. Checkpoints inside compressed activations' custom derivative cannot be
+    inlined: the residuals are not weighed (not a false "no effect")."""
     work = lm.workload("wrn-10-1", 8)
     setup = lm.build(work, lm.Plan(remat="full"))
     (verdict,) = setup.verdicts()
@@ -296,6 +297,9 @@ def test_the_remat_verdict_weighs_saved_residuals_and_says_when_nothing_falls():
         state=setup.abstract_state(), batch=work.batch, loss_fn=setup.plan.model_loss(setup.loss_fn)
     )
     assert verdict.took_effect and after == round(analytic["activation_bytes"] / 2**20, 2) < before
+    compressed = lm.build(work, lm.Plan(remat="full", activations="int8")).verdicts()
+    remat = next(v for v in compressed if v.technique == "remat")
+    assert remat.took_effect and "saved residuals not weighed" in remat.evidence
 
     model = _DenseStack()
     x = jnp.ones((16, 8))

@@ -153,7 +153,6 @@ UNSEARCHED = {
     "loss_scale": lm.Plan(loss_scale="static"),
     "shard": lm.Plan(optimizer_memory="pinned_host"),  # zero stages need devices: sharding_cases
     "input_dtype": lm.Plan(input_dtype="uint8"),
-    "activations": lm.Plan(activations="int8"),
 }
 
 

@@ -1,7 +1,7 @@
 """Compressed activations (:mod:`lowmem_jax.activation_compression`): ``activations``."""
 
 from lowmem_jax import activation_compression as compression_lib
-from lowmem_jax.technique import EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 
 
 def _wrap_loss(loss_fn, plan):
@@ -77,7 +77,16 @@ TECHNIQUE = Technique(
         {"report": ("none",), "any": compression_lib.FORMATS},
         _outside,
     ),
-    # Not searched until its accuracy on the benchmarks is measured (issue 39).
-    axis=None,
+    # Outside the report's envelope only (above). Each format decodes into temporaries of its
+    # own; the fewest bits store least.
+    axis=Axis(
+        "activations",
+        compression_lib.FORMATS,
+        plan_fields=lambda value: {"activations": value},
+        within=lambda value, limit, batch_size: value in limit,
+        parts=("activations",),
+        own_ratio=True,
+        corner="last",
+    ),
     took_effect=_took_effect,
 )

@@ -126,6 +126,7 @@ TECHNIQUE = Technique(
         ("auto", "bf16", "int8", "int4"),
         plan_fields=lambda value: {"optimizer_state": value},
         within=lambda value, limit, batch_size: value in limit,
+        own_ratio=True,
     ),
     took_effect=_took_effect,
 )

@@ -74,6 +74,8 @@ TECHNIQUE = Technique(
         ("fp32", "mixed_bf16", "mixed_fp16", "bf16", "fp16"),
         plan_fields=lambda value: {"precision": value},
         within=lambda value, limit, batch_size: value in limit,
+        parts=("stored", "activations"),
+        own_ratio=True,
     ),
     took_effect=_took_effect,
 )

@@ -41,8 +41,12 @@ def _took_effect(evidence, plan):
     looped = sum(1 for depth in regions if depth)
     took_effect = bool(regions)
     text = f"{len(regions)} checkpointed regions in the step ({looped} inside loops)"
+    before = None
     if evidence.loss_fn is not None:
         before = evidence.saved_residual_bytes(plan.microbatches, checkpoints=False)
+        if before is None:
+            text += ", saved residuals not weighed (a checkpoint inside a custom derivative)"
+    if before is not None:
         after = evidence.saved_residual_bytes(plan.microbatches)
         took_effect = took_effect and after < before
         text += (
@@ -50,6 +54,12 @@ def _took_effect(evidence, plan):
             "microbatch (analytic)"
         )
     return Verdict("remat", took_effect, f"{text}, policy {plan.remat}")
+
+
+def _axis_value(plan) -> str:
+    """The plan's point on the remat axis: a per-block schedule is one of the ``blocks``
+    family."""
+    return "blocks" if remat_lib.parse_policy(plan.remat).schedule else plan.remat
 
 
 TECHNIQUE = Technique(
@@ -93,6 +103,7 @@ TECHNIQUE = Technique(
         within=lambda value, limit, batch_size: True,
         compute=True,
         families=("blocks",),
+        value_of=_axis_value,
     ),
     took_effect=_took_effect,
 )

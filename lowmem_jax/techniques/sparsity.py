@@ -170,6 +170,8 @@ TECHNIQUE = Technique(
         (0.0, 0.5, 0.7, 0.9),
         plan_fields=lambda value: {"sparsity": report_sparsity(value) if value else None},
         within=lambda value, limit, batch_size: value <= limit + 1e-9,
+        value_of=lambda plan: 0.0 if plan.sparsity is None else 1 - plan.sparsity.density,
+        corner="last",
     ),
     took_effect=_took_effect,
 )
