@@ -18,8 +18,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from lowmem_jax.jaxprs import equations, traced_equations, without_checkpoints
-from lowmem_jax.memory_analytic import microbatch_args, microbatch_residuals
+from lowmem_jax.jaxprs import equations
 
 __all__ = ["Technique", "PlanField", "Flags", "EnvelopeRule", "Axis", "Evidence", "Verdict"]
 
@@ -175,33 +174,18 @@ class Evidence:
       batch: the batch (arrays or shapes).
       tx: the step's optimizer (an ``lm.Optimizer``).
       jaxpr: the step's jaxpr (``jax.make_jaxpr(step)(state, batch).jaxpr``).
-      loss_fn: the loss the step differentiates, on the parameters the model sees
-        (``plan.model_loss(loss_fn)``); ``None`` where the caller gave no loss.
+      saved_residuals: ``saved_residuals(checkpoints: bool) -> bytes | None``: what one
+        microbatch's forward pass saves for the backward pass (analytic), with the step's
+        ``jax.checkpoint`` regions or with them inlined (no rematerialization; ``None`` where
+        one sits inside a custom derivative, whose rule cannot be rewritten); ``None`` where
+        the caller gave no loss (:func:`lowmem_jax.verdicts`).
     """
 
     state: Any
     batch: Any
     tx: Any
     jaxpr: Any
-    loss_fn: Callable | None = None
-
-    def saved_residual_bytes(
-        self, microbatches: int = 1, *, checkpoints: bool = True
-    ) -> int | None:
-        """The bytes one microbatch's forward pass saves for the backward pass
-        (:func:`lowmem_jax.memory_analytic.microbatch_residuals`, analytic); with
-        ``checkpoints=False``, of the same loss with its ``jax.checkpoint`` regions inlined
-        (:func:`lowmem_jax.jaxprs.without_checkpoints`: no rematerialization), or ``None``
-        where a checkpoint sits inside a custom derivative (e.g. compressed activations'),
-        whose rule cannot be rewritten. Needs :attr:`loss_fn`."""
-        loss = self.loss_fn
-        if not checkpoints:
-            loss = without_checkpoints(loss)
-            args = microbatch_args(self.state, self.batch, microbatches, tx=self.tx)
-            left = {e.primitive.name for e in traced_equations(loss, *args)}
-            if left & {"checkpoint", "remat2"}:
-                return None
-        return microbatch_residuals(loss, self.state, self.batch, microbatches, tx=self.tx)["bytes"]
+    saved_residuals: Callable[[bool], int | None] | None = None
 
     def equations(self) -> list[Any]:
         """Every equation of the step, those of nested jaxprs (loops, conds, checkpoints,

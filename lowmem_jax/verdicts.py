@@ -11,12 +11,15 @@ and :func:`lowmem_jax.memory.analyze` callers (``lowmem analyze``) print it as a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import optax
 
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer
+from lowmem_jax.jaxprs import traced_equations, without_checkpoints
+from lowmem_jax.memory_analytic import microbatch_args, microbatch_residuals
 from lowmem_jax.technique import Evidence, Verdict
 from lowmem_jax.techniques import TECHNIQUES
 
@@ -38,8 +41,13 @@ def verdicts(
     loss the step was made from (``make_train_step``'s); with it, remat's verdict weighs the
     residuals saved with and without its checkpoints."""
     jaxpr = jax.make_jaxpr(getattr(train_step, "__wrapped__", train_step))(state, batch).jaxpr
-    loss = None if loss_fn is None else plan.model_loss(loss_fn)
-    evidence = Evidence(state=state, batch=batch, tx=as_optimizer(tx), jaxpr=jaxpr, loss_fn=loss)
+    opt = as_optimizer(tx)
+    saved = None
+    if loss_fn is not None:
+        saved = functools.partial(
+            _saved_residuals, plan.model_loss(loss_fn), state, batch, plan.microbatches, opt
+        )
+    evidence = Evidence(state=state, batch=batch, tx=opt, jaxpr=jaxpr, saved_residuals=saved)
     found = []
     for technique in TECHNIQUES:
         if technique.took_effect is not None:
@@ -47,3 +55,14 @@ def verdicts(
             if verdict is not None:
                 found.append(verdict)
     return found
+
+
+def _saved_residuals(loss_fn, state, batch, microbatches, tx, checkpoints: bool) -> int | None:
+    """:attr:`Evidence.saved_residuals`: :func:`microbatch_residuals` of ``loss_fn``, or of it
+    with its checkpoints inlined (``None`` where one cannot be: inside a custom derivative)."""
+    if not checkpoints:
+        loss_fn = without_checkpoints(loss_fn)
+        args = microbatch_args(state, batch, microbatches, tx=tx)
+        if {e.primitive.name for e in traced_equations(loss_fn, *args)} & {"checkpoint", "remat2"}:
+            return None
+    return microbatch_residuals(loss_fn, state, batch, microbatches, tx=tx)["bytes"]

@@ -319,3 +319,29 @@ def test_outside_the_report_s_envelope_the_planner_compresses_activations():
     assert axes["activations"] == ("none",) and axes["optimizer_state"] == ("auto",)
     with pytest.raises(planner.NoPlanFits):
         planner.plan_for_budget(work, budget, envelope="report", space=space)
+
+
+def test_the_storage_axes_are_the_registry_s():
+    """Every registered axis that is neither a compute class nor the microbatch count is
+    searched inside a class, with no planner code naming it: the mildest-first points are the
+    product of their values (the technique-free point first, then one technique at a time),
+    and a class's corners take each value of an ``each`` axis and the last of a ``last`` one."""
+    import math
+
+    from lowmem_jax.plan_space import class_corners, mildest_first, storage_axes
+    from lowmem_jax.techniques import TECHNIQUES
+
+    axes = axes_in(ENVELOPES["any"], 8, planner.SPACE)
+    storage = storage_axes(axes)
+    registered = [t.axis for t in TECHNIQUES if t.axis is not None and t.axis.storage]
+    assert [a.key for a in storage] == [a.key for a in registered]
+    assert {"precision", "activations", "sparsity", "optimizer_state"} <= {a.key for a in storage}
+    points = mildest_first(axes)
+    assert len(points) == math.prod(len(axes[a.key]) for a in storage)
+    assert points[0] == {a.key: axes[a.key][0] for a in storage}
+    changed = [sum(p[a.key] != axes[a.key][0] for a in storage) for p in points]
+    assert changed == sorted(changed) and changed[1] == 1
+    corners = class_corners(axes, "full", None, 2)
+    for axis in storage:
+        seen = {axis.value(plan) for plan in corners}
+        assert seen == (set(axes[axis.key]) if axis.corner == "each" else {axes[axis.key][-1]})

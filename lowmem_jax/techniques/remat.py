@@ -42,12 +42,12 @@ def _took_effect(evidence, plan):
     took_effect = bool(regions)
     text = f"{len(regions)} checkpointed regions in the step ({looped} inside loops)"
     before = None
-    if evidence.loss_fn is not None:
-        before = evidence.saved_residual_bytes(plan.microbatches, checkpoints=False)
+    if evidence.saved_residuals is not None:
+        before = evidence.saved_residuals(False)
         if before is None:
             text += ", saved residuals not weighed (a checkpoint inside a custom derivative)"
     if before is not None:
-        after = evidence.saved_residual_bytes(plan.microbatches)
+        after = evidence.saved_residuals(True)
         took_effect = took_effect and after < before
         text += (
             f", saved residuals {before / 2**20:.2f} -> {after / 2**20:.2f} MiB per "
