@@ -275,3 +275,10 @@ def test_the_fashion_mnist_figures_quoted_are_the_committed_runs():
     assert f"**{envelope_accuracy.delta_text(rows['in_envelope'], 'fashion')} points**" in page
     assert f"seed {deltas};" in page
     assert f"{rows['in_envelope']['skipped_steps']} steps skipped" in page
+    best = rows["best"]["by_seed"]  # the any-envelope row
+    per_seed = ", ".join(f"{100 * best[s]:.2f}" for s in sorted(best))
+    deltas = ", ".join(f"{100 * (best[s] - base[s]):+.2f}" for s in sorted(best))
+    assert (
+        f"**{envelope_accuracy.delta_text(rows['best'], 'fashion')} points** ({per_seed}%;" in page
+    )
+    assert f"per seed {deltas}; {rows['best']['skipped_steps']} steps skipped" in page
