@@ -76,11 +76,11 @@ __all__ = [
 
 #: The settings searched on each axis, mildest first (envelopes remove some): each registered
 #: technique's axis (:attr:`lowmem_jax.technique.Technique.axis`) that has fixed candidates
-#: (the microbatch counts come from the batch size).
+#: (the microbatch counts come from the batch size) and is searched by default.
 SPACE = {
     t.axis.key: t.axis.values
     for t in TECHNIQUES
-    if t.axis is not None and t.axis.values is not None
+    if t.axis is not None and t.axis.values is not None and t.axis.in_default_space
 }
 
 #: What "cheapest" means: FLOPs counted from the jaxpr (recomputation included), or the

@@ -121,6 +121,8 @@ class Axis:
       corner: the storage axis' values at a class's least-memory plans (its *corners*):
         ``"last"`` (the last value stores least) or ``"each"`` (fewer stored bytes can cost
         temporaries, so every value is a corner).
+      in_default_space: searched by default (:data:`lowmem_jax.planner.SPACE`); else only
+        where a search's ``space`` names it.
     """
 
     key: str
@@ -134,6 +136,7 @@ class Axis:
     parts: tuple[str, ...] = ("stored",)
     own_ratio: bool = False
     corner: str = "each"
+    in_default_space: bool = True
 
     @property
     def storage(self) -> bool:

@@ -78,7 +78,12 @@ TECHNIQUE = Technique(
         _outside,
     ),
     # Outside the report's envelope only (above). Each format decodes into temporaries of its
-    # own; the fewest bits store least.
+    # own, so each is a corner (at a class's least-memory plans, int2 everywhere made all five
+    # conformance models' smallest any-envelope plans 1-4% larger than without it: GPT-2 41.2
+    # -> 42.5 MiB, ResNet-18 6.9 -> 7.0). Not in the default space: the analytic count (the
+    # compressed residuals, not their float transients) predicts fits that XLA does not
+    # confirm; on WRN-10-1 b16 at 3 MiB (any) it cost 6 more compiles, 3.5x the time, and
+    # answered a lossier plan (bf16 + act int4 + mb 4 instead of fp32 + mb 8).
     axis=Axis(
         "activations",
         compression_lib.FORMATS,
@@ -86,7 +91,7 @@ TECHNIQUE = Technique(
         within=lambda value, limit, batch_size: value in limit,
         parts=("activations",),
         own_ratio=True,
-        corner="last",
+        in_default_space=False,
     ),
     took_effect=_took_effect,
 )
