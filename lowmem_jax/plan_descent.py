@@ -13,9 +13,8 @@ import dataclasses
 import itertools
 
 from lowmem_jax.plan import Plan
-from lowmem_jax.plan_search import Search, plan_of
+from lowmem_jax.plan_search import AXES, Search, plan_of
 from lowmem_jax.remat import parse_policy, schedule_name
-from lowmem_jax.techniques import TECHNIQUES
 
 __all__ = ["descend"]
 
@@ -72,7 +71,7 @@ def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan
     microbatch count, and (where the search has per-block schedules) one block of a stack
     moved to another of ``none`` / ``dots`` / ``full`` (a stack's blocks ordered ``full``,
     ``dots``, ``none``, as the dynamic program writes them)."""
-    moving = [a for a in _AXES if a.key in axes and not a.compute]
+    moving = [a for a in AXES if a.key in axes and not a.compute]
     here = {a.key: _rounded(a.value(plan)) for a in moving}
     plans = []
     for axis in moving:
@@ -103,7 +102,6 @@ def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan
 
 
 _ORDER = ("full", "dots", "none")  # within a stack, as remat_schedule orders a stack's blocks
-_AXES = [t.axis for t in TECHNIQUES if t.axis is not None]
 
 
 def _rounded(value):

@@ -78,7 +78,7 @@ class Search:
         if key in self.calibration or not bound:
             return self.calibration.get(key, 1.0)
         mine = dict(key)
-        own = [a.key for a in _AXES if a.own_ratio]
+        own = [a.key for a in AXES if a.own_ratio]
         for n in range(len(own), 0, -1):
             ratios = [r for k, r in self.calibration.items()
                       if all(dict(k)[name] == mine[name] for name in own[:n])]  # fmt: skip
@@ -195,8 +195,8 @@ class Search:
         return 40 if tokens is None else tokens.shape[1]
 
 
-# The registered axes, in the registry's order.
-_AXES = [t.axis for t in TECHNIQUES if t.axis is not None]
+#: The registered techniques' planner axes, in the registry's order.
+AXES = [t.axis for t in TECHNIQUES if t.axis is not None]
 
 
 def settings(plan: Plan, part: str) -> tuple[tuple[str, Any], ...]:
@@ -204,7 +204,7 @@ def settings(plan: Plan, part: str) -> tuple[tuple[str, Any], ...]:
     (:attr:`Axis.parts`: ``"stored"`` or ``"activations"``), as ``(field, value)`` pairs."""
     return tuple(
         (name, getattr(plan, name))
-        for axis in _AXES
+        for axis in AXES
         if axis.storage and part in axis.parts
         for name in axis.plan_fields(axis.values[0])
     )
@@ -215,7 +215,7 @@ def calibration_key(plan: Plan) -> tuple[tuple[str, Any], ...]:
     microbatch count (XLA's temp bytes for sparse rewiring or quantized state differ from the
     analytic count in ways that depend on each setting); the per-block schedules as one
     (``blocks``)."""
-    return tuple((axis.key, axis.value(plan)) for axis in _AXES if axis.values is not None)
+    return tuple((axis.key, axis.value(plan)) for axis in AXES if axis.values is not None)
 
 
 def plan_of(point: dict[str, Any]) -> Plan:
@@ -223,7 +223,7 @@ def plan_of(point: dict[str, Any]) -> Plan:
     registered techniques (:attr:`Technique.axis`; e.g. ``sparsity`` a fraction: 0 for dense,
     else the report's sparse storage at that fraction); axes left out keep the plan's
     default."""
-    axes = {t.axis.key: t.axis for t in TECHNIQUES if t.axis is not None}
+    axes = {axis.key: axis for axis in AXES}
     unknown = set(point) - set(axes)
     if unknown:
         raise ValueError(f"Unknown search axes {sorted(unknown)}; allowed values: {list(axes)}")

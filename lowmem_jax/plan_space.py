@@ -9,7 +9,7 @@ from typing import Any
 
 from lowmem_jax.envelope import Envelope
 from lowmem_jax.plan import Plan
-from lowmem_jax.plan_search import Search, plan_of
+from lowmem_jax.plan_search import AXES, Search, plan_of
 from lowmem_jax.technique import Axis
 from lowmem_jax.techniques import TECHNIQUES
 
@@ -71,9 +71,7 @@ def _builds(search: Search, key: str, value: Any) -> bool:
 def storage_axes(axes: dict[str, tuple]) -> list[Axis]:
     """The storage axes of ``axes`` in the registry's order: those that neither make a compute
     class nor come from the batch size (:class:`~lowmem_jax.technique.Axis`)."""
-    return [
-        t.axis for t in TECHNIQUES if t.axis is not None and t.axis.key in axes and t.axis.storage
-    ]
+    return [axis for axis in AXES if axis.key in axes and axis.storage]
 
 
 def class_corners(axes: dict[str, tuple], remat, factorize, micro: int) -> list[Plan]:
