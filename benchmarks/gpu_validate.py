@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -114,9 +115,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("inspect"):  # XLA's buffers at the compiled step's peak (lm.inspect)
         from lowmem_jax.inspector import inspect
 
-        found = inspect(setup.step, setup.abstract_state(), setup.abstract_batch())
-        inspected = {"peak_bytes": found.peak_bytes, "by_category": found.by_category(),
-                     "reconciliation": found.reconciliation}  # fmt: skip
+        try:  # the measured row stands without it
+            found = inspect(setup.step, setup.abstract_state(), setup.abstract_batch())
+            inspected = {"peak_bytes": found.peak_bytes, "by_category": found.by_category(),
+                         "reconciliation": found.reconciliation}  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - recorded in the row, never silent
+            inspected = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     return {
         "name": spec["name"],
         "config": setup.config,
@@ -221,6 +225,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "parallel and take turns (a file lock) for the timed steps",
     )
     parser.add_argument(
+        "--lock",
+        default=None,
+        help="the lock file the timed steps take turns under (default: beside the results, "
+        "with --jobs > 1); name the same file in runs that share the device",
+    )
+    parser.add_argument(
         "--inspect",
         action="store_true",
         help="also record XLA's buffers at each compiled step's peak by category (lm.inspect: "
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} cores)",
         "jax_version": jax.__version__,
         "repeats": args.repeats,
-        "command": "python benchmarks/gpu_validate.py " + " ".join(argv),
+        "command": "python benchmarks/gpu_validate.py " + shlex.join(argv),
         "jobs": args.jobs,
         # What a runtime peak no higher than runtime_peak_after_init_bytes was set by.
         "before_step": "initialisation (compiled in an earlier process)" if memory_stats else None,
@@ -282,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"validate_{result['backend']}")
-    lock = os.path.abspath(stem + ".lock") if args.jobs > 1 else None
+    own_lock = args.lock is None and args.jobs > 1
+    lock = os.path.abspath(args.lock or stem + ".lock") if args.lock or own_lock else None
     # Where the runtime peak is kept, compile in one process and measure in another.
     cache_dir = tempfile.mkdtemp(prefix="gpu_validate_cache_") if memory_stats else None
     specs = [
@@ -308,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{spec['model']} {validate_results.summary(done.result())}", flush=True)
             # Written after every configuration: a run cut short keeps what it measured.
             validate_results.write(result, plans, rows, stem, plot_too=len(rows) == len(specs))
-    if lock:
+    if own_lock:
         os.remove(lock)
     if cache_dir:
         shutil.rmtree(cache_dir)

@@ -1,9 +1,20 @@
 """The tables and figure of a :mod:`gpu_validate` run: ratios to ``plain``, a markdown table per
-model, a bar chart, and the files written after each configuration."""
+model, a bar chart, and the files written after each configuration.
+
+Several runs on one device (e.g. one per model, each in its own call) become one result file::
+
+    python benchmarks/validate_results.py --out benchmarks/results/validate_gpu_headline \
+        --note "..." run1/validate_gpu.json run2/validate_gpu.json
+
+Each run's sections keep their own ``plain`` row and ratios, and name the command that made them.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
+import sys
 from typing import Any
 
 PLAIN = "plain"
@@ -67,7 +78,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             f" {result['jobs']} configurations ran at once: they compiled concurrently (XLA's "
             "GPU autotuning runs kernels while it compiles) and took turns, under a lock, for "
             "the timed steps."
-            if result.get("jobs", 1) > 1
+            if (result.get("jobs") or 1) > 1
             else ""
         ),
         "",
@@ -75,10 +86,11 @@ def to_markdown(result: dict[str, Any]) -> str:
         *(f"\n{note}" for note in result.get("notes", [])),
     ]
     for model in result["models"]:
+        lines += ["", f"## `{model['model']}`, batch {model['batch_size']}", ""]
+        if "made_by" in model:  # a section of a merged file: its own run
+            lines += [f"Made by: `{model['made_by']}` ({model['jobs']} configurations at once; "
+                      "ratios against this run's `plain`)", ""]  # fmt: skip
         lines += [
-            "",
-            f"## `{model['model']}`, batch {model['batch_size']}",
-            "",
             f"| config | {src} total MiB | runtime peak MiB | step raised the peak "
             f"| reduction ({src}) | reduction (runtime) | ms / step | time / plain |",
             "|---|---:|---:|:-:|---:|---:|---:|---:|",
@@ -92,15 +104,16 @@ def to_markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['name']} | {r['xla']['total_bytes'] / MIB:.1f} | "
                 f"{_fmt(peak and peak / MIB, '.1f')} | {raised} | "
-                f"{_fmt(r['reduction_xla_vs_plain'], '.2f', 'x')} | "
-                f"{_fmt(r['reduction_runtime_vs_plain'], '.2f', 'x')} | "
-                f"{1e3 * r['step_seconds']:.1f} | {_fmt(r['time_vs_plain'], '.2f')} |"
+                f"{_fmt(r.get('reduction_xla_vs_plain'), '.2f', 'x')} | "
+                f"{_fmt(r.get('reduction_runtime_vs_plain'), '.2f', 'x')} | "
+                f"{1e3 * r['step_seconds']:.1f} | {_fmt(r.get('time_vs_plain'), '.2f')} |"
             )
     return "\n".join(lines) + "\n"
 
 
 def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -117,6 +130,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         if any(peaks):
             ax.scatter(peaks, names, color="k", marker="|", s=200, zorder=3, label="runtime peak")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labels overlap
         ax.set_xlabel("MiB (log)")
         ax.invert_yaxis()
         ax.set_title(f"{model['model']}, batch {model['batch_size']}", fontsize=10)
@@ -141,3 +155,57 @@ def write(result, plans, rows, stem: str, *, plot_too: bool) -> None:
         f.write(to_markdown(result))
     if plot_too:
         plot(result, stem + ".png")
+
+
+def merge(runs: list[dict[str, Any]], notes: list[str], command: str) -> dict[str, Any]:
+    """Runs of :mod:`gpu_validate` on one device as one result; each section keeps its run's
+    ``plain``, ratios and command (``made_by``, ``jobs``).
+
+    Raises:
+      ValueError: the runs name different devices, backends or JAX versions.
+    """
+    keys = ("backend", "device", "jax_version", "repeats", "before_step")
+    differing = [k for k in keys if len({json.dumps(run.get(k)) for run in runs}) > 1]
+    if differing:
+        raise ValueError(f"the runs differ in {differing}: merge runs of one device only")
+    result = {k: runs[0].get(k) for k in keys}
+    result.update(command=command, jobs=None, notes=notes, models=[])
+    for run in runs:
+        for model in run["models"]:
+            result["models"].append({**model, "made_by": run["command"], "jobs": run["jobs"]})
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Merge gpu_validate runs of one device.")
+    parser.add_argument("runs", nargs="+", help="validate_<backend>.json files")
+    parser.add_argument("--out", required=True, help="output stem: <out>.json, .md, .png")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph (repeatable)")
+    args = parser.parse_args(argv)
+    runs = []
+    for path in args.runs:
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"validate_results.py: error: runs: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+    notes = " --note ..." * len(args.note)  # the notes are in the file itself
+    runs_named = shlex.join(args.runs)
+    command = f"python benchmarks/validate_results.py --out {args.out}{notes} {runs_named}"
+    try:
+        result = merge(runs, args.note, command)
+    except ValueError as e:
+        print(f"validate_results.py: error: runs: {e}", file=sys.stderr)
+        return 2
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    with open(args.out + ".md", "w") as f:
+        f.write(to_markdown(result))
+    plot(result, args.out + ".png")
+    print(f"wrote {args.out}.json, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
