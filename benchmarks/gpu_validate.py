@@ -118,7 +118,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         try:  # the measured row stands without it
             found = inspect(setup.step, setup.abstract_state(), setup.abstract_batch())
             inspected = {"peak_bytes": found.peak_bytes, "by_category": found.by_category(),
-                         "reconciliation": found.reconciliation}  # fmt: skip
+                         "reconciliation": found.reconciliation,
+                         "top_buffers": found.table(top=12)}  # fmt: skip
         except Exception as e:  # noqa: BLE001 - recorded in the row, never silent
             inspected = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     return {

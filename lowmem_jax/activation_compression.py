@@ -25,7 +25,11 @@ residuals at a time instead of the whole stack: scanned stacks
 (:class:`~lowmem_jax.ScannedBlocks`) wrap their blocks while a :func:`compress_residuals` is
 tracing around them (:func:`active_spec`); any other ``scan`` that reads the data (a model's
 ``nn.scan`` / ``nnx.scan``, at the top level or inside ``jit`` calls) gets its body wrapped by
-re-evaluating ``fn``'s jaxpr (:func:`lowmem_jax.activation_loops.with_wrapped_loops`).
+re-evaluating ``fn``'s jaxpr (:func:`lowmem_jax.activation_loops.with_wrapped_loops`). A
+residual read from a loop's constants alone (the padded input every tap of a dynamic
+convolution slices, a decoder's encoder output) is the same in every iteration: it is stored
+once as it is, where one compressed copy per iteration would weigh as much or more
+(``invariant_argnums``, ``iterations``).
 """
 
 from __future__ import annotations
@@ -178,15 +182,25 @@ def _barrier(stored: list, actions: list, other: Any) -> tuple[list, Any]:
 
 def _body_wrapper(spec: ActivationSpec):
     """A loop body under :func:`compress_residuals`: none of its arguments kept as they are
-    (the loop would stack them)."""
+    (the loop would stack them) but its constants'."""
 
-    def wrap(step: Callable[..., Any], data_argnums: list[int]) -> Callable[..., Any]:
-        return compress_residuals(step, spec, data_argnums=data_argnums, keep_arguments=False)
+    def wrap(step, data_argnums: list[int], invariant_argnums: list[int], iterations: int):
+        return compress_residuals(
+            step,
+            spec,
+            data_argnums=data_argnums,
+            keep_arguments=False,
+            invariant_argnums=invariant_argnums,
+            iterations=iterations,
+        )
 
     return wrap
 
 
-def _plan_residuals(fn, args, data_argnums, spec, *, keep_arguments=True, active=True):
+def _plan_residuals(
+    fn, args, data_argnums, spec, *, keep_arguments=True, invariant_argnums=(), iterations=1,
+    active=True,
+):  # fmt: skip
     """Traces ``fn``'s VJP once (``active``: with :func:`active_spec` set, so that loops inside
     compress per iteration): ``(closed jaxpr of flat args -> out leaves + residual leaves,
     {"out", "res": trees, "n_out": count, "inputs": which residuals are arguments}, which
@@ -195,6 +209,7 @@ def _plan_residuals(fn, args, data_argnums, spec, *, keep_arguments=True, active
     trees = {}
     arg_of = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
     data = [i in data_argnums for i in arg_of]
+    variant = [i not in invariant_argnums for i in arg_of]
     traced = with_wrapped_loops(fn, data, _body_wrapper(spec)) if active else fn
 
     def run(*leaves):
@@ -208,6 +223,7 @@ def _plan_residuals(fn, args, data_argnums, spec, *, keep_arguments=True, active
         closed = jax.make_jaxpr(run)(*flat)
     jaxpr = closed.jaxpr
     depends = data_dependence(jaxpr, data)[trees["n_out"] :]
+    varies = data_dependence(jaxpr, variant)[trees["n_out"] :] if invariant_argnums else None
     inputs = set(jaxpr.invars)
     producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     residuals = jaxpr.outvars[trees["n_out"] :]
@@ -221,6 +237,14 @@ def _plan_residuals(fn, args, data_argnums, spec, *, keep_arguments=True, active
         )
         for v, d, is_input in zip(residuals, depends, trees["inputs"], strict=True)
     ]
+    for j, v in enumerate(residuals):
+        # Read from the loop's constants alone, the same in every iteration: kept as it is, the
+        # loop holds (or hoists) one copy; compressed, it stacks one per iteration.
+        fmt = _stored_format(chosen[j], spec)
+        if varies is not None and not varies[j] and fmt is not None:
+            size, itemsize = v.aval.size, v.aval.dtype.itemsize
+            if iterations * fmt.stored_bytes(size, itemsize) >= size * itemsize:
+                chosen[j] = None
     return closed, trees, chosen
 
 
@@ -230,6 +254,8 @@ def compress_residuals(
     *,
     data_argnums: Sequence[int] = (0,),
     keep_arguments: bool = True,
+    invariant_argnums: Sequence[int] = (),
+    iterations: int = 1,
 ) -> Callable[..., Any]:
     """``fn`` with the same values whose VJP stores its activation residuals in ``spec``'s
     format (module docstring).
@@ -244,6 +270,12 @@ def compress_residuals(
       keep_arguments: a residual that is one of ``fn``'s arguments is stored as it is (the
         caller keeps its arguments alive anyway, e.g. a loss's batch); ``False`` for a loop's
         body, whose arguments the loop would stack (a block's input under remat).
+      invariant_argnums: for a loop's body, the arguments that are the loop's constants (the
+        same array in every iteration). A residual that depends on no other argument is
+        stored as it is, one copy for the whole loop (JAX hoists loop-invariant residuals),
+        where ``iterations`` compressed copies, one per iteration, would take as many bytes
+        or more.
+      iterations: the loop's length (with ``invariant_argnums``).
 
     Returns:
       ``fn`` under a ``jax.custom_vjp``: forward values bitwise equal to ``fn``'s, gradients
@@ -253,7 +285,7 @@ def compress_residuals(
     spec = parse_spec(spec)
     if not spec.enabled:
         return fn
-    data_argnums = tuple(data_argnums)
+    data_argnums, invariant_argnums = tuple(data_argnums), tuple(invariant_argnums)
 
     def call(*args):
         # One custom_vjp per call: its forward pass leaves the residuals' structure here for
@@ -266,8 +298,9 @@ def compress_residuals(
 
         def forward(*args):
             closed, trees, chosen = _plan_residuals(
-                fn, args, data_argnums, spec, keep_arguments=keep_arguments
-            )
+                fn, args, data_argnums, spec, keep_arguments=keep_arguments,
+                invariant_argnums=invariant_argnums, iterations=iterations,
+            )  # fmt: skip
             values = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
             out_leaves, res = values[: trees["n_out"]], values[trees["n_out"] :]
             stored = [_store(r, c, spec) for r, c in zip(res, chosen, strict=True)]

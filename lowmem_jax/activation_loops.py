@@ -21,9 +21,11 @@ __all__ = ["with_wrapped_loops", "MARK"]
 #: it is (:func:`with_wrapped_loops` does not wrap a body twice).
 MARK = "compresses_residuals"
 
-#: ``wrap(step, data_argnums) -> step``: a loop body ``step(*leaves) -> (carry, ys)`` wrapped,
-#: the leaves in ``data_argnums`` reading the data.
-WrapBody = Callable[[Callable[..., Any], list[int]], Callable[..., Any]]
+#: ``wrap(step, data_argnums, invariant_argnums, iterations) -> step``: a loop body
+#: ``step(*leaves) -> (carry, ys)`` wrapped, the leaves in ``data_argnums`` reading the data,
+#: those in ``invariant_argnums`` the loop's constants (the same array in each of its
+#: ``iterations``).
+WrapBody = Callable[[Callable[..., Any], list[int], list[int], int], Callable[..., Any]]
 
 
 def with_wrapped_loops(fn: Callable[..., Any], data: list[bool], wrap: WrapBody):
@@ -113,7 +115,8 @@ def _wrapped_scan(eqn: Any, invals: list, flags: list[bool], wrap: WrapBody) -> 
         out = jax.core.eval_jaxpr(body.jaxpr, body.consts, *leaves)
         return out[:n_carry], out[n_carry:]
 
-    wrapped = wrap(step, [i for i, f in enumerate(flags) if f])
+    data_argnums = [i for i, f in enumerate(flags) if f]
+    wrapped = wrap(step, data_argnums, list(range(n_consts)), params["length"])
 
     def scan_body(carry, x):
         return wrapped(*consts, *carry, *x)

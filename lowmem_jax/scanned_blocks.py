@@ -204,12 +204,14 @@ def _scan_run(apply_block, x, xs, closed, length: int, spec: RematSpec, unroll: 
     segment = spec.segment_length(length) if spec.segment else 1
     compressed = active_spec()
 
-    def outermost(fn):
+    def outermost(fn, iterations: int):
         if compressed is None:
             return lambda h, block_xs: fn(h, block_xs, *closed)
-        # The block's input and its context are data; every argument would be stacked by the
-        # loop, so none is kept as it is.
-        body = compress_residuals(fn, compressed, data_argnums=(0, 2), keep_arguments=False)
+        # The block's input and its context are data. The loop would stack its input and
+        # per-block values, so none is kept as it is; the context is the same in every block.
+        body = compress_residuals(fn, compressed, data_argnums=(0, 2), keep_arguments=False,
+                                  invariant_argnums=range(2, 2 + len(closed)),
+                                  iterations=iterations)  # fmt: skip
         return lambda h, block_xs: body(h, block_xs, *closed)
 
     if length == 1:
@@ -217,12 +219,12 @@ def _scan_run(apply_block, x, xs, closed, length: int, spec: RematSpec, unroll: 
         # outside a loop, CSE must be prevented explicitly for remat to hold.
         if spec.enabled:
             apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=True)
-        x, out = outermost(apply_block)(x, jax.tree.map(lambda a: a[0], xs))
+        x, out = outermost(apply_block, 1)(x, jax.tree.map(lambda a: a[0], xs))
         return x, jax.tree.map(lambda a: a[None], out)
     if segment == 1:
         if spec.enabled:
             apply_block = jax.checkpoint(apply_block, policy=spec.policy, prevent_cse=False)
-        return jax.lax.scan(outermost(apply_block), x, xs, unroll=unroll)
+        return jax.lax.scan(outermost(apply_block, length), x, xs, unroll=unroll)
     return _segmented_scan(apply_block, outermost, x, xs, length, segment, spec, unroll)
 
 
@@ -239,7 +241,8 @@ def _segmented_scan(
     def run_segment(h, seg_xs, *closed):
         return jax.lax.scan(lambda c, b: apply_block(c, b, *closed), h, seg_xs, unroll=unroll)
 
-    run_segment = outermost(jax.checkpoint(run_segment, policy=spec.policy, prevent_cse=False))
+    checkpointed = jax.checkpoint(run_segment, policy=spec.policy, prevent_cse=False)
+    run_segment = outermost(checkpointed, length // segment)
     head = jax.tree.map(lambda a: a[:full].reshape((-1, segment) + a.shape[1:]), xs)
     x, ys = jax.lax.scan(run_segment, x, head, unroll=unroll)
     ys = jax.tree.map(lambda a: a.reshape((full,) + a.shape[2:]), ys)

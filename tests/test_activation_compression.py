@@ -192,6 +192,50 @@ def test_a_loop_of_the_user_s_own_compresses_one_iteration_at_a_time():
     assert temp(compressed) < 0.5 * temp(loss)
 
 
+@pytest.mark.parametrize("name", ["bf16", "int8", "int2"])
+def test_a_loop_s_constant_is_stored_once_where_per_iteration_copies_weigh_more(name):
+    # The dynamic convolution: a K-step scan whose checkpointed body reads the padded input, a
+    # constant of the loop. One compressed copy per step stacked K of them (bf16: 2x the plain
+    # residuals at K = 7); the constant is now kept as it is, once, where that weighs less.
+    from lowmem_jax.models.dynamic_conv.conv import apply_conv_weights
+
+    def report(k):
+        x = jax.random.normal(jax.random.key(0), (8, 64, 64))
+        w = jax.random.normal(jax.random.key(1), (8, 64, 2, k)) / k
+
+        def loss(x, w):
+            return jnp.sum(apply_conv_weights(x, w, k // 2) ** 2)
+
+        return ac.residual_report(loss, name, x, w, data_argnums=(0,))
+
+    small, large = report(7), report(15)
+    assert large.stored_bytes <= large.plain_bytes, large
+    # Eight more taps add what the plain residuals add (a wider padding), not eight copies.
+    assert large.stored_bytes - small.stored_bytes <= large.plain_bytes - small.plain_bytes
+
+
+def test_a_constant_is_compressed_where_per_iteration_copies_weigh_less():
+    # 2-bit copies of a loop's constant weigh steps x (2/32 + scales) of it: kept as it is, one
+    # float copy, in a 64-step loop; compressed, one copy per step, in a 4-step loop.
+    def loss(w, ctx):
+        h, _ = jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi) * ctx, None), ctx, w)
+        return jnp.mean(h**2)
+
+    ctx = jax.random.normal(jax.random.key(1), (256, 64))
+
+    def residuals(steps):
+        w = jax.random.normal(jax.random.key(0), (steps, 64, 64)) / 8
+        closed, trees, _ = ac._plan_residuals(loss, (w, ctx), (1,), ac.parse_spec("int2"))
+        out = closed.jaxpr.outvars[trees["n_out"] :]
+        kept = [v.aval.shape == ctx.shape for v, i in zip(out, trees["inputs"], strict=True) if i]
+        stacked = [v for v in out if v.aval.dtype == jnp.uint8 and v.aval.shape[0] == steps]
+        return any(kept), len(stacked)
+
+    (kept_long, stacked_long), (kept_short, stacked_short) = residuals(64), residuals(4)
+    assert kept_long and not kept_short
+    assert stacked_short == stacked_long + 1  # the constant's compressed copies
+
+
 def test_scan_layout_reads_both_of_jax_s_parameter_layouts():
     from lowmem_jax.jaxprs import scan_layout, traced_equations
 

@@ -43,6 +43,7 @@ def test_tiny_grid_on_cpu_measures_each_config_as_lowmem_analyze_compiles_it(
         assert r["runtime_peak_after_init_bytes"] is None  # no statistics on CPU
         assert 0 < r["inspected"]["peak_bytes"] <= r["xla"]["total_bytes"]
         assert r["inspected"]["by_category"]["parameter"] > 0
+        assert "state.params" in r["inspected"]["top_buffers"]  # which buffers, by source
         assert r["reduction_runtime_vs_plain"] is None
         assert r["step_seconds"] > 0 and r["loss"] > 0
     assert plain["reduction_xla_vs_plain"] == 1.0 and plain["time_vs_plain"] == 1.0
