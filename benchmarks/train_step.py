@@ -50,7 +50,7 @@ CONFIGS: dict[str, dict] = {
     "k4_remat_full": {"microbatches": 4, "remat": "full"},
     "mixed_fp16_k4_remat_full": {"precision": "mixed_fp16", "microbatches": 4, "remat": "full"},
     "bf16_k16_remat_full": {"precision": "bf16", "microbatches": 16, "remat": "full"},
-    # Factorized layers, 25% of each factorized layer's parameters (issue 12).
+    # Factorized layers, 25% of each factorized layer's parameters.
     "tucker": {"factorize": lm.FactorConfig("tucker")},
     "tucker_remat_full": {"factorize": lm.FactorConfig("tucker"), "remat": "full"},
     "cp_remat_full": {"factorize": lm.FactorConfig("cp"), "remat": "full"},

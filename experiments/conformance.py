@@ -1,11 +1,11 @@
-"""The conformance table (issue 37): every technique, a strong combination and six optimizers on
+"""The conformance table: every technique, a strong combination and six optimizers on
 models nobody on this project wrote (:mod:`experiments.conformance_models`).
 
 Each cell builds the step through the public API (``plan.configure_model``,
 ``plan.wrap_optimizer``, ``TrainState.create``, ``make_train_step``), compiles it (XLA:CPU
 figures), runs ``STEPS`` steps on one batch (the loss must fall, no step skipped) and reads
 ``lm.verdicts``. A plan the model cannot take is a refusal: its one-line error is the cell.
-Optimizer-state rows also check issue 37's rule against the model's plain step with the same
+Optimizer-state rows also check the conformance rule against the model's plain step with the same
 optimizer: total <= plain total - 0.9 x the argument bytes saved.
 
 Usage: python experiments/conformance.py [--models a,b] [--rows "row,row"] [--smallest]
@@ -141,7 +141,7 @@ def run_cell(model: str, fields: dict, optimizer: str) -> dict:
 
 
 def _state_rule(cell: dict, plain: dict) -> dict | None:
-    """Issue 37's rule for a stored-state row against the plain step with the same optimizer:
+    """The rule for a stored-state row against the plain step with the same optimizer:
     total <= plain total - 0.9 x the argument bytes saved."""
     if cell.get("status") != "ok" or plain.get("status") != "ok":
         return None
@@ -151,7 +151,7 @@ def _state_rule(cell: dict, plain: dict) -> dict | None:
 
 
 def _sparse_rule(cell: dict, plain: dict) -> dict | None:
-    """Issue 37's rule for compressed sparse storage: the dense weights built from it raise temp
+    """The rule for compressed sparse storage: the dense weights built from it raise temp
     by at most 10% of the argument bytes it saves (against the same plan without sparsity)."""
     if cell.get("status") != "ok" or plain.get("status") != "ok":
         return None
@@ -323,7 +323,8 @@ def markdown(result: dict) -> str:
         f"{result['steps']} steps on one batch each). A cell is `ok` when the step compiles, no "
         "step is skipped and the loss falls; memory is XLA:CPU's total (argument + output + temp "
         "- alias) of the step as `lm.make_train_step` builds it (state donated); rows check "
-        "issue 37's rules against the plain step with the same optimizer: a stored state, total "
+        "the conformance rules against the plain step with the same optimizer: a stored state, "
+        "total "
         "<= plain total - 0.9 x argument bytes saved; compressed sparse storage, temp <= temp "
         "of the same plan dense (`plain`, `remat full`) + 0.1 x argument bytes saved; remat "
         "(its blocks found by the plan, none named) must leave the losses as they are. "

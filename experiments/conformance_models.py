@@ -1,4 +1,4 @@
-"""The conformance suite's models (issue 37): code nobody on this project wrote, and models written
+"""The conformance suite's models: code nobody on this project wrote, and models written
 here the way Flax users commonly write them.
 
 * ``gpt2`` -- Hugging Face ``transformers``' ``FlaxGPT2LMHeadModule`` (Linen, dropout), built

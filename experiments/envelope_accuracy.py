@@ -1,4 +1,4 @@
-"""Accuracy of the memory reports' best rows, with intervals (issue 15, items 3 and 4).
+"""Accuracy of the memory reports' best rows, with intervals.
 
 The headline quotes, per benchmark, the best reduction inside the technical report's envelope
 and outside it (``report.json``'s ``best_in_envelope`` and ``best``). This trains those plans on
@@ -9,7 +9,7 @@ the CPU stand-in tasks next to the dense fp32 baseline:
   seeds: every image is a test image once per seed, and each (seed, fold) pairs a variant
   with the baseline trained on the same split. Interval: the corrected resampled t-test's
   (Nadeau & Bengio 2003) over the 15 paired differences.
-* ``fashion`` (for WRN-28-2 too; issue 39 item 5): WideResNet-16-2 on Fashion-MNIST (60,000 /
+* ``fashion`` (for WRN-28-2 too): WideResNet-16-2 on Fashion-MNIST (60,000 /
   10,000 28x28 images from Debian's ``dataset-fashion-mnist``; not saturated), batch 128, one
   epoch, the in-envelope plan exactly as for the digits, 3 seeds, paired t interval (the best
   row's microbatches of 2 images make an epoch about 20 minutes here: not run).
@@ -47,7 +47,7 @@ TARGET_PRUNED = 20_000
 SEEDS = {"digits": (0, 1, 2), "fashion": (0, 1, 2), "translation": (0, 1, 2, 3, 4)}
 TASKS = {  # task -> (memory report's model, cross-validation folds, TrainConfig fields)
     "digits": ("wrn-28-2", 5, {}),
-    # Not saturated, unlike the digits (issue 39 item 5); one epoch (469 steps) on 2 CPU cores.
+    # Not saturated, unlike the digits; one epoch (469 steps) on 2 CPU cores.
     "fashion": ("wrn-28-2", None, {"dataset": "fashion-mnist", "epochs": 1, "image_size": 32}),
     "translation": ("dynamicconv-iwslt", None, {"dataset": "synthetic-reverse-long"}),
 }
@@ -101,7 +101,7 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
     ]
     if task == "fashion":  # the baseline and the headline's two rows (an epoch: 26 of digits')
         return out
-    # Compressed activations alone, at two widths (issue 39).
+    # Compressed activations alone, at two widths.
     out += [
         (
             study.Variant(f"act_{fmt}", "activations", f"activations {fmt}", Plan(activations=fmt)),
@@ -169,7 +169,7 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
 SCALE = {"digits": 100.0, "fashion": 100.0, "translation": 1.0}  # accuracy in points; BLEU
 UNIT = {"digits": "points of test accuracy", "fashion": "points of test accuracy",
         "translation": "greedy BLEU"}  # fmt: skip
-# Issue 15's goal for the mean paired delta, in the task's unit (points, BLEU).
+# The goal for the mean paired delta, in the task's unit (points, BLEU): the report's envelope.
 GOAL = {"digits": -0.5, "fashion": -0.5, "translation": -1.0}
 
 
@@ -300,7 +300,7 @@ def plot(result: dict, path: str) -> None:
             red = r["reduction_xla_vs_plain"]
             labels.append(r["setting"] + ("" if red is None else f"\n{red:.1f}x less memory"))
         ax.axvline(0, color="k", lw=0.8)
-        goal = f"{GOAL[task]:+g} (issue 15 goal)"
+        goal = f"{GOAL[task]:+g} (goal)"
         ax.axvline(GOAL[task], color="C3", lw=0.8, ls="--", label=goal)
         ax.set_yticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylim(len(rows) - 0.5, -0.5)

@@ -1,4 +1,4 @@
-"""Factorized layers at full size (issue 12): memory and FLOPs of CP / Tucker-2 / low-rank, with
+"""Factorized layers at full size: memory and FLOPs of CP / Tucker-2 / low-rank, with
 and without remat, next to the dense step and the plain one.
 
 Compile-only (no step runs): for each model, the plain step (``lowmem analyze --plain``), our

@@ -1,4 +1,4 @@
-"""Factorized layers on the two CPU tasks (issue 12, study item 5): accuracy over seeds.
+"""Factorized layers on the two CPU tasks: accuracy over seeds.
 
 Each method (CP, Tucker-2, low-rank) at several compressions, trained from scratch (spectral
 initialisation) and decomposed from the dense baseline of the same seed then fine-tuned for the

@@ -1,4 +1,4 @@
-"""Step time and FLOPs of the headline's rows against the plain step (issue 39, item 4).
+"""Step time and FLOPs of the headline's rows against the plain step.
 
 For each benchmark: the plain Flax/Optax step and every row the README's headline shows
 (:func:`experiments.envelope_accuracy.headline_rows`), at the memory report's batch, each

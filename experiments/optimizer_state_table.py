@@ -1,4 +1,4 @@
-"""The optimizer-state memory table (issue 11): ``experiments/results/optimizer_state/README.md``.
+"""The optimizer-state memory table: ``experiments/results/optimizer_state/README.md``.
 
 Reads the ``lowmem analyze`` outputs in ``experiments/results/optimizer_state`` (one per format,
 dense and DSR 90% compressed, DynamicConv Transformer; commands in the table) and the WRN-28-2
@@ -90,8 +90,9 @@ def main() -> int:
             )
     lines += [
         "",
-        "int8 and int4 lower XLA:CPU's total (issue 37: before, the dense DynamicConv rows were "
-        "3494.7 and 3606.7 MiB, above fp32's 3126.4): a separable update (Adam, SGD) runs one "
+        "int8 and int4 lower XLA:CPU's total (when the update decoded every leaf at once, the "
+        "dense DynamicConv rows were 3494.7 and 3606.7 MiB, above fp32's 3126.4): a separable "
+        "update (Adam, SGD) runs one "
         "group of leaves at a time, each a `lax.cond` after the previous group and after every "
         "gradient, and the codes are made in chunks, so the float32 transients are one group's "
         "and fall outside the backward pass's peak. With DSR (its rewiring reads every leaf) the "
