@@ -216,19 +216,31 @@ def _argument_category(op_name: str) -> str:
     return "argument"
 
 
+def _turn(forward: list[int], backward: list[int], positions: int) -> int:
+    """The schedule position where the forward pass ends and the backward pass begins: after the
+    last forward instruction that comes before the middle of the backward pass. XLA schedules
+    some backward work early (BatchNorm's: the first backward instruction would be too soon)
+    and may schedule a forward-named instruction late, among the backward pass (a fusion named
+    after its forward root: the last forward instruction alone would be too late)."""
+    if backward:
+        middle = backward[len(backward) // 2]
+        forward = [i for i in forward if i < middle]
+    if not forward:
+        return backward[0] if backward else positions
+    return forward[-1] + 1
+
+
 def _analyse(assignment: str, live: str, hlo: str, xla: dict[str, int], backend: str) -> Inspection:
     allocations = xla_dumps.allocations(assignment)
     sequence, ranges = xla_dumps.live_ranges(live)
     op_names, sources = xla_dumps.sources(hlo)
     positions = max(len(sequence), 1)
     last = positions - 1
-    # The turn from forward to backward: after the last forward instruction (XLA schedules some
-    # backward work, e.g. BatchNorm's, early: the first "transpose(" would be too soon).
     own = {n: op for n, op in op_names.items() if not op.startswith("copy of ")}
     forward = [i for i, n in enumerate(sequence)
                if "jvp(" in own.get(n, "") and "transpose(" not in own.get(n, "")]  # fmt: skip
     backward = [i for i, n in enumerate(sequence) if "transpose(" in own.get(n, "")]
-    turn = forward[-1] + 1 if forward else (backward[0] if backward else positions)
+    turn = _turn(forward, backward, positions)
 
     def instruction(name: str) -> str:
         return name.split("{", 1)[0]
