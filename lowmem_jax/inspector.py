@@ -17,7 +17,8 @@ an argument by its path (``parameter`` under ``params``, ``optimizer state`` und
 ``opt_state``, ``model state``, ``batch``, else ``argument``); ``output`` for the step's other
 outputs; a backward value (``transpose(`` in its op name) shaped like a parameter is a
 ``gradient``; any other value made before the forward pass ends (its last instruction with
-``jvp(`` and no ``transpose(`` in the op name) and still live after it is a ``saved residual``
+``jvp(`` and no ``transpose(`` in the op name before the middle of the backward pass, whose
+instructions have ``transpose(``) and still live after it is a ``saved residual``
 (XLA's own layout copies of activations included: they carry no op name); everything else is
 ``workspace``.
 
@@ -217,17 +218,11 @@ def _argument_category(op_name: str) -> str:
 
 
 def _turn(forward: list[int], backward: list[int], positions: int) -> int:
-    """The schedule position where the forward pass ends and the backward pass begins: after the
-    last forward instruction that comes before the middle of the backward pass. XLA schedules
-    some backward work early (BatchNorm's: the first backward instruction would be too soon)
-    and may schedule a forward-named instruction late, among the backward pass (a fusion named
-    after its forward root: the last forward instruction alone would be too late)."""
-    if backward:
-        middle = backward[len(backward) // 2]
-        forward = [i for i in forward if i < middle]
-    if not forward:
-        return backward[0] if backward else positions
-    return forward[-1] + 1
+    """Where the backward pass begins: after the last forward instruction before its middle
+    (XLA schedules some backward work early, BatchNorm's, and may schedule a forward-named
+    fusion among the backward pass: neither moves it)."""
+    forward = [i for i in forward if not backward or i < backward[len(backward) // 2]]
+    return forward[-1] + 1 if forward else (backward[0] if backward else positions)
 
 
 def _analyse(assignment: str, live: str, hlo: str, xla: dict[str, int], backend: str) -> Inspection:
@@ -305,9 +300,8 @@ def _analyse(assignment: str, live: str, hlo: str, xla: dict[str, int], backend:
     for t in range(positions):
         idx, counted = counted_at(t)
         if len(idx):
-            timeline[:, t] += np.bincount(category_of[idx], counted, len(CATEGORIES)).astype(
-                np.int64
-            )
+            add = np.bincount(category_of[idx], counted, len(CATEGORIES))
+            timeline[:, t] += add.astype(np.int64)
     totals = timeline.sum(0)
     peak = int(np.argmax(totals))
     idx, counted = counted_at(peak)
@@ -375,7 +369,6 @@ def compare(before: Inspection, after: Inspection, top: int = 8) -> dict[str, An
                 out[key(b)][1] += 1
         return {k: (v[0], v[1]) for k, v in out.items()}
 
-    # Changes under 0.1% of the larger peak are left out (scalars, a counter moving).
     noise = 0.001 * max(before.peak_bytes, after.peak_bytes)
 
     def diff(key) -> list[dict[str, Any]]:
