@@ -182,9 +182,12 @@ def _barrier(stored: list, actions: list, other: Any) -> tuple[list, Any]:
 
 def _body_wrapper(spec: ActivationSpec):
     """A loop body under :func:`compress_residuals`: none of its arguments kept as they are
-    (the loop would stack them) but its constants'."""
+    (the loop would stack them), except the loop's constants where that weighs less."""
 
-    def wrap(step, data_argnums: list[int], invariant_argnums: list[int], iterations: int):
+    def wrap(
+        step: Callable[..., Any], data_argnums: list[int], invariant_argnums: list[int],
+        iterations: int,
+    ) -> Callable[..., Any]:  # fmt: skip
         return compress_residuals(
             step,
             spec,
