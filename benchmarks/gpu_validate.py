@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"validate_{result['backend']}")
-    own_lock = args.lock is None and args.jobs > 1
-    lock = os.path.abspath(args.lock or stem + ".lock") if args.lock or own_lock else None
+    own_lock = args.lock is None and args.jobs > 1  # made here, removed at the end
+    lock = os.path.abspath(stem + ".lock") if own_lock else args.lock and os.path.abspath(args.lock)
     # Where the runtime peak is kept, compile in one process and measure in another.
     cache_dir = tempfile.mkdtemp(prefix="gpu_validate_cache_") if memory_stats else None
     specs = [

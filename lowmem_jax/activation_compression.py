@@ -154,6 +154,12 @@ def _stored_format(action: Any, spec: ActivationSpec) -> ActivationSpec | None:
     return {"compress": spec, "bits": MASK}.get(action) if isinstance(action, str) else None
 
 
+def _stored_nbytes(aval: Any, action: Any, spec: ActivationSpec) -> int:
+    """The bytes a residual of ``aval`` takes as stored for ``action`` (an analytic count)."""
+    fmt, itemsize = _stored_format(action, spec), aval.dtype.itemsize
+    return aval.size * itemsize if fmt is None else fmt.stored_bytes(aval.size, itemsize)
+
+
 def _store(x: jax.Array, action: Any, spec: ActivationSpec) -> Any:
     fmt = _stored_format(action, spec)
     if fmt is not None:
@@ -243,10 +249,9 @@ def _plan_residuals(
     for j, v in enumerate(residuals):
         # Read from the loop's constants alone, the same in every iteration: kept as it is, the
         # loop holds (or hoists) one copy; compressed, it stacks one per iteration.
-        fmt = _stored_format(chosen[j], spec)
-        if varies is not None and not varies[j] and fmt is not None:
-            size, itemsize = v.aval.size, v.aval.dtype.itemsize
-            if iterations * fmt.stored_bytes(size, itemsize) >= size * itemsize:
+        if varies is not None and not varies[j] and _stored_format(chosen[j], spec) is not None:
+            stored = iterations * _stored_nbytes(v.aval, chosen[j], spec)
+            if stored >= _stored_nbytes(v.aval, None, spec):
                 chosen[j] = None
     return closed, trees, chosen
 
@@ -355,11 +360,7 @@ def residual_report(
         ]
 
     def nbytes(aval: Any, action: Any) -> int:
-        if action == "compress" and spec.enabled:
-            return spec.stored_bytes(aval.size, aval.dtype.itemsize)
-        if action == "bits" and spec.enabled:
-            return MASK.stored_bytes(aval.size, 1)
-        return aval.size * aval.dtype.itemsize
+        return _stored_nbytes(aval, action if spec.enabled else None, spec)
 
     plain = residuals(active=False)
     stored = residuals(active=True) if spec.enabled else plain
