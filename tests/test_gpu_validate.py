@@ -195,6 +195,51 @@ def test_the_headline_run_s_figures_quoted_are_its_own():
     assert committed["models"] == json.loads(json.dumps(compare.compare(run, reports)))
 
 
+def test_the_act_and_time_runs_figures_quoted_are_their_own():
+    # benchmarks/results/validate_gpu_{act,time}.*: two later calls on one H200, each merged.
+    root = BENCHMARKS.parent
+    tables = load_benchmark("validate_results")
+    compare = load_benchmark("backend_compare")
+    reports = [json.loads((root / p).read_text()) for p in compare.REPORTS]
+    runs = {}
+    for stem in ("validate_gpu_act", "validate_gpu_time"):
+        run = json.loads((root / f"benchmarks/results/{stem}.json").read_text())
+        assert "H200" in run["device"] and run["backend"] == "gpu"
+        assert (root / f"benchmarks/results/{stem}.md").read_text() == tables.to_markdown(run)
+        vs_cpu = json.loads((root / f"benchmarks/results/{stem}_vs_cpu.json").read_text())
+        assert vs_cpu["models"] == json.loads(json.dumps(compare.compare(run, reports)))
+        runs[stem] = {(m["model"], c["name"]): c for m in run["models"] for c in m["configs"]}
+    act, time = runs["validate_gpu_act"], runs["validate_gpu_time"]
+
+    def mib(rows, model, name):
+        return f"{rows[model, name]['xla']['total_bytes'] / 2**20:,.1f}"
+
+    def x(rows, model, name, key="reduction_xla_vs_plain"):
+        return f"{rows[model, name][key]:.2f}x"
+
+    dc = "dynamicconv-iwslt"
+    measured = " ".join((root / "docs/measured.md").read_text().split())
+    for quoted in (
+        f"has them at {mib(act, dc, 'act bf16')} MiB ({x(act, dc, 'act bf16')}) and "
+        f"{mib(act, dc, 'act int8')} ({x(act, dc, 'act int8')}), `act int2` "
+        f"{mib(act, dc, 'act int2')} ({x(act, dc, 'act int2')};",
+        f"`remat full` 214.1 then {mib(act, 'wrn-28-2', 'remat full')} MiB",
+    ):
+        assert quoted in measured, quoted
+    inspected = act["wrn-28-2", "plain"]["inspected"]["by_category"]
+    assert f"puts {inspected['saved residual'] / 2**20:.1f} of plain's" in measured
+    wrn_in, wrn_any = ("mixed_fp16 + mb 8 + remat full + sparse 70% + uint8 input",
+                       "fp16 + mb 2 + remat full + sparse 90% + uint8 input")  # fmt: skip
+    dc_in, dc_static = ("mb 10 + remat dots + state bf16 + sparse 70%",
+                        "fp16 + mb 2 + remat full + static sparse 70%")  # fmt: skip
+    t = {k: f"{time[k]['time_vs_plain']:.1f}x" for k in time}
+    assert (f"rows take {t['wrn-28-2', wrn_in]} (WideResNet) and {t[dc, dc_in]} (transformer) the "
+            f"plain step's time and the least-memory rows {t['wrn-28-2', wrn_any][:-1]}x and "
+            f"{t[dc, dc_static]}") in measured  # fmt: skip
+    readme = " ".join((root / "README.md").read_text().split())
+    assert f"at {t['wrn-28-2', wrn_in]} and {t[dc, dc_in]} the plain step's time there" in readme
+
+
 def _row(name, total, peak=None):
     return {"name": name, "xla": {"total_bytes": total}, "runtime_peak_bytes": peak,
             "runtime_peak_after_init_bytes": None, "step_seconds": 0.01}  # fmt: skip
