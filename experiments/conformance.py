@@ -59,7 +59,7 @@ def techniques(block: str) -> dict[str, dict]:
     block: the plan finds the model's repeated blocks (``block`` is the one a user would name;
     the verdict counts the regions)."""
     remat = {"remat": "full"}
-    sparse = lm.sparsity.SparseConfig(density=0.3, compressed=True)
+    sparse = lm.sparsity.report_sparsity(0.7)  # DSR, uniform, compressed (the report's)
     return {
         "plain": {},
         "mixed_fp16": {"precision": "mixed_fp16"},

@@ -114,14 +114,17 @@ def test_the_docs_quote_the_committed_conformance_table():
     alone, with_remat = conformance.SPARSE_ROWS
     holds = {(m, r) for (m, r), (ok, _, _) in held.items() if ok}
     expected = {(m, r) for m in ("linen_resnet", "nnx_cnn") for r in (with_remat, alone)}
-    assert holds == expected | {("gpt2", with_remat)}, holds
+    assert holds == expected | {("gpt2", with_remat), ("linen_lm_scan", with_remat)}, holds
     _, temp, limit = held["gpt2", with_remat]
     quoted = [f"GPT-2 (temp {temp:.1f} MiB, limit {limit:.1f})"]
-    quoted += [f"{name} ({held[m, with_remat][1]:.1f}, {held[m, with_remat][2]:.1f})"
-               for name, m in (("ResNet-18", "linen_resnet"), ("NNX CNN", "nnx_cnn"))]  # fmt: skip
+    quoted += [f"{name} ({held[m, r][1]:.1f}, {held[m, r][2]:.1f})"
+               for name, m, r in (("ResNet-18", "linen_resnet", with_remat),
+                                  ("the Linen scan LM", "linen_lm_scan", with_remat),
+                                  ("NNX CNN", "nnx_cnn", with_remat),
+                                  ("ResNet-18", "linen_resnet", alone))]  # fmt: skip
     quoted += [f"{held[m, r][1]:.1f} against {held[m, r][2]:.1f}"
-               for m, r in (("gpt2", alone), ("linen_lm_scan", with_remat),
-                            ("nnx_scan", with_remat))]  # fmt: skip
+               for m, r in (("nnx_scan", with_remat), ("gpt2", alone),
+                            ("linen_lm_scan", alone), ("nnx_scan", alone))]  # fmt: skip
     assert all(q in your_model for q in quoted), quoted
     totals = []
     for model in ("linen_resnet", "linen_lm_scan", "nnx_scan", "nnx_cnn"):
@@ -165,3 +168,11 @@ def test_the_docs_quote_each_model_s_committed_smallest_plan():
     resnet = smallest["linen_resnet"]
     mib = (resnet["plain_total_bytes"] / 2**20, resnet["any"]["total_bytes"] / 2**20)
     assert f"ResNet-18 {mib[0]:.1f} -> {mib[1]:.1f} MiB" in your_model
+
+
+def test_a_sparse_row_runs_the_algorithm_its_label_names():
+    # The rows labelled "dsr" once ran SparseConfig's default, RigL with ERK densities.
+    for label, fields in conformance.techniques("Block").items():
+        if "sparsity" in fields:
+            assert label.endswith(fields["sparsity"].algorithm), label
+            assert fields["sparsity"] == lm.sparsity.report_sparsity(0.7), label
