@@ -99,6 +99,17 @@ def test_help_names_the_output():
     assert proc.returncode == 0 and "--out-dir" in proc.stdout
 
 
+def _mib(row, key="total"):
+    """A row's XLA total (or runtime peak, ``key="peak"``) in MiB as the docs quote it."""
+    value = row["xla"]["total_bytes"] if key == "total" else row["runtime_peak_bytes"]
+    return f"{value / 2**20:,.1f}"
+
+
+def _x(row, key="reduction_xla_vs_plain", digits=1):
+    """A row's ratio as the docs quote it (``12.3x``)."""
+    return f"{row[key]:.{digits}f}x"
+
+
 def test_the_gpu_figures_quoted_are_the_committed_run_s():
     root = BENCHMARKS.parent
     gpu = json.loads((root / "benchmarks/results/validate_gpu.json").read_text())
@@ -106,10 +117,10 @@ def test_the_gpu_figures_quoted_are_the_committed_run_s():
     assert "H200" in gpu["device"] and gpu["backend"] == "gpu"
 
     def mib(model, name):
-        return f"{rows[model, name]['xla']['total_bytes'] / 2**20:,.1f}"
+        return _mib(rows[model, name])
 
     def x(name):
-        return f"{rows['wrn-28-2', name]['reduction_xla_vs_plain']:.1f}x"
+        return _x(rows["wrn-28-2", name])
 
     best = "fp16 + mb 2 + remat full + sparse 90% + uint8 input"
     inside = "mixed_fp16 + mb 8 + remat full + sparse 70% + uint8 input"
@@ -147,12 +158,10 @@ def test_the_headline_run_s_figures_quoted_are_its_own():
         return next(c for c in model["configs"] if c["name"] == name)
 
     def mib(model, name, key="total"):
-        r = row(model, name)
-        value = r["xla"]["total_bytes"] if key == "total" else r["runtime_peak_bytes"]
-        return f"{value / 2**20:,.1f}"
+        return _mib(row(model, name), key)
 
     def x(model, name, key="reduction_xla_vs_plain"):
-        return f"{row(model, name)[key]:.1f}x"
+        return _x(row(model, name), key)
 
     best, inside = ("fp16 + mb 2 + remat full + sparse 90% + uint8 input",
                     "mixed_fp16 + mb 8 + remat full + sparse 70% + uint8 input")  # fmt: skip
@@ -212,10 +221,10 @@ def test_the_act_and_time_runs_figures_quoted_are_their_own():
     act, time = runs["validate_gpu_act"], runs["validate_gpu_time"]
 
     def mib(rows, model, name):
-        return f"{rows[model, name]['xla']['total_bytes'] / 2**20:,.1f}"
+        return _mib(rows[model, name])
 
-    def x(rows, model, name, key="reduction_xla_vs_plain"):
-        return f"{rows[model, name][key]:.2f}x"
+    def x(rows, model, name):
+        return _x(rows[model, name], digits=2)
 
     dc = "dynamicconv-iwslt"
     measured = " ".join((root / "docs/measured.md").read_text().split())

@@ -104,6 +104,12 @@ def test_stored_bytes_and_slot_names_per_format():
 
 
 def test_int8_and_int4_adam_reach_fp32_adams_loss_on_least_squares():
+    """A noiseless least-squares fit (Adam, lr 3e-2): bf16 and int8 states track float32 Adam;
+    the 4-bit state converges at about half its rate and has no floor of its own.
+
+    The 4-bit lag is the first moment's (block-wise 4-bit dynamic map): with a float32 second
+    moment it stays (0.072 at 300 steps), with a float32 first moment and the 4-bit second
+    moment it goes (2.3e-4), so the paper's factorized second moment would not remove it."""
     rng = np.random.default_rng(0)
     a = jnp.asarray(rng.normal(size=(256, 64)), jnp.float32)
     target = jnp.asarray(rng.normal(size=(64, 80)), jnp.float32)
@@ -112,27 +118,23 @@ def test_int8_and_int4_adam_reach_fp32_adams_loss_on_least_squares():
     def loss(p):
         return jnp.mean((a @ p["w"] - y) ** 2)
 
-    def train(tx, steps=300):
-        p = {"w": jnp.zeros((64, 80))}
-        state = tx.init(p)
-
-        @jax.jit
-        def step(p, state):
-            g = jax.grad(loss)(p)
-            u, state = tx.update(g, state, p)
+    def train(tx, steps):
+        def step(_, carry):
+            p, state = carry
+            u, state = tx.update(jax.grad(loss)(p), state, p)
             return optax.apply_updates(p, u), state
 
-        for _ in range(steps):
-            p, state = step(p, state)
+        p = {"w": jnp.zeros((64, 80))}
+        p, _ = jax.jit(lambda c: jax.lax.fori_loop(0, steps, step, c))((p, tx.init(p)))
         return float(loss(p))
 
-    start = float(loss({"w": jnp.zeros((64, 80))}))  # 62.3
-    fp32 = train(optax.adam(3e-2))  # 1.4e-4 after 300 steps
+    fp32 = train(optax.adam(3e-2), 300)  # 1.4e-4 (from 62.3)
     for fmt in ("bf16", "int8"):  # 1.7e-4, 2.1e-4
-        got = train(lm.quantized_state(optax.adam(3e-2), fmt))
+        got = train(lm.quantized_state(optax.adam(3e-2), fmt), 300)
         assert got < 2 * fp32, (fmt, got, fp32)
-    # 4 bits converge slower on this noiseless problem (0.073: a quantization-noise floor).
-    assert train(lm.quantized_state(optax.adam(3e-2), "int4")) < 2e-3 * start
+    # int4: 0.073 after 300 steps; fp32's 300-step loss at step 613; 7e-9 after 1,000 steps
+    # (fp32 Adam: 4e-7, oscillating at its learning rate).
+    assert train(lm.quantized_state(optax.adam(3e-2), "int4"), 700) < fp32
 
 
 def test_half_precision_adam_zero_and_underflowing_gradients_stay_finite():
