@@ -53,6 +53,16 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             f"{one['total_bytes'] / MIB:.2f} MiB (x{ratio['argument_bytes']:.3f}, "
             f"x{ratio['total_bytes']:.3f})"
         )
+    if "collectives" in x:
+        sent = x["collectives"]
+        kinds = ", ".join(
+            f"{kind} x{row['count']} ({row['bytes'] / MIB:.2f} MiB)"
+            for kind, row in sent["by_kind"].items()
+        )
+        print(
+            f"  collectives: {kinds}; each device sends {sent['sent_bytes'] / MIB:.2f} MiB per "
+            "step (ring schedule; counted in the compiled program)"
+        )
     print(
         f"   analytic: model {a['model_bytes'] / MIB:9.2f} MiB  optimizer "
         f"{a['optimizer_bytes'] / MIB:9.2f}  activations {a['activation_bytes'] / MIB:9.2f}  "

@@ -47,7 +47,7 @@ from typing import Any
 import jax
 import optax
 
-from lowmem_jax import remat
+from lowmem_jax import collectives, remat
 from lowmem_jax.base import Optimizer, as_optimizer
 from lowmem_jax.flops import count_flops, xla_flops
 from lowmem_jax.memory_analytic import (
@@ -84,7 +84,9 @@ class MemoryReport:
       config: what produced it (model, batch size, plan), as given.
       backend: JAX's backend name (``cpu``, ``gpu``, ``tpu``).
       param_count: number of parameters of the model (dense, also when stored compressed).
-      xla: XLA's compiled figures in bytes (``source`` names the backend).
+      xla: XLA's compiled figures in bytes (``source`` names the backend); with more than one
+        device, ``collectives``: what the step sends between devices
+        (:func:`lowmem_jax.collectives.collectives`), where it sends anything.
       analytic: the model / optimizer / activations / inputs / state breakdown in bytes.
       flops: FLOPs of one step counted from the jaxpr (source: analytic).
       flops_xla: XLA's ``cost_analysis()`` FLOPs (loop bodies counted once).
@@ -174,6 +176,10 @@ def analyze(
     lowered = step.lower(state, batch)
     compiled = lowered.compile()
     xla = xla_memory(compiled)
+    if jax.device_count() > 1:  # one device has nothing to send
+        sent = collectives.collectives(compiled.as_text())
+        if sent is not None:
+            xla["collectives"] = sent
     analytic = analytic_breakdown(
         state=state,
         batch=batch,

@@ -7,7 +7,7 @@ Stages (Rajbhandari et al. 2020, "ZeRO"), on a mesh of ``N`` devices with axis `
 ``dp``     data parallelism: each device computes on ``B / N`` examples; parameters, gradients
            and optimizer state replicated (gradients all-reduced)
 ``zero1``  ``dp`` + the optimizer state partitioned: each device updates its ``1/N`` slice
-``zero2``  ``zero1`` + the gradients partitioned (reduce-scattered instead of all-reduced)
+``zero2``  ``zero1`` + the gradients partitioned (XLA:CPU all-reduces, then slices them)
 ``zero3``  ``zero2`` + the parameters partitioned (gathered where a layer uses them)
 =========  ======================================================================================
 

@@ -280,6 +280,22 @@ def test_analyze_reports_per_device_bytes_in_stage_order(capsys):
     assert zero3["config"]["devices"] == 8 and zero3["config"]["shard"] == "zero3"
     one = zero3["single_device"]["xla"]
     assert zero3["xla"]["argument_bytes"] <= 0.2 * one["argument_bytes"]
+    # What it sends: every parameter gathered (all their axes but a few divide by 8) and every
+    # gradient reduced, at least once a step; the one-device step sends nothing.
+    sent, params = zero3["xla"]["collectives"], 4 * zero3["param_count"]
+    assert sent["devices"] == 8 and "collectives" not in one
+    kinds = sent["by_kind"]
+    assert kinds["all-gather"]["bytes"] >= 0.9 * params
+    reduced = sum(kinds.get(k, {"bytes": 0})["bytes"] for k in ("all-reduce", "reduce-scatter"))
+    assert reduced >= 0.9 * params
+    ring = {"all-reduce": 2 * 7 / 8, "all-gather": 7 / 8, "reduce-scatter": 7 / 8}
+    assert sent["sent_bytes"] == pytest.approx(
+        sum(ring[k] * row["bytes"] for k, row in kinds.items()), abs=len(kinds)
+    )
+    assert cli.main(["analyze", "--model", "wrn-10-1", "--batch-size", "16", "--devices", "8",
+                     "--shard", "zero3"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert f"each device sends {sent['sent_bytes'] / 2**20:.2f} MiB per step" in text
 
 
 def test_inspect_lists_one_device_s_buffers_of_a_sharded_step(capsys):

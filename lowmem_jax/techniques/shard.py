@@ -3,11 +3,12 @@
 
 With ``plan.shard`` set, the step is one SPMD program over ``plan.mesh()``: the batch is split
 over the devices, the state laid out by :func:`state_specs` on the way in and out, and from
-``zero2`` on the gradients are partitioned as the optimizer state is (XLA then reduce-scatters
-them). With ``plan.optimizer_memory="pinned_host"`` the optimizer state arrives in host memory,
-is moved to the device for the update, and the new state is moved back (its layout as above):
-the device holds it only during the update (ZeRO-Offload keeps it on the host and updates
-there; XLA cannot run the update on the host, so it is streamed instead).
+``zero2`` on the gradients are partitioned as the optimizer state is (XLA:CPU all-reduces them
+and slices; :mod:`lowmem_jax.collectives` counts what a step sends). With
+``plan.optimizer_memory="pinned_host"`` the optimizer state arrives in host memory, is moved to
+the device for the update, and the new state is moved back (its layout as above): the device
+holds it only during the update (ZeRO-Offload keeps it on the host and updates there; XLA
+cannot run the update on the host, so it is streamed instead).
 """
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+# ruff: noqa: E501 (the HLO lines below are as long as XLA prints them)
+"""Counting a compiled step's collectives (lowmem_jax.collectives) in HLO text: loops multiply,
+each replica-group form gives its group size, the ring cost model per kind. The counts on real
+sharded steps (8 host devices) are in tests/sharding_cases.py."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lowmem_jax.collectives import KINDS, collectives, sent_per_device
+
+MODULE = """HloModule jit_train_step, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%body.1 (p: (s32[], f32[10])) -> (s32[], f32[10]) {
+  %p = (s32[], f32[10]{0}) parameter(0)
+  %g = f32[10]{0} get-tuple-element(%p), index=1
+  %all-reduce.1 = (f32[10]{0}, s32[]) all-reduce(%g, %i), channel_id=1, replica_groups=mesh['a'=8,'b'=1] {'a'}, to_apply=%add
+  ROOT %t = (s32[], f32[10]{0}) tuple(%i, %g)
+}
+
+%cond.1 (p: (s32[], f32[10])) -> pred[] {
+  %p = (s32[], f32[10]{0}) parameter(0)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%left (x: f32[16]) -> f32[16] {
+  %x = f32[16]{0} parameter(0)
+  ROOT %cp = f32[16]{0} collective-permute(%x), channel_id=4, source_target_pairs={{0,1},{1,0}}
+}
+
+%right (x: f32[16]) -> f32[16] {
+  ROOT %x = f32[16]{0} parameter(0)
+}
+
+ENTRY %main.9 (x: f32[64], y: bf16[4,8]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  %while.1 = (s32[], f32[10]{0}) while(%tuple), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"4"}}
+  %all-gather.1 = f32[64]{0} all-gather(%x), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}
+  %reduce-scatter.1 = bf16[4,2]{1,0} reduce-scatter(%y), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={1}, to_apply=%add
+  %c = f32[16]{0} conditional(%i, %u, %v), branch_computations={%left, %right}
+  ROOT %r = f32[64]{0} copy(%all-gather.1)
+}
+"""
+
+
+def test_loops_multiply_and_each_group_form_gives_its_size():
+    found = collectives(MODULE)
+    kinds = found["by_kind"]
+    assert found["devices"] == 8 and list(kinds) == [
+        "all-reduce", "all-gather", "reduce-scatter", "collective-permute"
+    ]  # fmt: skip
+    # 4 trips of a (f32[10], s32[]) all-reduce over the mesh axis 'a' (8 devices)
+    assert kinds["all-reduce"] == {"count": 4, "bytes": 4 * 44, "sent_bytes": round(4 * 44 * 1.75)}
+    # iota groups [1,8]: 8 devices; the gathered f32[64]
+    assert kinds["all-gather"] == {"count": 1, "bytes": 256, "sent_bytes": 224}
+    # groups of 4; S is the tensor before scattering: 4 x bf16[4,2]
+    assert kinds["reduce-scatter"] == {"count": 1, "bytes": 64, "sent_bytes": 48}
+    assert kinds["collective-permute"] == {"count": 1, "bytes": 64, "sent_bytes": 64}
+    assert found["sent_bytes"] == sum(row["sent_bytes"] for row in kinds.values())
+    assert found["notes"] == ["each branch of a conditional is counted (an upper bound)"]
+
+
+def test_a_loop_without_a_trip_count_counts_once_and_says_so():
+    found = collectives(MODULE.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
+    assert found["by_kind"]["all-reduce"]["count"] == 1
+    assert "a loop without a known trip count is counted once" in found["notes"]
+
+
+def test_a_module_without_collectives_gives_none():
+    assert collectives("HloModule m\n\nENTRY %e (x: f32[2]) -> f32[2] {\n  ROOT %x = f32[2]{0} "
+                       "parameter(0)\n}\n") is None  # fmt: skip
+    assert collectives("not HLO") is None
+
+
+@given(kind=st.sampled_from(KINDS), nbytes=st.integers(0, 2**40), group=st.integers(1, 4096))
+def test_ring_traffic_is_at_most_twice_the_tensor_and_nothing_alone(kind, nbytes, group):
+    sent = sent_per_device(kind, nbytes, group)
+    if group == 1:
+        assert sent == 0
+        return
+    limit = 2 * nbytes if kind == "all-reduce" else nbytes
+    assert sent <= limit * (1 + 1e-12)
+    if kind == "all-reduce":
+        assert sent == pytest.approx(2 * sent_per_device("all-gather", nbytes, group))
