@@ -3,7 +3,10 @@
 each replica-group form gives its group size, the ring cost model per kind. The counts on real
 sharded steps (8 host devices) are in tests/sharding_cases.py."""
 
+import json
+
 import pytest
+from conftest import BENCHMARKS, load_benchmark
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -88,3 +91,37 @@ def test_ring_traffic_is_at_most_twice_the_tensor_and_nothing_alone(kind, nbytes
     assert sent <= limit * (1 + 1e-12)
     if kind == "all-reduce":
         assert sent == pytest.approx(2 * sent_per_device("all-gather", nbytes, group))
+
+
+def test_the_benchmark_refuses_bad_counts_in_one_line(capsys):
+    bench = load_benchmark("collectives")
+    for argv in (["--devices", "1"], ["--batch-size", "12", "--microbatches", "1,4"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert ": error: --devices must be >= 2 and --batch-size=" in err[-1], err
+
+
+def test_the_committed_table_is_its_json_and_the_docs_quote_it():
+    bench = load_benchmark("collectives")
+    stem = BENCHMARKS / "results" / "collectives_cpu"
+    result = json.loads(stem.with_suffix(".json").read_text())
+    assert stem.with_suffix(".md").read_text() == bench.to_markdown(result)
+    rows = {(r["shard"], r["microbatches"]): r for r in result["rows"]}
+    assert {r["devices"] for r in result["rows"]} == {8} and len(rows) == 8
+    for row in result["rows"]:  # every step sends; what it sends is the sum of its kinds
+        kinds = row["collectives"]["by_kind"]
+        assert row["sent_bytes"] == sum(v["sent_bytes"] for v in kinds.values()) > 0
+    # each microbatch's gradient is all-reduced: 4 microbatches, 4x dp's all-reduced bytes
+    dp1, dp4 = (rows["dp", m]["collectives"]["by_kind"]["all-reduce"]["bytes"] for m in (1, 4))
+    assert dp4 > 3.9 * dp1
+    docs = " ".join((BENCHMARKS.parent / "docs" / "distributed.md").read_text().split())
+    mib = {k: f"{r['sent_bytes'] / 2**20:.2f}" for k, r in rows.items()}
+    quoted = (
+        f"WRN-28-2 at batch 128 on 8 devices each device sends {mib['dp', 1]} MiB per step "
+        f"under `dp` ({rows['dp', 1]['sent_bytes'] / rows['dp', 1]['param_bytes']:.2f}x the "
+        f"parameters' bytes), {mib['zero2', 1]} under `zero2`, {mib['zero3', 1]} under `zero3`, "
+        f"and {mib['dp', 4]} under `dp` with 4 microbatches"
+    )
+    assert quoted in docs, quoted

@@ -1,0 +1,122 @@
+"""What a sharded train step sends between devices, by ZeRO stage and microbatch count.
+
+For each model, stage (``dp``, ``zero1``, ``zero2``, ``zero3``) and microbatch count, the lowmem
+step over ``--devices`` host devices is compiled (nothing runs) and its collectives counted
+(:func:`lowmem_jax.collectives.collectives`: per kind, runs per step and tensor bytes; what each
+device sends under a ring schedule), next to the model's float32 parameter bytes.
+
+Usage:
+    python benchmarks/collectives.py                      # WRN-28-2, batch 128, 8 devices
+    python benchmarks/collectives.py --models wrn-10-1 --batch-size 16 --out-dir /tmp/c
+
+Writes ``<out-dir>/collectives_<backend>.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+STAGES = ("dp", "zero1", "zero2", "zero3")
+
+
+def measure(model: str, batch_size: int, stage: str, microbatches: int, devices: int) -> dict:
+    """One row: the step's collectives (``None``: it sends nothing) and its parameter bytes."""
+    import lowmem_jax as lm
+
+    plan = lm.Plan(shard=stage, devices=devices, microbatches=microbatches)
+    report = lm.build(lm.workload(model, batch_size), plan).analyze()
+    sent = report.xla.get("collectives")
+    return {
+        "model": model,
+        "batch_size": batch_size,
+        "shard": stage,
+        "microbatches": microbatches,
+        "devices": devices,
+        "param_bytes": 4 * report.param_count,
+        "collectives": sent,
+        "sent_bytes": 0 if sent is None else sent["sent_bytes"],
+    }
+
+
+def to_markdown(result: dict) -> str:
+    mib = 2.0**20
+    lines = [
+        "# What a sharded step sends, by ZeRO stage and microbatches",
+        "",
+        f"`{result['command']}` ({result['backend']}, {result['machine']}, JAX "
+        f"{result['jax_version']}): compile-only, counted in the compiled program "
+        "(`lowmem_jax.collectives`); sent: what each device sends per step under a ring "
+        "schedule. Parameters: the model's float32 bytes.",
+        "",
+        "| model | stage | microbatches | parameters MiB | collectives (runs per step, tensor MiB) "
+        "| sent per device MiB | sent / parameters |",
+        "|---|---|---:|---:|---|---:|---:|",
+    ]
+    for row in result["rows"]:
+        kinds = (row["collectives"] or {}).get("by_kind", {})
+        text = ", ".join(f"{k} x{v['count']} ({v['bytes'] / mib:.2f})" for k, v in kinds.items())
+        lines.append(
+            f"| {row['model']} | {row['shard']} | {row['microbatches']} | "
+            f"{row['param_bytes'] / mib:.2f} | {text or 'none'} | {row['sent_bytes'] / mib:.2f} | "
+            f"{row['sent_bytes'] / row['param_bytes']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['shard']}\nmb {r['microbatches']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+    ax.bar(range(len(rows)), [r["sent_bytes"] / r["param_bytes"] for r in rows])
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("sent per device / parameter bytes")
+    ax.set_title(f"{rows[0]['model']}, {rows[0]['devices']} devices ({result['backend']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="wrn-28-2", help="comma-separated (default wrn-28-2)")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--devices", type=int, default=8, help="host devices (default 8)")
+    parser.add_argument("--microbatches", default="1,4", help="comma-separated (default 1,4)")
+    parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
+    args = parser.parse_args(argv)
+    counts = [int(m) for m in args.microbatches.split(",") if m]
+    if args.devices < 2 or any(m < 1 or args.batch_size % (m * args.devices) for m in counts):
+        parser.error(
+            f"--devices must be >= 2 and --batch-size={args.batch_size} divisible by each of "
+            f"--microbatches={counts} x --devices={args.devices}"
+        )
+    import lowmem_jax as lm
+
+    lm.sharding.set_cpu_devices(args.devices)  # before JAX starts its backends
+    import jax
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import result_writer
+
+    rows = []
+    for model in args.models.split(","):
+        for stage in STAGES:
+            for m in counts:
+                rows.append(measure(model, args.batch_size, stage, m, args.devices))
+                print(f"{model} {stage} mb {m}: sent {rows[-1]['sent_bytes'] / 2**20:.2f} MiB")
+    result = {**result_writer.metadata(__file__, argv), "rows": rows}
+    stem = os.path.join(args.out_dir, f"collectives_{jax.default_backend()}")
+    result_writer.write(stem, result, to_markdown, plot)
+    print(f"wrote {stem}.json, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
