@@ -43,28 +43,30 @@ _BRANCHES = re.compile(
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 
-_ITEMSIZE = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
 
-def _itemsize(dtype: str) -> int:
-    if dtype in _ITEMSIZE:
-        return _ITEMSIZE[dtype]
+def _bits(dtype: str) -> int:
+    if dtype in _BITS:
+        return _BITS[dtype]
     if dtype.startswith("f8"):
-        return 1
-    return max(int(dtype[1:]) // 8, 1)  # s32, u8, f16, f32, ...
+        return 8
+    return int(dtype[1:])  # s4, u8, f16, f32, s64, ...
 
 
 def _bytes(shape_text: str) -> int:
-    """The bytes of a result shape (an array, or a tuple of them)."""
+    """The bytes of a result shape (an array, or a tuple of them; sub-byte types packed)."""
     total = 0
     for dtype, dims in _ARRAY.findall(shape_text):
-        total += _itemsize(dtype) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        count = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        total += -(-_bits(dtype) * count // 8)
     return total
 
 
 def _group_size(attributes: str, devices: int) -> int:
     """The devices in each replica group: ``{{0,1,..}}``, the iota form ``[G,n]<=[..]``, or
-    the mesh form ``mesh['a'=8,'b'=1] {'a'}``; ``devices`` where the groups are left empty."""
+    the mesh form ``mesh['a'=8,'b'=1] {'a'}``; 2 for a permutation's pairs; ``devices`` where
+    the groups are left empty."""
     mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
     if mesh:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
@@ -75,10 +77,27 @@ def _group_size(attributes: str, devices: int) -> int:
     explicit = re.search(r"replica_groups=\{\{([^}]*)\}", attributes)
     if explicit:
         return len([x for x in explicit.group(1).split(",") if x.strip()])
-    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)
-    if pairs:
-        return len(re.findall(r"\{", pairs.group(1))) + 1
+    if re.search(r"source_target_pairs=\{\{", attributes):
+        return 2  # a permutation: each device sends to one other
     return devices
+
+
+def _elements(shape_text: str) -> list[str]:
+    """The top-level elements of a tuple shape ``(a, (b, c), d)``; ``[shape]`` for an array."""
+    text = shape_text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start : text.rindex(")")])
+    return [p.strip() for p in parts if p.strip()]
 
 
 def sent_per_device(kind: str, nbytes: int, group: int) -> float:
@@ -137,8 +156,11 @@ def collectives(hlo: str) -> dict[str, Any] | None:
             kind = opcode.removesuffix("-start")
             if kind in KINDS:
                 nbytes = _bytes(shape)
-                if opcode.endswith("-start") and shape.startswith("("):
-                    nbytes //= 2  # an async start's result holds its operand and its result
+                if opcode.endswith("-start") and kind in ("all-gather", "collective-permute"):
+                    # (operand, result, ...): an async start's value holds both; all-reduce's
+                    # start gives its result alone
+                    parts = _elements(shape)
+                    nbytes = _bytes(parts[1]) if len(parts) > 1 else nbytes
                 group = _group_size(rest, devices)
                 if kind == "reduce-scatter":
                     nbytes *= group  # S: the tensor before scattering

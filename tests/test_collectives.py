@@ -69,6 +69,26 @@ def test_loops_multiply_and_each_group_form_gives_its_size():
     assert found["notes"] == ["each branch of a conditional is counted (an upper bound)"]
 
 
+def test_an_async_start_counts_its_result_once_and_its_done_not_at_all():
+    module = """HloModule m, num_partitions=8
+
+ENTRY %e (x: f32[8], y: f32[10]) -> f32[64] {
+  %x = f32[8]{0} parameter(0)
+  %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %agd = f32[64]{0} all-gather-done(%ags)
+  %ars = f32[10]{0} all-reduce-start(%y), channel_id=2, replica_groups={}, to_apply=%add
+  %ard = f32[10]{0} all-reduce-done(%ars)
+  %cps = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%x), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  ROOT %r = f32[64]{0} copy(%agd)
+}
+"""
+    kinds = collectives(module)["by_kind"]
+    assert kinds["all-gather"] == {"count": 1, "bytes": 256, "sent_bytes": 224}
+    # empty replica groups: every one of the module's 8 partitions
+    assert kinds["all-reduce"] == {"count": 1, "bytes": 40, "sent_bytes": 70}
+    assert kinds["collective-permute"] == {"count": 1, "bytes": 32, "sent_bytes": 32}
+
+
 def test_a_loop_without_a_trip_count_counts_once_and_says_so():
     found = collectives(MODULE.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
     assert found["by_kind"]["all-reduce"]["count"] == 1
