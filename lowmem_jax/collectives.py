@@ -41,7 +41,7 @@ _BRANCHES = re.compile(
     r"\bbranch_computations=\{([^}]*)\}|\b(?:true|false)_computation=%?([\w.\-]+)"
 )
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_PARTICIPANTS = re.compile(r"\b(?:num_partitions|replica_count)=(\d+)")
 
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
@@ -145,7 +145,8 @@ def collectives(hlo: str) -> dict[str, Any] | None:
     computations, entry = _parse(hlo)
     if entry is None:
         return None
-    devices = int(m.group(1)) if (m := _NUM_PARTITIONS.search(hlo)) else 1
+    header = hlo.split("\n", 1)[0]  # SPMD partitions (jit) or replicas (pmap)
+    devices = max([int(n) for n in _PARTICIPANTS.findall(header)] or [1])
     by_kind: dict[str, dict[str, float]] = {}
     notes: set[str] = set()
 

@@ -101,6 +101,18 @@ def test_a_module_without_collectives_gives_none():
     assert collectives("not HLO") is None
 
 
+def test_empty_groups_span_every_replica_of_a_replicated_program():
+    module = """HloModule pmapped, replica_count=4
+
+ENTRY %e (y: f32[10]) -> f32[10] {
+  %y = f32[10]{0} parameter(0)
+  ROOT %r = f32[10]{0} all-reduce(%y), replica_groups={}, to_apply=%add
+}
+"""
+    found = collectives(module)
+    assert found["devices"] == 4 and found["sent_bytes"] == 60  # 2 * 3/4 * 40
+
+
 @given(kind=st.sampled_from(KINDS), nbytes=st.integers(0, 2**40), group=st.integers(1, 4096))
 def test_ring_traffic_is_at_most_twice_the_tensor_and_nothing_alone(kind, nbytes, group):
     sent = sent_per_device(kind, nbytes, group)
