@@ -18,8 +18,6 @@ import argparse
 import os
 import sys
 
-STAGES = ("dp", "zero1", "zero2", "zero3")
-
 
 def measure(model: str, batch_size: int, stage: str, microbatches: int, devices: int) -> dict:
     """One row: the step's collectives (``None``: it sends nothing) and its parameter bytes."""
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for model in args.models.split(","):
-        for stage in STAGES:
+        for stage in lm.sharding.STAGES[1:]:  # every stage but "none"
             for m in counts:
                 rows.append(measure(model, args.batch_size, stage, m, args.devices))
                 print(f"{model} {stage} mb {m}: sent {rows[-1]['sent_bytes'] / 2**20:.2f} MiB")
