@@ -11,7 +11,7 @@ it calls before it runs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import flax.linen as nn
@@ -30,12 +30,24 @@ def fields(module: nn.Module) -> dict[str, Any]:
     }
 
 
-def with_call(module: nn.Module, call: Callable[..., Any]) -> nn.Module:
+def with_call(module: nn.Module, call: Callable[..., Any], key: Hashable) -> nn.Module:
     """An instance of a subclass of ``type(module)`` (same name and ``__module__``) with
-    ``module``'s :func:`fields` and ``call(self, *args, **kwargs)`` as its ``__call__``."""
+    ``module``'s :func:`fields` and ``call(self, *args, **kwargs)`` as its ``__call__``.
+
+    ``key``: everything ``call`` depends on besides ``self`` (``call`` reads the module's
+    fields from ``self``). The subclass is made once per ``(type(module), key)``, so wrapping
+    equal modules twice gives equal, equally hashed models: what a search that configures the
+    same model for many plans needs for its caches (traced variable shapes) to hit.
+    """
     cls = type(module)
-    wrapped = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
+    wrapped = _SUBCLASSES.get((cls, key))
+    if wrapped is None:
+        wrapped = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
+        _SUBCLASSES[cls, key] = wrapped
     return wrapped(**fields(module))
+
+
+_SUBCLASSES: dict[tuple[type, Hashable], type] = {}
 
 
 def traced_init(

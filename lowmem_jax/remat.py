@@ -280,11 +280,11 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
             )
         return _remat_nnx_module(module, spec.policy, names)
     cls, names = type(module), () if auto else tuple(blocks)
-    fields = linen_wrap.fields(module)
 
     if auto:
 
         def call(self, *args, **kwargs):
+            fields = linen_wrap.fields(self)
             found = blocks_lib.linen_blocks(cls, fields, tuple(self.scope.rngs), args, kwargs)
             if not found:
                 warnings.warn(blocks_lib.no_blocks_warning(cls.__name__, spec.name), stacklevel=2)
@@ -301,7 +301,9 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
         def call(self, *args, **kwargs):
             return _checkpointed_call(nn.remat, self, cls, args, kwargs, spec.policy)
 
-    return linen_wrap.with_call(module, call)
+    # a policy name parses to the same policy; a RematSpec given is keyed by its policy object
+    key = remat if isinstance(remat, str) else spec
+    return linen_wrap.with_call(module, call, ("remat", key, names, auto))
 
 
 def _call_with_blocks(module, cls: type, names: tuple[str, ...], policy, args, kwargs):

@@ -75,6 +75,8 @@ class Setup:
             state = self._init_state(batch, rng, variables)
             shardings = state_shardings(state, self.plan)
             return state if shardings is None else jax.device_put(state, shardings)
+        if self.plan.mesh() is None:  # no shardings to place: one trace, not two
+            return jax.jit(self._init_state)(batch, rng, variables)
         shapes = jax.eval_shape(self._init_state, batch, rng, variables)
         init = jax.jit(self._init_state, out_shardings=state_shardings(shapes, self.plan))
         return init(batch, rng, variables)
@@ -188,9 +190,11 @@ def variable_shapes(model: Any, work: Workload) -> PyTree:
     """The shapes and dtypes of ``model``'s variables (``jax.eval_shape`` of ``model.init`` on
     ``work``'s batch); kept per (model, input shapes) when the model is hashable, since a
     search builds the same model many times (treat the result as read-only)."""
-    if work.init is not None:  # a user's model: its own init, traced
-        return jax.eval_shape(lambda b: work.init(model, jax.random.PRNGKey(0), b), work.batch)
-    inputs = tuple(work.batch[k] for k in work.init_inputs)
+    if work.init is not None:  # a user's model: its own init on the whole batch
+        leaves, treedef = jax.tree.flatten(work.batch)
+        inputs = (work.init, treedef, *((x.shape, jnp.dtype(x.dtype)) for x in leaves))
+    else:
+        inputs = (None, None, *(work.batch[k] for k in work.init_inputs))
     try:
         return _cached_variable_shapes(model, inputs)
     except TypeError:  # an unhashable field (a user model's list): trace it each time
@@ -198,7 +202,13 @@ def variable_shapes(model: Any, work: Workload) -> PyTree:
 
 
 def _trace_variable_shapes(model: Any, inputs: tuple) -> PyTree:
-    return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *inputs)
+    """``inputs``: ``(init, treedef, *(shape, dtype))`` of a user's init and batch, or
+    ``(None, None, *arrays)``, the arrays ``model.init`` takes."""
+    init, treedef, *rest = inputs
+    if init is None:
+        return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *rest)
+    batch = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*leaf) for leaf in rest])
+    return jax.eval_shape(lambda b: init(model, jax.random.PRNGKey(0), b), batch)
 
 
 _cached_variable_shapes = functools.lru_cache(maxsize=64)(_trace_variable_shapes)

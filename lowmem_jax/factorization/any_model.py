@@ -276,7 +276,7 @@ def _factorize_linen(module: nn.Module, config: FactorConfig) -> nn.Module:
         with nn.intercept_methods(interceptor):
             return base.__call__(self, *args, **kwargs)
 
-    return linen_wrap.with_call(module, call)
+    return linen_wrap.with_call(module, call, ("factorize", config))
 
 
 # --- NNX ----------------------------------------------------------------------------------------

@@ -153,14 +153,23 @@ class SparseTraining(Optimizer):
 
         ``grads``: the dense gradient at ``params``, needed by ``init="snip"`` only.
         """
-        masks = self.initial_masks(params, grads)
         leaves = leaves_by_key(params, self.layout.keys)
+        grads = None if grads is None else leaves_by_key(grads, self.layout.keys)
+        # One compiled program for every sparse leaf's mask and storage (called op by op, a
+        # model's first store compiled dozens of tiny programs per layer); the dense leaves are
+        # not passed in, so they stay the caller's arrays, not copies.
+        pattern, sparse = jax.jit(self._store_sparse)(leaves, grads)
+        stored = replace_leaves(params, sparse)
+        return stored, self._state(stored, pattern)
+
+    def _store_sparse(self, leaves: dict[str, jax.Array], grads: dict[str, jax.Array] | None):
+        """``({key: pattern}, {key: stored leaf})`` of the sparse leaves ``{key: leaf}``."""
+        masks = self.initial_masks(leaves, grads)
         pattern, stored = {}, {}
         for s in self.layout.leaves:
             pattern[s.key] = self.storage.pattern(masks[s.key], s)
             stored[s.key] = self.storage.store(leaves[s.key], pattern[s.key], s)
-        stored = replace_leaves(params, stored)
-        return stored, self._state(stored, pattern)
+        return pattern, stored
 
     def init(self, params: PyTree) -> SparseState:
         """optax ``init`` (masked storage only): the initial masks of ``params``.
