@@ -1,3 +1,5 @@
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -25,25 +27,43 @@ from lowmem_jax.checkpointing import (
 from lowmem_jax.loop import TrainConfig, train_and_evaluate
 from lowmem_jax.run_identity import RunMismatchError, check_run
 
-# The digits at their original 8x8 pixels: the same 44 steps as at 32x32, ~10x cheaper.
-TRAIN = [
-    sys.executable, "-m", "lowmem_jax.cli", "train", "--model", "wrn-10-1", "--epochs", "2",
-    "--batch-size", "64", "--microbatches", "2", "--remat", "full", "--precision", "mixed_fp16",
+# The digits at their original 8x8 pixels, 22 steps an epoch. The runs of this file train in
+# this process or in a subprocess that inherits its XLA_FLAGS (conftest's fast compile) and
+# cache directory, so both compile alike: the programs of a command line are compiled once and
+# read back from the persistent cache by its other runs, here or in a subprocess.
+COMMON = [
+    sys.executable, "-m", "lowmem_jax.cli", "train", "--model", "wrn-10-1", "--batch-size", "64",
     "--image-size", "8", "--no-progress", "--json", "--checkpoint-every", "5",
+    "--keep-checkpoints", "10",
 ]  # fmt: skip
+# Mixed fp16 (a dynamic loss scale) with microbatches and remat, two epochs: 44 steps of the
+# cosine schedule, which a resumed run must take up at the step it restores.
+TRAIN = [*COMMON, "--precision", "mixed_fp16", "--microbatches", "2", "--remat", "full",
+         "--epochs", "2"]  # fmt: skip
+# The cheapest step to compile and run, and a constant learning rate, which leaves the run's
+# length out of the compiled step: runs of any length share it.
+SHORT = [*COMMON, "--precision", "fp32", "--microbatches", "1", "--remat", "none",
+         "--lr-schedule", "constant", "--steps", "10"]  # fmt: skip
 
 
-# These runs are step-bound and share one compiled step through the cache: XLA's optimised
-# code generation (not conftest's fast-compile flags) runs them ~2x faster once compiled.
-RUN_ENV = {**os.environ, "XLA_FLAGS": ""}
+def _train_here(command, capsys):
+    """``(summary, stderr)`` of ``lowmem train`` (a ``TRAIN`` or ``SHORT`` command line) run in this
+    process, as the subprocess runs it."""
+    capsys.readouterr()
+    assert cli.main(command[3:]) == 0
+    out = capsys.readouterr()
+    return json.loads(out.out), out.err
 
 
-def _run(checkpoint_dir, *extra):
-    out = subprocess.run(
-        [*TRAIN, "--checkpoint-dir", str(checkpoint_dir), *extra],
-        capture_output=True, text=True, check=True, timeout=600, env=RUN_ENV,
-    )  # fmt: skip
-    return json.loads(out.stdout), out.stderr
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``(summary, checkpoint_dir)`` of ``TRAIN`` run to its end, in this process: the
+    reference of the resumed runs below (its checkpoint directory is not to be changed)."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main([*TRAIN[3:], "--checkpoint-dir", str(directory)]) == 0
+    return json.loads(out.getvalue()), directory
 
 
 def test_checkpoint_roundtrip_keeps_structure_and_static_config(tmp_path):
@@ -61,15 +81,15 @@ def test_checkpoint_roundtrip_keeps_structure_and_static_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_same_parameters(tmp_path):
+def test_killed_run_resumes_to_the_same_parameters(tmp_path, capsys, uninterrupted):
     """kill -9 mid-run, the newest checkpoint then found corrupt: the resumed run falls back to
     the one before and still ends bitwise equal to an uninterrupted run."""
-    straight, _ = _run(tmp_path / "straight")
+    straight, _ = uninterrupted
 
     interrupted_dir = tmp_path / "interrupted"
     proc = subprocess.Popen(
         [*TRAIN, "--checkpoint-dir", str(interrupted_dir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=RUN_ENV,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -84,12 +104,16 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
     assert proc.poll() is None, "the run finished before it could be killed"
     proc.send_signal(signal.SIGKILL)  # a real kill: no cleanup, no final save
     proc.wait()
-    killed_at = max(int(p) for p in os.listdir(interrupted_dir) if p.isdigit())
+    *_, before, killed_at = checkpoint_steps(interrupted_dir)
     assert 15 <= killed_at < straight["steps"]
     _corrupt(interrupted_dir / str(killed_at), "truncated array file")
 
-    resumed, stderr = _run(interrupted_dir, "--resume")
+    # The same command with --resume, in this process (a new run of the loop, as a new process
+    # has: state built afresh, then the checkpoint restored).
+    resumed, stderr = _train_here([*TRAIN, "--checkpoint-dir", str(interrupted_dir), "--resume"],
+                                  capsys)  # fmt: skip
     assert f"warning: checkpoint step {killed_at} in {interrupted_dir} does not restore" in stderr
+    assert resumed["resumed_from_step"] == before
     assert resumed["steps"] == straight["steps"] == 2 * (1437 // 64)
     assert resumed["param_checksum"] == straight["param_checksum"]
     lines = (interrupted_dir / "metrics.jsonl").read_text().splitlines()
@@ -103,19 +127,22 @@ def test_resume_needs_a_checkpoint_dir():
 
 
 @pytest.mark.slow
-def test_classifier_metrics_reach_tensorboard_and_survive_a_resume(tmp_path):
-    common = {
-        "model": "wrn-10-1", "epochs": 2, "batch_size": 64, "image_size": 8,
-        "plan": lm.Plan(precision="fp32", microbatches=1, remat="none"),
-        "checkpoint_dir": str(tmp_path), "checkpoint_every": 10, "keep_checkpoints": 10,
-        "progress": False,
-    }  # fmt: skip
-    first = train_and_evaluate(TrainConfig(**common), log=None)
+def test_classifier_metrics_reach_tensorboard_and_survive_a_resume(tmp_path, uninterrupted):
+    first, saved = uninterrupted  # TRAIN's run: checkpoints every 5 steps, 10 kept
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
     assert first["steps"] == 44  # 22 steps per epoch; records at steps 22 and 44
     assert_tensorboard_matches_jsonl(tmp_path)
-    for step in (40, 44):  # as if killed after the save of step 30
+    for step in (35, 40, 44):  # as if killed after the save of step 30
         shutil.rmtree(tmp_path / str(step))
-    resumed = train_and_evaluate(TrainConfig(**common, resume=True), log=None)
+    # TRAIN's settings, resumed through the library.
+    resume = TrainConfig(
+        model="wrn-10-1", epochs=2, batch_size=64, image_size=8,
+        plan=lm.Plan(precision="mixed_fp16", microbatches=2, remat="full"),
+        checkpoint_dir=str(tmp_path), checkpoint_every=10, keep_checkpoints=10, progress=False,
+        resume=True,
+    )  # fmt: skip
+    resumed = train_and_evaluate(resume, log=None)
+    assert resumed["resumed_from_step"] == 30
     assert resumed["param_checksum"] == first["param_checksum"]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["step"]) for r in records] == [(1, 22), (2, 44)]
@@ -193,12 +220,6 @@ def test_checkpoint_directory_is_checked_before_anything_runs(tmp_path):
     assert (tmp_path / "new").is_dir()
 
 
-SHORT = [
-    sys.executable, "-m", "lowmem_jax.cli", "train", "--model", "wrn-10-1", "--steps", "10",
-    "--batch-size", "32", "--image-size", "8", "--no-progress", "--json", "--checkpoint-every", "5",
-]  # fmt: skip
-
-
 def _listing(directory) -> dict[str, int]:
     return {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")}
 
@@ -219,13 +240,12 @@ def test_a_checkpoint_directory_survives_a_wrong_resume_and_a_second_run(tmp_pat
     refused in one line (exit 2) before anything is built, and the directory is untouched (and
     so is --resume with fewer steps than the run has, which trained nothing and said nothing);
     the right --resume then continues the run."""
-    run = subprocess.run([*SHORT, "--checkpoint-dir", str(tmp_path)], capture_output=True,
-                         text=True, check=True, timeout=600, env=RUN_ENV)  # fmt: skip
-    first = json.loads(run.stdout)
+    # Every command runs in this process, as `lowmem train` runs it.
+    first, _ = _train_here([*SHORT, "--checkpoint-dir", str(tmp_path)], capsys)
     before = _listing(tmp_path)
     assert {"5", "10", "run.json", "metrics.jsonl"} <= set(before)
 
-    # The refusals come before anything is built: in this process, as `lowmem train` runs them.
+    # The refusals come before anything is built.
     wrong = _refusal([*SHORT, "--model", "wrn-16-2", "--checkpoint-dir", str(tmp_path),
                       "--resume"], capsys)  # fmt: skip
     assert "model: 'wrn-10-1' in the run, 'wrn-16-2' in this command" in wrong
@@ -237,11 +257,9 @@ def test_a_checkpoint_directory_survives_a_wrong_resume_and_a_second_run(tmp_pat
     assert f"the run in checkpoint_dir={tmp_path} is at step 10, past the 5 steps" in fewer
     assert _listing(tmp_path) == before  # nothing renamed, deleted or overwritten
 
-    resumed = subprocess.run(
-        [*SHORT, "--steps", "15", "--checkpoint-dir", str(tmp_path), "--resume"],
-        capture_output=True, text=True, check=True, timeout=600, env=RUN_ENV,
-    )  # fmt: skip
-    resumed = json.loads(resumed.stdout)
+    resumed, _ = _train_here(
+        [*SHORT, "--steps", "15", "--checkpoint-dir", str(tmp_path), "--resume"], capsys
+    )
     assert resumed["steps"] == 15 and first["steps"] == 10
     # The summary's history is the whole run's, and says where it resumed.
     assert resumed["resumed_from_step"] == 10 and "resumed_from_step" not in first
@@ -286,10 +304,10 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_exits_130(tmp_path):
         "sys.argv = ['lowmem', *sys.argv[1:]]; runpy.run_module('lowmem_jax.cli', "
         "run_name='__main__')"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", restore, *TRAIN[3:], "--epochs", "30",
+    proc = subprocess.Popen(  # 1000 steps: far more than it runs before the Ctrl-C
+        [sys.executable, "-c", restore, *SHORT[3:], "--steps", "1000",
          "--checkpoint-dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=RUN_ENV,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and not checkpoint_steps(tmp_path):
