@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -137,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     import result_writer  # beside this script: on sys.path when it runs as one
 
     result = compare(read_junit(args.before), read_junit(args.after))
-    result["note"], result["meta"] = args.note, result_writer.metadata(__file__, argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = [a for i, a in enumerate(given) if "--note" not in (a, given[i - 1] if i else "")]
+    result["note"], result["meta"] = args.note, result_writer.metadata(__file__, command)
     result_writer.write(args.out, result, to_markdown, plot)
     return 0
 
