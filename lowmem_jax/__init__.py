@@ -18,6 +18,7 @@ stays importable as an attribute: ``lm.loss_scale.all_finite``, ``lm.precision.g
 from lowmem_jax import (  # noqa: F401
     base,
     factorization,
+    grad_compression,
     inspector,
     loss_scale,
     losses,

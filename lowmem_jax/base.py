@@ -34,6 +34,7 @@ __all__ = [
     "LazyLeaf",
     "Optimizer",
     "OptaxOptimizer",
+    "Wrapper",
     "as_optimizer",
     "differentiated_loss",
     "cast_floating",
@@ -151,6 +152,28 @@ class OptaxOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"OptaxOptimizer({self.tx!r})"
+
+
+class Wrapper(Optimizer):
+    """An :class:`Optimizer` around ``self.inner`` (an :class:`Optimizer`) whose state keeps
+    the inner one's in ``state.inner_state``: the parameters' storage (``materialize``,
+    ``grads_wrt_stored``, ``needs_init_grads``) and ``describe`` are the inner one's."""
+
+    inner: Optimizer
+
+    def materialize(self, params: PyTree, state: Any, blockwise: bool = False) -> PyTree:
+        return self.inner.materialize(params, state.inner_state, blockwise)
+
+    @property
+    def grads_wrt_stored(self) -> bool:
+        return self.inner.grads_wrt_stored
+
+    @property
+    def needs_init_grads(self) -> bool:
+        return self.inner.needs_init_grads
+
+    def describe(self, state: Any = None, params: PyTree | None = None) -> dict:
+        return self.inner.describe(None if state is None else state.inner_state, params)
 
 
 def as_optimizer(tx: optax.GradientTransformation | Optimizer) -> Optimizer:

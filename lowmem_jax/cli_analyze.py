@@ -26,7 +26,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     result = {"model": args.model, "batch_size": report.config["batch_size"], **report.to_dict()}
     result["verdicts"] = [dataclasses.asdict(v) for v in found]
     if plan is not None and plan.shard != "none":  # the one-device step, for comparison
-        one = dataclasses.replace(plan, shard="none", devices=0)
+        one = dataclasses.replace(plan, shard="none", devices=0, grad_compression="none")
         single = analyze_model(args.model, args.batch_size, one, seq_len=args.seq_len).xla
         result["single_device"] = {"xla": single}
         result["xla_vs_single_device"] = {

@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from lowmem_jax import leafwise, optimizer_state_format
-from lowmem_jax.base import Optimizer, PyTree, as_optimizer, cast_floating
+from lowmem_jax.base import Optimizer, PyTree, Wrapper, as_optimizer, cast_floating
 from lowmem_jax.optimizer_state_format import (
     DEFAULT_BLOCK,
     FORMATS,
@@ -88,12 +88,14 @@ def _restrict(params_def, leaves: list, chosen: dict[int, Any]) -> PyTree:
     )
 
 
-class QuantizedStateOptimizer(Optimizer):
+class QuantizedStateOptimizer(Wrapper):
     """``inner`` with its state stored in ``format``; build with :func:`quantized_state`.
 
     Forwards the storage of the parameters (``store``, ``materialize``, ``grads_wrt_stored``)
-    to ``inner``, so it wraps a sparse optimizer as well as a plain optax transformation, and
-    is itself an optax transformation (``init`` / ``update``; usable in ``optax.chain``).
+    to ``inner`` (``materialize`` reads the stored state as it is: the storage's own state, e.g.
+    a sparse pattern of integers, is not quantized), so it wraps a sparse optimizer as well as a
+    plain optax transformation, and is itself an optax transformation (``init`` / ``update``;
+    usable in ``optax.chain``).
     """
 
     def __init__(
@@ -296,22 +298,10 @@ class QuantizedStateOptimizer(Optimizer):
             gate = group_updates
         return params_def.unflatten(updates), stored.rebuild(encoded)
 
-    def materialize(self, params: PyTree, state: QuantizedState, blockwise: bool = False) -> PyTree:
-        # The storage's own state (e.g. a sparse pattern: integers) is not quantized.
-        return self.inner.materialize(params, state.inner_state, blockwise)
-
-    @property
-    def grads_wrt_stored(self) -> bool:
-        return self.inner.grads_wrt_stored
-
-    @property
-    def needs_init_grads(self) -> bool:
-        return self.inner.needs_init_grads
-
     def describe(self, state: PyTree | None = None, params: PyTree | None = None) -> dict:
         """The inner optimizer's facts plus ``{"optimizer_state": {"format", "quantized_leaves",
         "stored_bytes"}}`` (with ``state``)."""
-        out = dict(self.inner.describe(None if state is None else state.inner_state, params))
+        out = dict(super().describe(state, params))
         facts: dict[str, Any] = {"format": self.format}
         if state is not None:
             leaves = jax.tree.leaves(state.inner_state, is_leaf=is_quantized)

@@ -51,6 +51,7 @@ __all__ = [
     "leaf_spec",
     "tree_specs",
     "batch_spec",
+    "shards_in_batch",
     "named",
     "constrain",
     "replicate",
@@ -166,6 +167,15 @@ def tree_specs(tree: PyTree, num_shards: int, partition: bool = True) -> PyTree:
 def batch_spec(batch: PyTree) -> PyTree:
     """Every batch leaf split along its leading (example) axis."""
     return jax.tree.map(lambda _: PartitionSpec(AXIS), batch)
+
+
+def shards_in_batch(mesh: Mesh | None) -> int:
+    """How many devices' shards a batch traced here holds: ``mesh.size``, or 1 inside a
+    ``shard_map`` over the ``data`` axis (there the batch is one device's) or without a
+    mesh."""
+    if mesh is None or AXIS in jax.sharding.get_abstract_mesh().manual_axes:
+        return 1
+    return mesh.size
 
 
 def check_memory_kind(kind: str, name: str = "memory_kind") -> None:

@@ -140,14 +140,20 @@ def test_the_committed_table_is_its_json_and_the_docs_quote_it():
     stem = BENCHMARKS / "results" / "collectives_cpu"
     result = json.loads(stem.with_suffix(".json").read_text())
     assert stem.with_suffix(".md").read_text() == bench.to_markdown(result)
-    rows = {(r["shard"], r["microbatches"]): r for r in result["rows"]}
-    assert {r["devices"] for r in result["rows"]} == {8} and len(rows) == 8
+    rows = {(r["shard"], r["microbatches"]): r for r in result["rows"]
+            if r["grad_compression"] == "none"}  # fmt: skip
+    int8 = {(r["shard"], r["microbatches"]): r for r in result["rows"]
+            if r["grad_compression"] == "int8"}  # fmt: skip
+    assert {r["devices"] for r in result["rows"]} == {8} and (len(rows), len(int8)) == (8, 4)
     for row in result["rows"]:  # every step sends; what it sends is the sum of its kinds
         kinds = row["collectives"]["by_kind"]
         assert row["sent_bytes"] == sum(v["sent_bytes"] for v in kinds.values()) > 0
     # each microbatch's gradient is all-reduced: 4 microbatches, 4x dp's all-reduced bytes
     dp1, dp4 = (rows["dp", m]["collectives"]["by_kind"]["all-reduce"]["bytes"] for m in (1, 4))
     assert dp4 > 3.9 * dp1
+    # int8 gradients: under 0.3x dp's bytes, and once per step whatever the microbatches
+    assert int8["dp", 1]["sent_bytes"] <= 0.3 * rows["dp", 1]["sent_bytes"]
+    assert int8["dp", 4]["sent_bytes"] == int8["dp", 1]["sent_bytes"]
     docs = " ".join((BENCHMARKS.parent / "docs" / "distributed.md").read_text().split())
     mib = {k: f"{r['sent_bytes'] / 2**20:.2f}" for k, r in rows.items()}
     quoted = (
@@ -155,5 +161,20 @@ def test_the_committed_table_is_its_json_and_the_docs_quote_it():
         f"under `dp` ({rows['dp', 1]['sent_bytes'] / rows['dp', 1]['param_bytes']:.2f}x the "
         f"parameters' bytes), {mib['zero2', 1]} under `zero2`, {mib['zero3', 1]} under `zero3`, "
         f"and {mib['dp', 4]} under `dp` with 4 microbatches"
+    )
+    assert quoted in docs, quoted
+    powersgd = {r["microbatches"]: r for r in result["rows"] if r["grad_compression"] == "powersgd"}
+    assert powersgd[1]["sent_bytes"] <= 0.05 * rows["dp", 1]["sent_bytes"]
+    quoted = (
+        f"all by all-reduce: {powersgd[1]['sent_bytes'] / 2**20:.2f} MiB per step "
+        f"({powersgd[1]['sent_bytes'] / rows['dp', 1]['sent_bytes']:.3f}x `dp`'s; "
+        f"{powersgd[4]['sent_bytes'] / rows['dp', 4]['sent_bytes']:.3f}x with 4 microbatches)"
+    )
+    assert quoted in docs, quoted
+    ratio = {m: int8["dp", m]["sent_bytes"] / rows["dp", m]["sent_bytes"] for m in (1, 4)}
+    quoted = (
+        f"each device sends {int8['dp', 1]['sent_bytes'] / 2**20:.2f} MiB per step under `dp` "
+        f"with int8 gradients ({ratio[1]:.3f}x `dp`'s float32 all-reduce), and the same "
+        f"{int8['dp', 4]['sent_bytes'] / 2**20:.2f} MiB with 4 microbatches ({ratio[4]:.3f}x)"
     )
     assert quoted in docs, quoted

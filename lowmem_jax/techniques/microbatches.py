@@ -3,6 +3,7 @@
 import jax
 
 from lowmem_jax import microbatch as microbatch_lib
+from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 
 
@@ -15,10 +16,15 @@ def _outside(config, limit):
 
 def _accumulate(grad_fn, plan):
     """``grad_fn`` accumulated over ``plan.microbatches`` slices (``lax.scan``); over a mesh each
-    microbatch takes its examples from every device's shard (``split_batch``'s ``shards``)."""
+    microbatch takes its examples from every device's shard (``split_batch``'s ``shards``),
+    unless the batch is already one device's (traced inside a ``shard_map``)."""
     mesh = plan.mesh()
-    shards = 1 if mesh is None else mesh.size
-    return microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches, shards)
+
+    def accumulated(*args):
+        shards = sharding_lib.shards_in_batch(mesh)
+        return microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches, shards)(*args)
+
+    return accumulated if plan.microbatches > 1 else grad_fn
 
 
 def _took_effect(evidence, plan):

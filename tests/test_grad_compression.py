@@ -1,0 +1,58 @@
+"""Compressed gradient communication on one device: refusals and sizes (the multi-device
+behaviour: tests/grad_compression_cases.py, run by tests/test_sharding.py on 8 host devices)."""
+
+import jax
+import optax
+import pytest
+from conftest import TinyMLP, classification_batch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lowmem_jax as lm
+from lowmem_jax import grad_compression
+
+
+@given(n=st.integers(1, 10**6), devices=st.sampled_from([1, 2, 3, 4, 8]))
+def test_the_padded_size_is_whole_groups_in_equal_chunks(n, devices):
+    size = grad_compression.padded_size(n, devices)
+    assert size >= n and size % (256 * devices) == 0 and size - n < 256 * devices
+
+
+def test_a_raw_optax_optimizer_is_refused_naming_wrap_optimizer():
+    params = TinyMLP().init(jax.random.key(0), classification_batch()["image"])["params"]
+    plan = lm.Plan(shard="dp", devices=1, grad_compression="int8")
+    with pytest.raises(ValueError, match=r"\(shard\).*plan.wrap_optimizer\(tx, params\)"):
+        lm.TrainState.create(params=params, tx=optax.sgd(0.1), plan=plan)
+    with pytest.raises(ValueError, match="grad_compression needs params in wrap_optimizer"):
+        plan.wrap_optimizer(optax.sgd(0.1))
+    wrapped = plan.wrap_optimizer(optax.sgd(0.1), params)
+    state = lm.TrainState.create(params=params, tx=wrapped, plan=plan)
+    count = sum(x.size for x in jax.tree.leaves(params))
+    worker, server = state.opt_state.errors
+    assert worker.shape == server.shape == (1, grad_compression.padded_size(count, 1))
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"grad_compression": "int4"}, "Unknown grad_compression='int4'; allowed values"),
+        ({"grad_compression": "int8"}, "needs shard=dp or zero1 \\(got 'none'\\)"),
+        ({"grad_compression": "int8", "shard": "zero2"}, "which zero2 and zero3 partition"),
+        ({"grad_compression": "powersgd", "shard": "dp", "powersgd_rank": 0},
+         "powersgd_rank must be an int >= 1, got 0"),
+        ({"grad_compression": "int8", "shard": "dp", "powersgd_rank": 2},
+         "powersgd_rank=2 applies to grad_compression='powersgd' only"),
+    ],
+)  # fmt: skip
+def test_bad_settings_are_refused_when_the_plan_is_made(fields, match):
+    with pytest.raises(ValueError, match=match):
+        lm.Plan(**fields)
+
+
+@pytest.mark.parametrize(
+    "shape, rank, factored",
+    [((5, 1535), 4, True), ((1535, 3), 4, False), ((3, 3, 64, 64), 4, True), ((64,), 1, False),
+     ((3, 3, 16, 16), 16, False), ((2, 2), 1, False), ((3, 3), 1, True)],
+)  # fmt: skip
+def test_powersgd_factors_a_leaf_only_where_that_sends_fewer_numbers(shape, rank, factored):
+    assert grad_compression.compressible(shape, rank) == factored
