@@ -2,11 +2,12 @@
 microbatch count.
 
 For each model, stage (``dp``, ``zero1``, ``zero2``, ``zero3``; ``dp`` and ``zero1`` also with
-``grad_compression="int8"``, ``dp`` with ``"powersgd"`` at its default rank 4) and microbatch
-count, the lowmem step over ``--devices`` host devices is compiled (nothing runs) and its
-collectives counted (:func:`lowmem_jax.collectives.collectives`: per kind, runs per step and
-tensor bytes; what each device sends under a ring schedule), next to the model's float32
-parameter bytes and to what ``dp`` without compression sends at the same microbatch count.
+``grad_compression="int8"``, ``dp`` with ``"powersgd"`` at its default rank 4 and ``"topk"`` at
+its default 1%) and microbatch count, the lowmem step over ``--devices`` host devices is
+compiled (nothing runs) and its collectives counted (:func:`lowmem_jax.collectives.collectives`:
+per kind, runs per step and tensor bytes; what each device sends under a ring schedule), next to
+the model's float32 parameter bytes and to what ``dp`` without compression sends at the same
+microbatch count.
 
 Usage:
     python benchmarks/collectives.py                      # WRN-28-2, batch 128, 8 devices
@@ -26,6 +27,7 @@ RUNS = (
     ("dp", "none"),
     ("dp", "int8"),
     ("dp", "powersgd"),
+    ("dp", "topk"),
     ("zero1", "none"),
     ("zero1", "int8"),
     ("zero2", "none"),
@@ -48,6 +50,7 @@ def measure(
         "shard": stage,
         "grad_compression": grads,
         "powersgd_rank": plan.powersgd_rank if grads == "powersgd" else None,
+        "topk_fraction": plan.topk_fraction if grads == "topk" else None,
         "microbatches": microbatches,
         "devices": devices,
         "param_bytes": 4 * report.param_count,
@@ -87,7 +90,9 @@ def to_markdown(result: dict) -> str:
 def _gradients(row: dict) -> str:
     """The row's gradient compression, with PowerSGD's rank."""
     name = row.get("grad_compression", "none")
-    return f"{name} r{row['powersgd_rank']}" if name == "powersgd" else name
+    if name == "powersgd":
+        return f"{name} r{row['powersgd_rank']}"
+    return f"{name} {row['topk_fraction']:.0%}" if name == "topk" else name
 
 
 def _dp_row(rows: list[dict], row: dict) -> dict:

@@ -3,13 +3,12 @@ interval.
 
 The study's digits task (WideResNet-16-2 on the 8x8 digits, batch 128, 10 epochs), data parallel
 over ``--devices`` host devices: ``dp`` (the float32 gradient all-reduced, BatchNorm statistics
-over the whole batch) against ``dp`` with ``grad_compression="int8"`` (each device's gradient
-reduced in int8 with error feedback; BatchNorm statistics per device) and ``dp`` with
-``grad_compression="powersgd"`` (rank 4, error feedback). Stratified ``--folds``-fold
-cross-validation x ``--seeds``, each (seed, fold) pairing a variant with the float32 ``dp`` run
-on the same split; interval: the corrected resampled t-test's over the paired differences (as
-``envelope_accuracy.py``). The goal (within 0.5 points of uncompressed) is the mean paired delta
->= -0.5 points.
+over the whole batch) against ``dp`` with ``grad_compression`` ``"int8"``, ``"powersgd"`` (rank
+4) and ``"topk"`` (1%) (each device's gradient, reduced compressed with error feedback;
+BatchNorm statistics per device). Stratified ``--folds``-fold cross-validation x ``--seeds``,
+each (seed, fold) pairing a variant with the float32 ``dp`` run on the same split; interval: the
+corrected resampled t-test's over the paired differences (as ``envelope_accuracy.py``). The goal
+(within 0.5 points of uncompressed) is the mean paired delta >= -0.5 points.
 
     python experiments/grad_compression_accuracy.py [--seeds 0,1,2] [--folds 5] [--devices 4]
 
@@ -35,8 +34,8 @@ GOAL = -0.5  # points of test accuracy
 
 
 def variants(devices: int) -> list[study.Variant]:
-    """The uncompressed data-parallel step (``baseline``: what each is paired with), int8 and
-    PowerSGD."""
+    """The uncompressed data-parallel step (``baseline``: what each is paired with), int8,
+    PowerSGD and top-k."""
     dp = Plan(shard="dp", devices=devices)
     return [
         study.Variant("baseline", "baseline", f"dp over {devices} devices, float32 gradients", dp),
@@ -51,6 +50,12 @@ def variants(devices: int) -> list[study.Variant]:
             "gradient compression",
             f"dp over {devices} devices, PowerSGD rank 4 with error feedback",
             Plan(shard="dp", devices=devices, grad_compression="powersgd"),
+        ),
+        study.Variant(
+            "topk",
+            "gradient compression",
+            f"dp over {devices} devices, top-k 1% with error feedback",
+            Plan(shard="dp", devices=devices, grad_compression="topk"),
         ),
     ]
 

@@ -279,3 +279,54 @@ def test_the_powersgd_step_trains_and_sends_its_factors():
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all() and losses[-1] < 0.8 * losses[0], losses
+
+
+@jax.jit
+def _topk(flat, error):
+    rows = P("data")
+
+    def local(g, e):
+        mean, e = gc.topk_mean(g[0], e[0], 64, "data")
+        return mean[None], e[None]
+
+    return jax.shard_map(local, mesh=MESH, in_specs=(rows, rows), out_specs=(rows, rows))(
+        flat, error
+    )
+
+
+def test_topk_sends_the_largest_entries_and_feeds_back_the_rest():
+    rng = np.random.default_rng(2)
+    n = 1000
+    error = jnp.zeros((DEVICES, n))
+    applied = exact = 0.0
+    for step in range(5):
+        grads = rng.standard_normal((DEVICES, n)).astype(np.float32)
+        mean, new_error = _topk(jnp.asarray(grads), error)
+        mean = np.asarray(mean)
+        assert (mean == mean[0]).all()  # the same sum, in the same order, on every device
+        v = grads + np.asarray(error)
+        if step == 0:  # each device sent exactly its 64 largest |v|: the rest is its error
+            kept = np.abs(np.asarray(new_error)) > 0
+            assert (kept.sum(1) == n - 64).all()
+            threshold = np.sort(np.abs(v), axis=1)[:, -64]
+            assert (np.abs(v)[kept] <= np.repeat(threshold, n - 64)).all()
+        applied = applied + mean[0].astype(np.float64)
+        exact = exact + grads.astype(np.float64).mean(0)
+        error = new_error
+    held = np.asarray(error, np.float64).mean(0)
+    np.testing.assert_allclose(applied + held, exact, atol=1e-5)
+
+
+def test_the_topk_step_trains_and_sends_its_pairs():
+    batches = [classification_batch(32, seed=s % 2) for s in range(20)]
+    params = WideMLP().init(jax.random.key(0), batches[0]["image"])["params"]
+    plan = lm.Plan(shard="dp", devices=DEVICES, grad_compression="topk", topk_fraction=0.05)
+    step, state = _step(plan, params, optax.adam(3e-3), batches[0])
+    sent = collectives.collectives(step.lower(state, batches[0]).compile().as_text())
+    k = gc.topk_count(13_818, 0.05)
+    assert sent["by_kind"]["all-gather"]["bytes"] == DEVICES * k * 8  # int32 index + value
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all() and losses[-1] < 0.8 * losses[0], losses

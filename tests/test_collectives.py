@@ -171,6 +171,13 @@ def test_the_committed_table_is_its_json_and_the_docs_quote_it():
         f"{powersgd[4]['sent_bytes'] / rows['dp', 4]['sent_bytes']:.3f}x with 4 microbatches)"
     )
     assert quoted in docs, quoted
+    topk = {r["microbatches"]: r for r in result["rows"] if r["grad_compression"] == "topk"}
+    quoted = (
+        f"{topk[1]['sent_bytes'] / 2**20:.2f} MiB per step "
+        f"({topk[1]['sent_bytes'] / rows['dp', 1]['sent_bytes']:.3f}x `dp`'s: `N k / n` on 8 "
+        f"devices; {topk[4]['sent_bytes'] / rows['dp', 4]['sent_bytes']:.3f}x with 4 microbatches)"
+    )
+    assert quoted in docs, quoted
     ratio = {m: int8["dp", m]["sent_bytes"] / rows["dp", m]["sent_bytes"] for m in (1, 4)}
     quoted = (
         f"each device sends {int8['dp', 1]['sent_bytes'] / 2**20:.2f} MiB per step under `dp` "

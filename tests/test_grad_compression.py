@@ -1,6 +1,9 @@
 """Compressed gradient communication on one device: refusals and sizes (the multi-device
 behaviour: tests/grad_compression_cases.py, run by tests/test_sharding.py on 8 host devices)."""
 
+import json
+import pathlib
+
 import jax
 import optax
 import pytest
@@ -16,6 +19,12 @@ from lowmem_jax import grad_compression
 def test_the_padded_size_is_whole_groups_in_equal_chunks(n, devices):
     size = grad_compression.padded_size(n, devices)
     assert size >= n and size % (256 * devices) == 0 and size - n < 256 * devices
+
+
+@given(n=st.integers(1, 10**7), fraction=st.floats(1e-6, 1.0))
+def test_topk_sends_at_least_one_entry_and_at_most_all(n, fraction):
+    k = grad_compression.topk_count(n, fraction)
+    assert 1 <= k <= n and abs(k - fraction * n) <= max(0.5, 1 - fraction * n)
 
 
 def test_a_raw_optax_optimizer_is_refused_naming_wrap_optimizer():
@@ -42,6 +51,12 @@ def test_a_raw_optax_optimizer_is_refused_naming_wrap_optimizer():
          "powersgd_rank must be an int >= 1, got 0"),
         ({"grad_compression": "int8", "shard": "dp", "powersgd_rank": 2},
          "powersgd_rank=2 applies to grad_compression='powersgd' only"),
+        ({"grad_compression": "topk", "shard": "dp", "topk_fraction": 0.0},
+         "topk_fraction must be in \\(0, 1\\], got 0.0"),
+        ({"grad_compression": "topk", "shard": "dp", "topk_fraction": "1%"},
+         "topk_fraction must be a number in \\(0, 1\\], got '1%'"),
+        ({"grad_compression": "int8", "shard": "dp", "topk_fraction": 0.1},
+         "topk_fraction=0.1 applies to grad_compression='topk' only"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_when_the_plan_is_made(fields, match):
@@ -56,3 +71,24 @@ def test_bad_settings_are_refused_when_the_plan_is_made(fields, match):
 )  # fmt: skip
 def test_powersgd_factors_a_leaf_only_where_that_sends_fewer_numbers(shape, rank, factored):
     assert grad_compression.compressible(shape, rank) == factored
+
+
+def test_the_committed_accuracy_is_its_runs_and_the_docs_quote_it():
+    """experiments/grad_compression_accuracy.py's table, recomputed from its kept runs, and the
+    figures docs/distributed.md gives."""
+    from experiments import grad_compression_accuracy as experiment
+    from experiments import study
+
+    out = pathlib.Path(experiment.OUT)
+    result = json.loads((out / "accuracy.json").read_text())
+    assert (out / "accuracy.md").read_text() == experiment.to_markdown(result)
+    recomputed = study.summarize_cv(study.load_runs(str(out)))
+    assert json.loads(json.dumps(recomputed)) == result["rows"]
+    rows = {r["name"]: r for r in result["rows"]}
+    assert {name: rows[name]["runs"] for name in rows} == {n: 15 for n in rows}
+    docs = " ".join((out.parents[2] / "docs" / "distributed.md").read_text().split())
+    for name in ("int8", "powersgd", "topk"):
+        d = rows[name]["delta_vs_baseline"]
+        low, high = (100 * x for x in d["ci95"])
+        quoted = f"`{name}` {100 * d['mean']:+.2f} [{low:+.2f}, {high:+.2f}] points"
+        assert quoted in docs, quoted

@@ -1,6 +1,6 @@
 """ZeRO-style partitioning and offload (:mod:`lowmem_jax.sharding`): ``shard``, ``devices``,
 ``optimizer_memory``; compressed gradient communication (:mod:`lowmem_jax.grad_compression`):
-``grad_compression``, ``powersgd_rank``.
+``grad_compression``, ``powersgd_rank``, ``topk_fraction``.
 
 With ``plan.shard`` set, the step is one SPMD program over ``plan.mesh()``: the batch is split
 over the devices, the state laid out by :func:`state_specs` on the way in and out, and from
@@ -11,20 +11,20 @@ the device for the update, and the new state is moved back (its layout as above)
 holds it only during the update (ZeRO-Offload keeps it on the host and updates there; XLA
 cannot run the update on the host, so it is streamed instead).
 
-With ``plan.grad_compression`` ``int8`` or ``powersgd`` (``dp`` or ``zero1``) each device
-computes the gradient
-of its own examples inside a ``shard_map`` (the microbatch loop included, so nothing is
-communicated per microbatch), and the optimizer (:class:`~lowmem_jax.grad_compression.\
-CompressedGradients`, outermost) reduces it compressed, with error feedback, once per step. As in
-PyTorch's DistributedDataParallel, BatchNorm then normalises with each device's own examples'
-statistics (the SPMD step's are over the whole batch); the running averages, the loss's metrics
-and any other float model state are averaged over the devices after the step, and dropout draws
-from ``fold_in(rng, device)``.
+With ``plan.grad_compression`` ``int8``, ``powersgd`` or ``topk`` (``dp`` or ``zero1``) each device
+computes the gradient of its own examples inside a ``shard_map`` (the microbatch loop included,
+so nothing is communicated per microbatch), and the optimizer
+(:class:`~lowmem_jax.grad_compression.CompressedGradients`, outermost) reduces it compressed,
+with error feedback, once per step. As in PyTorch's DistributedDataParallel, BatchNorm then
+normalises with each device's own examples' statistics (the SPMD step's are over the whole
+batch); the running averages, the loss's metrics and any other float model state are averaged
+over the devices after the step, and dropout draws from ``fold_in(rng, device)``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -38,6 +38,10 @@ from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.technique import PlanField, Technique, Verdict
 
 __all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
+
+
+# The stages whose gradient is reduced whole on every device (compressed: grad_compression).
+_COMPRESSIBLE = ("dp", "zero1")
 
 
 def _validate(plan) -> None:
@@ -65,10 +69,16 @@ def _validate(plan) -> None:
             f"powersgd_rank={rank} applies to grad_compression='powersgd' only (got "
             f"{plan.grad_compression!r})"
         )
-
-
-# The stages whose gradient is reduced whole on every device (compressed: grad_compression).
-_COMPRESSIBLE = ("dp", "zero1")
+    fraction = plan.topk_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise ValueError(f"topk_fraction must be a number in (0, 1], got {fraction!r}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"topk_fraction must be in (0, 1], got {fraction!r}")
+    if fraction != 0.01 and plan.grad_compression != "topk":
+        raise ValueError(
+            f"topk_fraction={fraction} applies to grad_compression='topk' only (got "
+            f"{plan.grad_compression!r})"
+        )
 
 
 def state_specs(state: Any, plan: Any, num_shards: int) -> Any:
@@ -208,6 +218,7 @@ def _compressed(tx, plan, params):
         grads_like,
         method=plan.grad_compression,
         rank=plan.powersgd_rank,
+        fraction=plan.topk_fraction,
     )
 
 
@@ -273,6 +284,11 @@ def _took_effect(evidence, plan):
             f"{plan.powersgd_rank} factors, the rest whole"
         )
         took = took and factored > 0
+    elif plan.grad_compression == "topk":
+        k, n = evidence.tx.k, sum(math.prod(s) for s in evidence.tx.shapes)
+        parts.append(f"gradients reduced by top-k with error feedback: {k:,} of {n:,} entries "
+                     "sent per device")  # fmt: skip
+        took = took and k < n
     return Verdict("shard", took, "; ".join(parts) or "one device: nothing partitioned")
 
 
@@ -316,12 +332,13 @@ TECHNIQUE = Technique(
             str,
             "none",
             "how a data-parallel step (``shard`` ``dp`` or ``zero1``) reduces the gradient: "
-            "``none`` (float32 all-reduce), ``int8`` or ``powersgd`` (each device's "
+            "``none`` (float32 all-reduce), ``int8``, ``powersgd`` or ``topk`` (each device's "
             "gradient, compressed with error feedback, once per step: "
             ":mod:`lowmem_jax.grad_compression`).",
             help="reduce the data-parallel gradient (--shard dp or zero1) compressed with "
-            "error feedback, once per step: int8 (about 0.26x the bytes sent) or powersgd "
-            "(rank --powersgd-rank factors); BatchNorm statistics become per device",
+            "error feedback, once per step: int8 (about 0.26x the bytes sent), powersgd "
+            "(rank --powersgd-rank factors) or topk (the largest --topk-fraction of the "
+            "entries); BatchNorm statistics become per device",
             choices=compression_lib.FORMATS,
             omit_default=True,
         ),
@@ -331,6 +348,14 @@ TECHNIQUE = Technique(
             4,
             'the rank of ``grad_compression="powersgd"``\'s factors.',
             help="the rank of --grad-compression powersgd's factors (default 4)",
+            omit_default=True,
+        ),
+        PlanField(
+            "topk_fraction",
+            float,
+            0.01,
+            'the share of the gradient\'s entries ``grad_compression="topk"`` sends.',
+            help="the share of the gradient's entries --grad-compression topk sends (default 0.01)",
             omit_default=True,
         ),
     ),
