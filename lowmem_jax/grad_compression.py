@@ -25,11 +25,11 @@ all of them. The error feedback makes the compression's error transient: the sum
 applied over ``T`` steps is the sum of the mean gradients minus the errors left after step
 ``T`` (at most one quantization step each).
 
-**PowerSGD** (:func:`powersgd_mean`; Vogels et al. 2019) sends each gradient leaf of rank >= 2,
-viewed as a ``rows x cols`` matrix, as two rank-``r`` factors instead: ``r (rows + cols)``
-floats all-reduced instead of ``rows cols``; vectors (biases, normalisation scales) go whole.
-Its error feedback is one-sided (each device keeps ``M - P Q^T``), and ``Q`` warm-starts the next
-step's power iteration.
+**PowerSGD** (:func:`powersgd_mean`; Vogels et al. 2019) sends each layer's gradient matrix
+(:func:`matrix_view`: a kernel as ``rows x cols``, each block of a stack of scanned blocks
+apart) as two rank-``r`` factors instead: ``r (rows + cols)`` floats all-reduced instead of
+``rows cols``; vectors (biases, normalisation scales) go whole. Its error feedback is one-sided
+(each device keeps ``M - P Q^T``), and ``Q`` warm-starts the next step's power iteration.
 
 **top-k** (:func:`topk_mean`) sends the largest ``k = fraction n`` entries of each device's
 ``g + e`` as (index, value) pairs by all-gather: ``(N - 1) 8 k`` bytes per device, ``N k / n``
@@ -63,6 +63,7 @@ __all__ = [
     "padded_size",
     "compressed_mean",
     "compressible",
+    "matrix_view",
     "powersgd_mean",
     "topk_mean",
     "topk_count",
@@ -111,41 +112,56 @@ def compressed_mean(
     return _decompress(gathered).reshape(-1), worker_error, server_error
 
 
-def compressible(shape: tuple[int, ...], rank: int) -> bool:
-    """PowerSGD sends a gradient leaf as rank-``rank`` factors where that is fewer numbers:
-    rank >= 2, viewed as ``[prod(shape[:-1]), shape[-1]]`` (``rows x cols``), and
+def matrix_view(shape: tuple[int, ...], stacked: bool = False) -> tuple[int, int, int]:
+    """``(layers, rows, cols)``: the matrices PowerSGD sees in a leaf of ``shape``: one
+    ``[prod(shape[:-1]), shape[-1]]`` (a Dense kernel ``[in, out]``, a convolution's
+    ``[kh * kw * in, out]``), or with ``stacked`` (a stack of scanned blocks, leading axis the
+    block) one per block."""
+    layers, inner = (shape[0], shape[1:]) if stacked else (1, shape)
+    return layers, math.prod(inner[:-1]), inner[-1] if inner else 1
+
+
+def compressible(shape: tuple[int, ...], rank: int, stacked: bool = False) -> bool:
+    """PowerSGD sends a gradient leaf as rank-``rank`` factors where that is fewer numbers: a
+    matrix per layer (:func:`matrix_view`; rank >= 2 beyond the stack's axis) with
     ``rank (rows + cols) < rows cols``; other leaves go whole."""
-    if len(shape) < 2:
+    if len(shape) - stacked < 2:
         return False
-    rows, cols = math.prod(shape[:-1]), shape[-1]
+    _, rows, cols = matrix_view(shape, stacked)
     return rank * (rows + cols) < rows * cols
 
 
 def powersgd_mean(
-    leaves: list[jax.Array], error: jax.Array, qs: list[jax.Array], axis_name: str
+    leaves: list[jax.Array],
+    error: jax.Array,
+    qs: list[jax.Array],
+    axis_name: str,
+    stacked: list[bool] | None = None,
 ) -> tuple[list[jax.Array], jax.Array, list[jax.Array]]:
     """Inside ``shard_map`` over ``axis_name``: this device's gradient ``leaves`` (float32,
     ``n`` elements in all), its error (float32[n]) and the previous step's ``qs`` (one
-    ``[cols, r]`` per :func:`compressible` leaf, in order; the same on every device) -> (the
-    mean gradient's leaves, the same on every device; the new error; the new ``qs``).
+    ``[layers, cols, r]`` per :func:`compressible` leaf, in order; the same on every device)
+    -> (the mean gradient's leaves, the same on every device; the new error; the new ``qs``).
+    ``stacked``: which leaves are stacks of blocks (:func:`matrix_view`; default none).
 
     PowerSGD (Vogels et al. 2019, as their reference code and PyTorch's ``powerSGD_hook``):
-    ``M = G + e`` per leaf viewed ``[rows, cols]``; ``P = sum_devices M Q`` (all-reduce),
+    ``M = G + e`` per layer viewed ``[rows, cols]``; ``P = sum_devices M Q`` (all-reduce),
     orthonormalized (QR); ``Q = mean_devices M^T P`` (all-reduce); the mean is ``P Q^T``;
     ``e <- M - P Q^T``; ``Q`` warm-starts the next step. Other leaves are all-reduced whole
     (their error stays 0)."""
+    stacked = stacked or [False] * len(leaves)
     flat = _concat(leaves) + error
     ms = _split(flat, leaves)
-    rank = qs[0].shape[1] if qs else 0
-    picked = [i for i, x in enumerate(leaves) if compressible(x.shape, rank)] if qs else []
-    views = [ms[i].reshape(-1, ms[i].shape[-1]) for i in picked]
+    rank = qs[0].shape[-1] if qs else 0
+    picked = [i for i, x in enumerate(leaves) if qs and compressible(x.shape, rank, stacked[i])]
+    views = [ms[i].reshape(matrix_view(ms[i].shape, stacked[i])) for i in picked]
     ps = lax.psum([m @ q for m, q in zip(views, qs, strict=True)], axis_name)
     ps = [jnp.linalg.qr(p)[0] for p in ps]
-    qs = lax.pmean([m.T @ p for m, p in zip(views, ps, strict=True)], axis_name)
+    qs = lax.pmean([jnp.swapaxes(m, 1, 2) @ p for m, p in zip(views, ps, strict=True)], axis_name)
     whole = [i for i in range(len(leaves)) if i not in picked]
     out = dict(zip(whole, lax.pmean([ms[i] for i in whole], axis_name), strict=True))
     for i, p, q in zip(picked, ps, qs, strict=True):
-        out[i] = (p @ q.T).reshape(leaves[i].shape)
+        out[i] = (p @ jnp.swapaxes(q, 1, 2)).reshape(leaves[i].shape)
     mean = [out[i] for i in range(len(leaves))]
     return mean, flat - _concat(mean), qs
 
@@ -217,6 +233,8 @@ class CompressedGradients(Wrapper):
       method: ``int8``, ``powersgd`` or ``topk`` (:data:`FORMATS`).
       rank: PowerSGD's rank.
       fraction: the share of the gradient's entries top-k sends.
+      stacked: per leaf of ``grads_like``, whether it is a stack of blocks (PowerSGD factors
+        each block's matrix: :func:`matrix_view`); default none.
     """
 
     def __init__(
@@ -228,6 +246,7 @@ class CompressedGradients(Wrapper):
         method: str = "int8",
         rank: int = 4,
         fraction: float = 0.01,
+        stacked: list[bool] | None = None,
     ):
         if method not in FORMATS[1:]:
             raise ValueError(f"Unknown method={method!r}; allowed values: {list(FORMATS[1:])}")
@@ -239,7 +258,12 @@ class CompressedGradients(Wrapper):
         self.shapes = [tuple(x.shape) for x in jax.tree.leaves(grads_like)]
         n = sum(math.prod(shape) for shape in self.shapes)
         self.size = padded_size(n, mesh.size) if method == "int8" else n
-        self.factored = [s for s in self.shapes if method == "powersgd" and compressible(s, rank)]
+        self.stacked = list(stacked or [False] * len(self.shapes))
+        self.factored = [
+            matrix_view(shape, stack)
+            for shape, stack in zip(self.shapes, self.stacked, strict=True)
+            if method == "powersgd" and compressible(shape, rank, stack)
+        ]
         self.k = topk_count(n, fraction)
 
     def _state(self, inner_state: PyTree) -> CompressionState:
@@ -250,8 +274,8 @@ class CompressedGradients(Wrapper):
         # Q starts as a fixed draw (the same on every device), then warm-starts each step.
         keys = jax.random.split(jax.random.key(0), max(len(self.factored), 1))
         shared = tuple(
-            jax.random.normal(key, (shape[-1], self.rank), jnp.float32)
-            for key, shape in zip(keys, self.factored, strict=False)
+            jax.random.normal(key, (layers, cols, self.rank), jnp.float32)
+            for key, (layers, _, cols) in zip(keys, self.factored, strict=False)
         )
         return CompressionState(tuple(errors), shared, inner_state)
 
@@ -272,7 +296,9 @@ class CompressedGradients(Wrapper):
             mine = [g[0].astype(jnp.float32) for g in jax.tree.leaves(grads)]
             errors = tuple(e[0] for e in errors)
             if self.method == "powersgd":
-                mean, error, shared = powersgd_mean(mine, *errors, list(shared), self.axis_name)
+                mean, error, shared = powersgd_mean(
+                    mine, *errors, list(shared), self.axis_name, self.stacked
+                )
                 errors = (error,)
             elif self.method == "topk":
                 flat, error = topk_mean(_concat(mine), *errors, self.k, self.axis_name)

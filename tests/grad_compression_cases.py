@@ -200,14 +200,15 @@ def test_models_nobody_here_wrote_train_with_int8_gradients(name):
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
 
 
-def _powersgd(leaves, error, qs):
+def _powersgd(leaves, error, qs, stacked=None):
     """``powersgd_mean`` of device ``d``'s ``leaves[d]`` (lists stacked per leaf)."""
     rows = P("data")
 
     @jax.jit
     def run(leaves, error, qs):
         def local(leaves, error, qs):
-            mean, error, qs = gc.powersgd_mean([x[0] for x in leaves], error[0], qs, "data")
+            mine = [x[0] for x in leaves]
+            mean, error, qs = gc.powersgd_mean(mine, error[0], qs, "data", stacked)
             return [m[None] for m in mean], error[None], qs
 
         return jax.shard_map(
@@ -223,7 +224,7 @@ SHAPES = [(3, 3, 8, 16), (40, 30), (30,)]  # two factored at rank 2, a vector wh
 
 def _qs(rank):
     keys = jax.random.split(jax.random.key(0), 2)
-    return [jax.random.normal(k, (s[-1], rank)) for k, s in zip(keys, SHAPES[:2], strict=True)]
+    return [jax.random.normal(k, (1, s[-1], rank)) for k, s in zip(keys, SHAPES[:2], strict=True)]
 
 
 def test_powersgd_recovers_a_low_rank_mean_exactly():
@@ -242,6 +243,21 @@ def test_powersgd_recovers_a_low_rank_mean_exactly():
     # each device's error is its own gradient minus the shared mean
     want = np.concatenate([np.asarray(x - x.mean(0)).reshape(DEVICES, -1) for x in leaves], 1)
     np.testing.assert_allclose(np.asarray(error), want, atol=1e-4)
+
+
+def test_powersgd_factors_each_block_of_a_stack_apart():
+    """Three blocks, each rank 1 on every device: rank 2 per block recovers their mean
+    exactly, where the stack as one [120, 30] matrix (rank 3) would not."""
+    rng = np.random.default_rng(3)
+    blocks = np.stack([np.outer(rng.standard_normal(40), rng.standard_normal(30))
+                       for _ in range(3)])  # fmt: skip
+    scale = rng.uniform(0.5, 2, DEVICES).reshape(-1, 1, 1, 1)
+    leaf = jnp.asarray((scale * blocks).astype(np.float32))  # [devices, 3, 40, 30]
+    q = jax.random.normal(jax.random.key(0), (3, 30, 2))
+    mean, _, _ = _powersgd([leaf], jnp.zeros((DEVICES, leaf[0].size)), [q], stacked=[True])
+    np.testing.assert_allclose(np.asarray(mean[0])[0], np.asarray(leaf).mean(0), atol=1e-4)
+    assert gc.matrix_view((3, 40, 30), stacked=True) == (3, 40, 30)
+    assert gc.matrix_view((3, 3, 8, 16)) == (1, 72, 16)
 
 
 def test_powersgd_error_feedback_loses_nothing_over_steps():

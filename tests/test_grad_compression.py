@@ -71,6 +71,8 @@ def test_bad_settings_are_refused_when_the_plan_is_made(fields, match):
 )  # fmt: skip
 def test_powersgd_factors_a_leaf_only_where_that_sends_fewer_numbers(shape, rank, factored):
     assert grad_compression.compressible(shape, rank) == factored
+    # as a stack of blocks, the leading axis is the block's: one dimension fewer per matrix
+    assert grad_compression.compressible((2, *shape), rank, stacked=True) == factored
 
 
 def test_the_committed_accuracy_is_its_runs_and_the_docs_quote_it():

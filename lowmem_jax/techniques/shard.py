@@ -219,6 +219,9 @@ def _compressed(tx, plan, params):
         method=plan.grad_compression,
         rank=plan.powersgd_rank,
         fraction=plan.topk_fraction,
+        stacked=[
+            _in_stack(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads_like)[0]
+        ],
     )
 
 
