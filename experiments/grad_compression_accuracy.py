@@ -106,7 +106,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_xlabel("digits test accuracy minus float32 dp, points (mean, 95% interval)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

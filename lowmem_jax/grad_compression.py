@@ -5,7 +5,7 @@ Uncompressed data parallelism all-reduces the float32 gradient: on ``N`` devices
 schedule each device sends ``2 (N - 1) / N x 4 n`` bytes for ``n`` gradient elements. Here each
 device's own gradient ``g_d`` (computed on its examples alone) is reduced compressed.
 
-**int8** (:func:`compressed_mean`): in two compressed phases, each with error feedback (the
+**int8** (:func:`int8_mean`): in two compressed phases, each with error feedback (the
 residual a compression leaves is added to what the next step sends; Seide et al. 2014,
 Karimireddy et al. 2019; two-sided as in 1-bit Adam, Tang et al. 2021):
 
@@ -61,7 +61,7 @@ __all__ = [
     "CompressionState",
     "CompressedGradients",
     "padded_size",
-    "compressed_mean",
+    "int8_mean",
     "compressible",
     "matrix_view",
     "powersgd_mean",
@@ -93,7 +93,7 @@ def _decompress(rows: jax.Array) -> jax.Array:
     return flat.reshape(*lead, groups * _SPEC.group_size)
 
 
-def compressed_mean(
+def int8_mean(
     flat: jax.Array, worker_error: jax.Array, server_error: jax.Array, axis_name: str
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Inside ``shard_map`` over ``axis_name`` (``N`` devices): this device's gradient
@@ -222,8 +222,8 @@ class CompressionState(NamedTuple):
 class CompressedGradients(Wrapper):
     """An optimizer whose :meth:`update` takes each device's own gradient, stacked
     (``[N, *leaf.shape]`` per leaf, row ``d`` on device ``d``), reduces it by ``method``
-    (:func:`compressed_mean` for ``int8``, :func:`powersgd_mean` for ``powersgd``) and runs
-    ``inner`` on the mean. The parameters' storage is ``inner``'s.
+    (:func:`int8_mean`, :func:`powersgd_mean` or :func:`topk_mean`) and runs ``inner`` on the
+    mean. The parameters' storage is ``inner``'s.
 
     Args:
       inner: the optimizer (an optax transformation or an :class:`Optimizer`).
@@ -306,7 +306,7 @@ class CompressedGradients(Wrapper):
             else:
                 flat = _concat(mine)
                 flat = jnp.pad(flat, (0, self.size - flat.shape[0]))
-                flat, *errors = compressed_mean(flat, *errors, self.axis_name)
+                flat, *errors = int8_mean(flat, *errors, self.axis_name)
                 mean = _split(flat, mine)
             mean = [m.astype(g.dtype) for m, g in zip(mean, jax.tree.leaves(grads), strict=True)]
             errors = tuple(e[None] for e in errors)

@@ -30,12 +30,12 @@ MESH = Mesh(np.asarray(jax.devices()[:DEVICES]), ("data",))
 
 @jax.jit
 def _reduce(grads, worker, server):
-    """``compressed_mean`` of ``grads[d]`` from device ``d``: (the mean as every device has
+    """``int8_mean`` of ``grads[d]`` from device ``d``: (the mean as every device has
     it, stacked; the errors)."""
     rows = P("data")
 
     def local(g, w, s):
-        mean, w, s = gc.compressed_mean(g[0], w[0], s[0], "data")
+        mean, w, s = gc.int8_mean(g[0], w[0], s[0], "data")
         return mean[None], w[None], s[None]
 
     return jax.shard_map(local, mesh=MESH, in_specs=(rows,) * 3, out_specs=(rows,) * 3)(
@@ -54,7 +54,7 @@ def _group_ranges(x):
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**16), log_scale=st.floats(-6, 3))
-def test_the_compressed_mean_is_within_two_half_steps_of_the_mean(seed, log_scale):
+def test_the_int8_mean_is_within_two_half_steps_of_the_mean(seed, log_scale):
     grads = np.random.default_rng(seed).standard_normal((DEVICES, N)).astype(np.float32)
     grads *= np.float32(10.0**log_scale)
     mean, _, _ = _reduce(jnp.asarray(grads), *_zeros())
