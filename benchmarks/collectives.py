@@ -112,8 +112,7 @@ def plot(result: dict, path: str) -> None:
 
     rows = result["rows"]
     labels = [
-        f"{r['shard']}{'' if _gradients(r) == 'none' else ' ' + _gradients(r)}"
-        f"\nmb {r['microbatches']}"
+        f"{r['shard']}\n{'' if _gradients(r) == 'none' else _gradients(r)}\nmb {r['microbatches']}"
         for r in rows
     ]
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))

@@ -210,9 +210,9 @@ def topk_count(n: int, fraction: float) -> int:
 
 class CompressionState(NamedTuple):
     """``errors``: per-device float32 arrays, row ``d`` device ``d``'s (int8: the worker error
-    ``[N, n]`` and the server error ``[N, n / N]``; PowerSGD: ``[N, n]``); ``shared``: what
-    every device holds the same (PowerSGD's ``Q`` per compressed leaf; int8: none);
-    ``inner_state``: the wrapped optimizer's state."""
+    ``[N, n]`` and the server error ``[N, n / N]``; PowerSGD and top-k: ``[N, n]``);
+    ``shared``: what every device holds the same (PowerSGD's ``Q``, ``[layers, cols, r]`` per
+    factored leaf; otherwise none); ``inner_state``: the wrapped optimizer's state."""
 
     errors: tuple[jax.Array, ...]
     shared: tuple[jax.Array, ...]
