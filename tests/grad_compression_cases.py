@@ -275,25 +275,31 @@ def test_powersgd_error_feedback_loses_nothing_over_steps():
     assert np.abs(held).max() > 0.1  # rank 2 of 16 and 30 columns holds much back
 
 
-def test_the_powersgd_step_trains_and_sends_its_factors():
+def _trained(plan, tx):
+    """WideMLP's step under ``plan`` over 20 batches (two, alternating), its loss falling:
+    (what the compiled step sends, its verdicts)."""
     batches = [classification_batch(32, seed=s % 2) for s in range(20)]
     params = WideMLP().init(jax.random.key(0), batches[0]["image"])["params"]
-    plan = lm.Plan(shard="dp", devices=DEVICES, grad_compression="powersgd", powersgd_rank=2)
-    step, state = _step(plan, params, optax.adam(1e-2), batches[0])
-    sent = collectives.collectives(step.lower(state, batches[0]).compile().as_text())
-    # both kernels ([5, 1535] and [1535, 3]) as rank-2 factors, the biases whole
-    floats = 2 * (5 + 1535) + 2 * (1535 + 3) + 1535 + 3
-    reduced = sent["by_kind"]["all-reduce"]["bytes"]
-    assert 4 * floats <= reduced <= 4 * floats + 64  # + the loss and finiteness flags
-    verdict = {v.technique: v for v in lm.verdicts(step, state, batches[0], plan=plan,
-                                                   tx=plan.wrap_optimizer(optax.adam(1e-2),
-                                                                          params))}  # fmt: skip
-    assert verdict["shard"].took_effect and "2 of 4 leaves" in verdict["shard"].evidence
-    losses = []
+    step, first = _step(plan, params, tx, batches[0])
+    sent = collectives.collectives(step.lower(first, batches[0]).compile().as_text())
+    state, losses = first, []
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all() and losses[-1] < 0.8 * losses[0], losses
+    wrapped = plan.wrap_optimizer(tx, params)
+    verdicts = lm.verdicts(step, first, batches[0], plan=plan, tx=wrapped)
+    return sent, {v.technique: v for v in verdicts}
+
+
+def test_the_powersgd_step_trains_and_sends_its_factors():
+    plan = lm.Plan(shard="dp", devices=DEVICES, grad_compression="powersgd", powersgd_rank=2)
+    sent, verdict = _trained(plan, optax.adam(1e-2))
+    # both kernels ([5, 1535] and [1535, 3]) as rank-2 factors, the biases whole
+    floats = 2 * (5 + 1535) + 2 * (1535 + 3) + 1535 + 3
+    reduced = sent["by_kind"]["all-reduce"]["bytes"]
+    assert 4 * floats <= reduced <= 4 * floats + 64  # + the loss and finiteness flags
+    assert verdict["shard"].took_effect and "2 of 4 leaves" in verdict["shard"].evidence
 
 
 @jax.jit
@@ -333,15 +339,8 @@ def test_topk_sends_the_largest_entries_and_feeds_back_the_rest():
 
 
 def test_the_topk_step_trains_and_sends_its_pairs():
-    batches = [classification_batch(32, seed=s % 2) for s in range(20)]
-    params = WideMLP().init(jax.random.key(0), batches[0]["image"])["params"]
     plan = lm.Plan(shard="dp", devices=DEVICES, grad_compression="topk", topk_fraction=0.05)
-    step, state = _step(plan, params, optax.adam(3e-3), batches[0])
-    sent = collectives.collectives(step.lower(state, batches[0]).compile().as_text())
+    sent, verdict = _trained(plan, optax.adam(3e-3))
     k = gc.topk_count(13_818, 0.05)
     assert sent["by_kind"]["all-gather"]["bytes"] == DEVICES * k * 8  # int32 index + value
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    assert np.isfinite(losses).all() and losses[-1] < 0.8 * losses[0], losses
+    assert verdict["shard"].took_effect and f"{k:,} of 13,818 entries" in verdict["shard"].evidence
