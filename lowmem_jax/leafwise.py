@@ -24,11 +24,11 @@ decoded arrays at a time instead of the whole state's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lowmem_jax.base import PyTree
@@ -36,11 +36,20 @@ from lowmem_jax.base import PyTree
 __all__ = ["Mirrors", "mirrors", "separability", "groups", "placeholder"]
 
 
-def placeholder(x: Any) -> Any:
-    """The empty stand-in for a leaf outside the group: ``dtype[0]`` (``None`` stays)."""
-    if x is None or not hasattr(x, "dtype"):
-        return x
-    return jnp.zeros((0,), x.dtype)
+def placeholder(x: Any, dtype: Any = None) -> Any:
+    """The empty stand-in for a leaf outside the group: ``dtype[0]`` (default ``x.dtype``;
+    ``None`` stays). A NumPy constant: nothing is traced for it, and the update's operations
+    on it trace as operations on an empty array."""
+    if dtype is None:
+        if x is None or not hasattr(x, "dtype"):
+            return x
+        dtype = x.dtype
+    return _empty(np.dtype(dtype))
+
+
+@functools.cache
+def _empty(dtype: np.dtype) -> np.ndarray:
+    return np.zeros((0,), dtype)
 
 
 class Mirrors:

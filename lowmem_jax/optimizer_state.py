@@ -76,9 +76,9 @@ class QuantizedState(NamedTuple):
 
 def _decoded_placeholder(x: Any) -> jax.Array:
     """The empty stand-in of a stored leaf as :meth:`QuantizedStateOptimizer.decode` gives it."""
-    if is_quantized(x):
-        return jnp.zeros((0,), jnp.float32)
-    return leafwise.placeholder(cast_floating(x, jnp.float32))
+    if is_quantized(x) or jnp.issubdtype(x.dtype, jnp.floating):
+        return leafwise.placeholder(x, jnp.float32)
+    return leafwise.placeholder(x)
 
 
 def _restrict(params_def, leaves: list, chosen: dict[int, Any]) -> PyTree:

@@ -64,21 +64,20 @@ def _validate(plan) -> None:
     rank = plan.powersgd_rank
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"powersgd_rank must be an int >= 1, got {rank!r}")
-    if rank != 4 and plan.grad_compression != "powersgd":
-        raise ValueError(
-            f"powersgd_rank={rank} applies to grad_compression='powersgd' only (got "
-            f"{plan.grad_compression!r})"
-        )
     fraction = plan.topk_fraction
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
         raise ValueError(f"topk_fraction must be a number in (0, 1], got {fraction!r}")
     if not 0 < fraction <= 1:
         raise ValueError(f"topk_fraction must be in (0, 1], got {fraction!r}")
-    if fraction != 0.01 and plan.grad_compression != "topk":
-        raise ValueError(
-            f"topk_fraction={fraction} applies to grad_compression='topk' only (got "
-            f"{plan.grad_compression!r})"
-        )
+    for field, default, method in (
+        ("powersgd_rank", 4, "powersgd"),
+        ("topk_fraction", 0.01, "topk"),
+    ):
+        if getattr(plan, field) != default and plan.grad_compression != method:
+            raise ValueError(
+                f"{field}={getattr(plan, field)} applies to grad_compression={method!r} only "
+                f"(got {plan.grad_compression!r})"
+            )
 
 
 def state_specs(state: Any, plan: Any, num_shards: int) -> Any:
