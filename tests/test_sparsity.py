@@ -552,8 +552,8 @@ def test_uniform_scores_are_jax_random_uniform_bit_for_bit(n, typed):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU buffer assignment")
 def test_compressed_rewiring_of_a_large_layer_needs_about_nine_bytes_per_dense_weight():
     """Regrowth ranks every dense position: a float32 score, its masked copy for ``top_k`` and an
-    int8 map, 9 bytes per weight. Drawn whole, XLA:CPU's threefry loop kept [n] words alive
-    besides (17 bytes per weight at this size)."""
+    int8 map, 9 bytes per weight, and the new slots' workspace (9.5 in all at this size). Drawn
+    whole, XLA:CPU's threefry loop kept [n] words alive besides (17 bytes per weight)."""
     n, cap = 1 << 18, 1 << 15
 
     def rewire(values, indices, rng):
@@ -569,6 +569,32 @@ def test_compressed_rewiring_of_a_large_layer_needs_about_nine_bytes_per_dense_w
     )
     compiled = jax.jit(rewire).lower(*abstract).compile(compiler_options=FAST_COMPILE)
     assert compiled.memory_analysis().temp_size_in_bytes < 10 * n
+
+
+def test_compressed_rewiring_of_many_layers_holds_one_layer_s_temporaries():
+    """Each layer's prune, regrowth and new slots run as one conditional that waits for the
+    previous layer's slots: four layers need about one layer's temporaries (XLA:CPU). Chained by
+    ``optimization_barrier`` instead (which XLA:CPU drops before scheduling), four needed 3.5x
+    one layer's."""
+    n, cap = 1 << 16, 1 << 13
+
+    def temp_bytes(layers):
+        def rewire(values, indices, rng):
+            return algorithms.rewire_compressed(
+                "dsr", values=list(values), indices=list(indices), sizes=(n,) * layers,
+                rng=rng, fraction=jnp.float32(0.3), threshold=jnp.float32(1e-3),
+            )  # fmt: skip
+
+        abstract = (
+            [jax.ShapeDtypeStruct((cap,), jnp.float32)] * layers,
+            [jax.ShapeDtypeStruct((cap,), jnp.int32)] * layers,
+            jax.random.PRNGKey(0),
+        )
+        compiled = jax.jit(rewire).lower(*abstract).compile(compiler_options=FAST_COMPILE)
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    one, four = temp_bytes(1), temp_bytes(4)
+    assert four < 1.25 * one, (one, four)
 
 
 def test_compressed_stack_blocks_are_the_dense_leaf_sliced():

@@ -29,6 +29,7 @@ mostly ``[capacity]``-sized temporaries (compressed storage).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -164,12 +165,15 @@ def _next_threshold(algorithm, threshold, total, target_pruned) -> jax.Array:
 
 class RewiredSlots(NamedTuple):
     """The result of :func:`rewire_compressed`, per compressed layer: ``survivors`` bool
-    ``[capacity]`` (live slots kept with their values and optimizer slots) and ``grown`` int32
+    ``[capacity]`` (live slots kept with their values and optimizer slots), ``grown`` int32
     ``[capacity]``, the flat dense positions of the regrown weights, ascending, padded with the
-    layer size; the DSR ``threshold`` and ``num_pruned`` as in :class:`Rewired`."""
+    layer size, and ``indices`` int32 ``[capacity]``, the new slots (a survivor keeps its slot,
+    the regrown weights fill the freed ones in order, the layer size marks an unused one); the
+    DSR ``threshold`` and ``num_pruned`` as in :class:`Rewired`."""
 
     survivors: list[jax.Array]
     grown: list[jax.Array]
+    indices: list[jax.Array]
     threshold: jax.Array
     num_pruned: jax.Array
 
@@ -193,13 +197,20 @@ def rewire_compressed(
     Layer ``j`` holds ``values[j]`` (the weights after this step's update) at the flat dense
     positions ``indices[j]`` (int32 ``[capacity_j]``; ``sizes[j]`` marks an unused slot); its
     capacity is its cap. ``grads`` are dense and flat (RigL), ``momentum`` compressed like
-    ``values`` (SNFS). Pruning works on the ``[capacity]`` slots (DSR: a threshold compare; the
-    others: one ``[capacity]`` sort keyed by ``(|w|, position)``, :func:`~.masks.smallest`'s
-    order). Regrowth needs the dense positions: per layer, an int8 ``[n]`` map of the survivors
-    and old non-zeros and a float32 ``[n]`` key (:func:`~.masks.grow_score`, the random scores
-    drawn exactly as :func:`rewire` draws them) feed ``lax.top_k(.., capacity)``. Layers are
-    processed one after the other (chained by ``lax.optimization_barrier``), so XLA can reuse one
-    layer's dense temporaries for the next instead of keeping every layer's alive at once.
+    ``values`` (SNFS).
+
+    Two passes. The first counts each layer's pruned weights (scalars only: DSR's threshold
+    compare summed; the others' ``floor(f * active)``), which fixes the regrowth counts. The
+    second runs each layer whole: pruning on the ``[capacity]`` slots (DSR: the compare again;
+    the others: one ``[capacity]`` sort keyed by ``(|w|, position)``, :func:`~.masks.smallest`'s
+    order), regrowth on the dense positions (an int8 ``[n]`` map of the survivors and old
+    non-zeros and a float32 ``[n]`` key, :func:`~.masks.grow_score`, the random scores drawn
+    exactly as :func:`rewire` draws them, feed ``lax.top_k(.., capacity)``), and the new slots
+    (survivors keep theirs, regrown weights fill the freed ones in order). Each layer's pass is
+    one ``lax.cond`` whose predicate reads the previous layer's new slots: a conditional runs as
+    one unit once its predicate is known, so one layer's temporaries are alive at a time (an
+    ``optimization_barrier`` chain does not order them: XLA:CPU drops barriers before it
+    schedules).
 
     Raises:
       ValueError: as :func:`rewire`.
@@ -207,23 +218,17 @@ def rewire_compressed(
     _check(algorithm, grads, momentum, threshold, regrow_pool)
     zeros_first = regrow_pool == "zeros_first"
     caps = tuple(int(v.shape[0]) for v in values)
-    live = [i < n for i, n in zip(indices, sizes, strict=True)]
-    active = jnp.stack([m.sum(dtype=jnp.int32) for m in live])
+    active = jnp.stack([(i < n).sum(dtype=jnp.int32) for i, n in zip(indices, sizes, strict=True)])
     if algorithm == "dsr":
         threshold = jnp.asarray(threshold, jnp.float32)
-        dropped = []
-        for j, v in enumerate(values):
-            if dropped:  # layer j once layer j - 1 is done, as the regrowth below
-                dropped[-1], v = jax.lax.optimization_barrier((dropped[-1], v))
-            dropped.append(live[j] & (jnp.abs(v).astype(jnp.float32) < threshold))
-    else:
-        counts = jnp.floor(fraction * active.astype(jnp.float32)).astype(jnp.int32)
-        dropped = [
-            masks_lib.smallest_slots(m, jnp.abs(v).astype(jnp.float32), pos, counts[j])
-            for j, (m, v, pos) in enumerate(zip(live, values, indices, strict=True))
-        ]
-    survivors = [m & ~d for m, d in zip(live, dropped, strict=True)]
-    num_dropped = jnp.stack([d.sum(dtype=jnp.int32) for d in dropped])
+        num_dropped = jnp.stack(
+            [
+                ((i < n) & (jnp.abs(v).astype(jnp.float32) < threshold)).sum(dtype=jnp.int32)
+                for v, i, n in zip(values, indices, sizes, strict=True)
+            ]
+        )
+    else:  # smallest_slots drops exactly this many (count <= active)
+        num_dropped = jnp.floor(fraction * active.astype(jnp.float32)).astype(jnp.int32)
     kept = active - num_dropped
     total = num_dropped.sum()
 
@@ -236,28 +241,25 @@ def rewire_compressed(
         # float sum and allocation in both storages); the count is exact from the slots.
         means = []
         for j in range(len(values)):
-            mom, on, idx = momentum[j], live[j], indices[j]
+            mom, idx = momentum[j], indices[j]
             if means:  # layer j starts once layer j - 1 is done
-                means[-1], (mom, on, idx) = jax.lax.optimization_barrier(
-                    (means[-1], (mom, on, idx))
-                )
+                means[-1], (mom, idx) = jax.lax.optimization_barrier((means[-1], (mom, idx)))
+            on = idx < sizes[j]
             total_abs = dense(j, jnp.where(on, jnp.abs(mom), 0), idx).sum()
             means.append(total_abs / jnp.maximum(on.sum(), 1))
         mean_mom = jnp.stack(means)
     grow = _grow_counts(algorithm, num_dropped, kept, caps, mean_mom)
-    grown = []
-    for j, n in enumerate(sizes):
-        if algorithm == "rigl":
-            source = grads[j]
-        elif algorithm == "snfs":
-            source = momentum[j]
+
+    def layer(j, operands):
+        """Layer ``j``'s survivors (bool ``[capacity]``), regrown positions and new slots."""
+        v, idx, source, count, grow_j = operands
+        n = sizes[j]
+        live = idx < n
+        if algorithm == "dsr":
+            dropped = live & (jnp.abs(v).astype(jnp.float32) < threshold)
         else:
-            source = jax.random.fold_in(rng, j)
-        idx, surv = indices[j], survivors[j]
-        if grown:  # layer j starts once layer j - 1 is done
-            grown[-1], (idx, surv, source) = jax.lax.optimization_barrier(
-                (grown[-1], (idx, surv, source))
-            )
+            dropped = masks_lib.smallest_slots(live, jnp.abs(v).astype(jnp.float32), idx, count)
+        surv = live & ~dropped
         # 0: zero before this update (preferred), 1: just pruned, 2: survivor.
         code = (
             jnp.zeros((n,), jnp.int8)
@@ -272,6 +274,35 @@ def rewire_compressed(
         else:
             score = masks_lib.uniform_scores(source, n)
         key = masks_lib.grow_score(eligible, score, prefer)
-        grown.append(masks_lib.top_positions(eligible, key, grow[j], caps[j]))
+        grown = masks_lib.top_positions(eligible, key, grow_j, caps[j])
+        # Freed slot number r (in slot order) takes the r-th regrown position (or n: unused).
+        # A cumulative sum and a gather, computed from the data: no [capacity] constant that
+        # XLA would build first and hold while the [n] arrays are alive (jnp.nonzero's).
+        rank = jnp.cumsum(~surv, dtype=jnp.int32) - 1
+        slots = jnp.where(surv, idx, grown.at[rank].get(mode="fill", fill_value=n))
+        return surv, grown, slots
+
+    survivors, grown, slots = [], [], []
+    for j in range(len(values)):
+        if algorithm == "rigl":
+            source = grads[j]
+        elif algorithm == "snfs":
+            source = momentum[j]
+        else:
+            source = jax.random.fold_in(rng, j)
+        operands = (values[j], indices[j], source, num_dropped[j], grow[j])
+        if not slots:
+            out = layer(j, operands)
+        else:  # the predicate (always true) reads layer j - 1's slots: layer j runs after it
+            ready = slots[-1][0] >= 0
+
+            def skip(operands, j=j):
+                idx = operands[1]
+                return idx < sizes[j], jnp.full((caps[j],), sizes[j], jnp.int32), idx
+
+            out = jax.lax.cond(ready, functools.partial(layer, j), skip, operands)
+        survivors.append(out[0])
+        grown.append(out[1])
+        slots.append(out[2])
     threshold = _next_threshold(algorithm, threshold, total, target_pruned)
-    return RewiredSlots(survivors, grown, threshold, total)
+    return RewiredSlots(survivors, grown, slots, threshold, total)

@@ -199,14 +199,7 @@ class CompressedStorage(Storage):
         out = algorithms.rewire_compressed(
             algorithm, values=values, indices=patterns, sizes=sizes, **common
         )
-        indices = []
-        for s, idx, kept, grown in zip(specs, patterns, out.survivors, out.grown, strict=True):
-            # Survivors keep their slots; regrown weights fill the freed ones in order.
-            (free_slot,) = jnp.nonzero(~kept, size=s.capacity, fill_value=s.capacity)
-            indices.append(
-                jnp.where(kept, idx, s.size).at[free_slot].set(grown, mode="drop").astype(jnp.int32)
-            )
-        return out.survivors, indices, out.threshold
+        return out.survivors, out.indices, out.threshold
 
 
 def _scatter(
