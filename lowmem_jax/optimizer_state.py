@@ -76,9 +76,10 @@ class QuantizedState(NamedTuple):
 
 def _decoded_placeholder(x: Any) -> jax.Array:
     """The empty stand-in of a stored leaf as :meth:`QuantizedStateOptimizer.decode` gives it."""
-    if is_quantized(x) or jnp.issubdtype(x.dtype, jnp.floating):
+    floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    if is_quantized(x) or floating:
         return leafwise.placeholder(x, jnp.float32)
-    return leafwise.placeholder(x)
+    return leafwise.placeholder(x)  # an integer leaf as it is; a non-array stays
 
 
 def _restrict(params_def, leaves: list, chosen: dict[int, Any]) -> PyTree:
