@@ -204,13 +204,13 @@ def rewire_compressed(
     second runs each layer whole: pruning on the ``[capacity]`` slots (DSR: the compare again;
     the others: one ``[capacity]`` sort keyed by ``(|w|, position)``, :func:`~.masks.smallest`'s
     order), regrowth on the dense positions (an int8 ``[n]`` map of the survivors and old
-    non-zeros and a float32 ``[n]`` key, :func:`~.masks.grow_score`, the random scores drawn
-    exactly as :func:`rewire` draws them, feed ``lax.top_k(.., capacity)``), and the new slots
-    (survivors keep theirs, regrown weights fill the freed ones in order). Each layer's pass is
-    one ``lax.cond`` whose predicate reads the previous layer's new slots: a conditional runs as
-    one unit once its predicate is known, so one layer's temporaries are alive at a time (an
-    ``optimization_barrier`` chain does not order them: XLA:CPU drops barriers before it
-    schedules).
+    non-zeros, and the float32 ``[n]`` scores, the random ones drawn exactly as :func:`rewire`
+    draws them, ranked by :func:`~.masks.grow_score` chunk by chunk in
+    :func:`~.masks.top_positions`), and the new slots (survivors keep theirs, regrown weights
+    fill the freed ones in order). Each layer's pass is one ``lax.cond`` whose predicate reads
+    the previous layer's new slots: a conditional runs as one unit once its predicate is known,
+    so one layer's temporaries are alive at a time (an ``optimization_barrier`` chain does not
+    order them: XLA:CPU drops barriers before it schedules).
 
     Raises:
       ValueError: as :func:`rewire`.
@@ -266,15 +266,27 @@ def rewire_compressed(
             .at[idx]
             .set(jnp.where(surv, 2, 1).astype(jnp.int8), mode="drop")
         )
-        eligible, prefer = code < 2, (code == 0) if zeros_first else None
         if algorithm == "rigl":
-            score = jnp.abs(source).astype(jnp.float32)
+            score = source
         elif algorithm == "snfs":
-            score = jnp.abs(dense(j, source, idx)).astype(jnp.float32)
+            score = dense(j, source, idx)
         else:
             score = masks_lib.uniform_scores(source, n)
-        key = masks_lib.grow_score(eligible, score, prefer)
-        grown = masks_lib.top_positions(eligible, key, grow_j, caps[j])
+
+        # Regrowth's key (grow_score: eligible where code < 2, preferred where 0) is made chunk
+        # by chunk inside the selection's loops: no [n] key or mask beside `score` and `code`.
+        def scale_part(start, size, largest):
+            part = masks_lib.slicer(start, size)
+            return jnp.maximum(largest, masks_lib.grow_scale(part(code) < 2, part(score)))
+
+        scale = masks_lib.over_chunks(n, scale_part, jnp.float32(1e-30))
+
+        def chunk(start, size):
+            part = masks_lib.slicer(start, size)
+            c = part(code)
+            return c < 2, masks_lib.grow_key(part(score), scale, (c == 0) if zeros_first else None)
+
+        grown = masks_lib.top_positions(chunk, n, grow_j, caps[j])
         # Freed slot number r (in slot order) takes the r-th regrown position (or n: unused).
         # A cumulative sum and a gather, computed from the data: no [capacity] constant that
         # XLA would build first and hold while the [n] arrays are alive (jnp.nonzero's).

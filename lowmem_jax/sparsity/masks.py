@@ -4,10 +4,13 @@ All functions are pure and jit-safe; counts may be traced ``int32`` scalars. Sel
 by ranking (a stable ``argsort``), so a selection of ``c`` elements has exactly ``c`` elements
 whenever at least ``c`` are eligible, ties broken by position: identical inputs give identical
 masks. The compressed-storage variants (:func:`smallest_slots`, :func:`top_positions`) select
-the same elements with a ``[capacity]`` sort or a ``lax.top_k`` instead of a dense sort.
+the same elements with a ``[capacity]`` sort or a radix select instead of a dense sort.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,10 @@ __all__ = [
     "smallest",
     "largest",
     "grow_score",
+    "grow_scale",
+    "grow_key",
+    "over_chunks",
+    "slicer",
     "top_positions",
     "smallest_slots",
     "allocate",
@@ -27,6 +34,8 @@ __all__ = [
 
 # Elements drawn per iteration by :func:`uniform_scores` (64 KiB of float32 per chunk).
 SCORE_CHUNK = 1 << 14
+# Elements per pass of :func:`top_positions`'s loops (128 KiB of int32 per chunk).
+SELECT_CHUNK = 1 << 15
 
 
 def _ranks(key: jax.Array) -> jax.Array:
@@ -62,27 +71,102 @@ def largest(
 
 def grow_score(eligible: jax.Array, score: jax.Array, prefer: jax.Array | None = None) -> jax.Array:
     """The float32 ranking key of :func:`largest`: ``|score|`` normalised by its eligible maximum,
-    plus 2 where ``prefer``. Shared by the dense ranking and the compressed ``lax.top_k`` path,
-    so both order positions identically (ties by position)."""
+    plus 2 where ``prefer``: ``grow_key(score, grow_scale(eligible, score), prefer)``, the same
+    arithmetic the compressed path applies chunk by chunk, so both order positions identically
+    (ties by position)."""
+    return grow_key(score, grow_scale(eligible, score), prefer)
+
+
+def grow_scale(eligible: jax.Array, score: jax.Array) -> jax.Array:
+    """float32 scalar: the largest eligible ``|score|`` (at least ``1e-30``)."""
     score = jnp.abs(score.astype(jnp.float32))
-    score = score / jnp.maximum(jnp.max(jnp.where(eligible, score, 0.0)), 1e-30)
-    if prefer is not None:
-        score = score + 2.0 * prefer
-    return score
+    return jnp.maximum(jnp.max(jnp.where(eligible, score, 0.0)), 1e-30)
 
 
-def top_positions(eligible: jax.Array, key: jax.Array, count: jax.Array, k: int) -> jax.Array:
-    """int32 ``[k]``: the positions of the ``count`` (``<= k``, traced) eligible entries with the
-    largest ``key``, ascending, padded with ``n = key.shape[0]``; ties by position, as
-    :func:`largest` (``lax.top_k`` returns the lower index first among equal values).
+def grow_key(score: jax.Array, scale: jax.Array, prefer: jax.Array | None = None) -> jax.Array:
+    """float32: ``|score| / scale``, plus 2 where ``prefer`` (elementwise, any slice of ``[n]``)."""
+    key = jnp.abs(score.astype(jnp.float32)) / scale
+    return key if prefer is None else key + 2.0 * prefer
 
-    ``lax.top_k`` with a static ``k`` avoids a full sort of the ``[n]`` keys (on XLA:CPU it is a
-    partial sort); only ``[k]`` arrays are produced.
+
+def _order_key(key: jax.Array) -> jax.Array:
+    """uint32, ordered as the float32 ``key`` is (the radix sort's key: negative floats' bits
+    inverted, non-negative ones' sign bit set; ``-0.0`` below ``0.0``, as ``lax.sort``)."""
+    bits = jax.lax.bitcast_convert_type(key.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def over_chunks(n: int, body, carry):
+    """``carry = body(start, size, carry)`` over ``[0, n)`` in chunks of :data:`SELECT_CHUNK`
+    (a ``fori_loop`` over the whole chunks, ``start`` traced, then the remainder), so that the
+    work on an ``[n]`` vector holds ``[chunk]`` temporaries, not ``[n]`` ones."""
+    whole, tail = divmod(n, SELECT_CHUNK)
+    if whole:
+        carry = jax.lax.fori_loop(
+            0, whole, lambda c, x: body(c * SELECT_CHUNK, SELECT_CHUNK, x), carry
+        )
+    return body(whole * SELECT_CHUNK, tail, carry) if tail else carry
+
+
+def top_positions(chunk: Callable, n: int, count: jax.Array, k: int) -> jax.Array:
+    """int32 ``[k]``: the positions of the ``min(count, k)`` (``count`` traced) eligible entries
+    of ``[0, n)`` with the largest key, ascending, padded with ``n``; ties by position, as
+    :func:`largest` and ``lax.top_k`` (the lower index first among equal values).
+
+    ``chunk(start, size)`` gives the bool eligibility and float key of positions ``[start,
+    start + size)`` (``start`` traced), so no ``[n]`` key need exist: the caller computes each
+    chunk from what it holds (:func:`grow_key` of a slice of the scores).
+
+    A radix select instead of a sort: 32 counting passes fix, one bit at a time from the top,
+    the ``count``-th largest key ``t`` (the largest ``t`` with ``#{eligible, key >= t} >=
+    count``); one more pass, in position order, takes the entries above ``t`` and the first
+    of those equal to it, writing their positions. Every pass runs over
+    :data:`SELECT_CHUNK`-sized chunks (:func:`over_chunks`), so the selection's temporaries
+    are ``O(chunk + k)`` whatever ``n``. (``lax.top_k`` of ``k`` keeps ``[n]`` key-index pairs
+    and a sort's scratch: XLA:GPU sorts, and XLA:CPU's partial sort allocates ``[n]`` indices
+    outside the buffers XLA counts.)
     """
-    n = key.shape[0]
-    vals, pos = jax.lax.top_k(jnp.where(eligible, key, -jnp.inf), k)
-    take = (jnp.arange(k, dtype=jnp.int32) < count) & (vals > -jnp.inf)
-    return jnp.sort(jnp.where(take, pos.astype(jnp.int32), jnp.int32(n)))
+    count = jnp.minimum(jnp.asarray(count, jnp.int32), k)
+
+    def ordered(start, size):
+        on, key = chunk(start, size)
+        return on, _order_key(key)
+
+    def threshold_bit(i, t):
+        candidate = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+
+        def at_least(start, size, total):
+            on, order = ordered(start, size)
+            return total + (on & (order >= candidate)).sum(dtype=jnp.int32)
+
+        return jnp.where(over_chunks(n, at_least, jnp.int32(0)) >= count, candidate, t)
+
+    t = jax.lax.fori_loop(0, 32, threshold_bit, jnp.uint32(0))
+
+    def above(start, size, total):
+        on, order = ordered(start, size)
+        return total + (on & (order > t)).sum(dtype=jnp.int32)
+
+    need = count - over_chunks(n, above, jnp.int32(0))  # taken among the entries equal to t
+
+    def write(start, size, carry):
+        out, written, tied_before = carry
+        on, order = ordered(start, size)
+        tied = on & (order == t)
+        tied_rank = jnp.cumsum(tied, dtype=jnp.int32) + tied_before
+        take = (on & (order > t)) | (tied & (tied_rank <= need))
+        slot = jnp.where(take, jnp.cumsum(take, dtype=jnp.int32) - 1 + written, k)
+        position = start + jnp.arange(size, dtype=jnp.int32)
+        out = out.at[slot].set(position, mode="drop")
+        return out, written + take.sum(dtype=jnp.int32), tied_rank[-1]
+
+    init = (jnp.full((k,), n, jnp.int32), jnp.int32(0), jnp.int32(0))
+    return over_chunks(n, write, init)[0]
+
+
+def slicer(start: jax.Array | int, size: int) -> Callable[[jax.Array], jax.Array]:
+    """``x -> x[start:start + size]`` along axis 0, ``start`` traced or not."""
+    return functools.partial(jax.lax.dynamic_slice_in_dim, start_index=start, slice_size=size)
 
 
 def smallest_slots(
