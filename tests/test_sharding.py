@@ -1,4 +1,4 @@
-"""Runs tests/sharding_cases.py and tests/grad_compression_cases.py in a process with 8 host
+"""Runs tests/sharding_cases.py and tests/grad_compression_cases.py in processes with 8 host
 devices (a device count is fixed when JAX starts, and the rest of the suite runs on one, as a
 user does)."""
 
@@ -9,14 +9,20 @@ import sys
 import pytest
 
 
+# Three processes of about equal length (the ZeRO-3 cases, the other sharding cases, the
+# compressed-gradient cases), so that the suite's workers run them side by side.
 @pytest.mark.slow
-def test_sharding_cases_pass_on_eight_host_devices(tmp_path):
+@pytest.mark.parametrize(
+    "cases, keyword",
+    [("sharding_cases.py", "zero3"), ("sharding_cases.py", "not zero3"),
+     ("grad_compression_cases.py", "")],
+)  # fmt: skip
+def test_cases_pass_on_eight_host_devices(tmp_path, cases, keyword):
     here = os.path.dirname(__file__)
     env = {**os.environ, "LOWMEM_TEST_DEVICES": "8"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         os.path.join(here, "sharding_cases.py"), os.path.join(here, "grad_compression_cases.py"),
-         "--basetemp", str(tmp_path / "cases")],
+         os.path.join(here, cases), "-k", keyword, "--basetemp", str(tmp_path / "cases")],
         env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here),
     )  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
