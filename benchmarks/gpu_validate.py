@@ -30,6 +30,7 @@ Usage::
 
     python benchmarks/gpu_validate.py --out-dir benchmarks/results            # both models
     python benchmarks/gpu_validate.py --out-dir /tmp/v --models wrn-28-2 --configs plain,baseline
+    python benchmarks/gpu_validate.py --out-dir /tmp/v --configs headline --jobs 8 --inspect
 
 Writes ``<out-dir>/validate_<backend>.{json,md,png}``; on a GPU, commit them as
 ``benchmarks/results/validate_gpu.*`` (the device is named inside).
@@ -53,7 +54,8 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from benchmarks import validate_results  # noqa: E402
 from benchmarks.validate_results import PLAIN  # noqa: E402
 
@@ -61,6 +63,34 @@ from benchmarks.validate_results import PLAIN  # noqa: E402
 MODELS = ("wrn-28-2", "dynamicconv-iwslt")
 _WORKER = "--worker"
 _RESULT_MARK = "GPU_VALIDATE_RESULT "
+
+
+# The README headline's rows per benchmark, with their CPU step costs (experiments/headline_cost.py)
+STEP_COST = os.path.join(ROOT, "experiments", "results", "envelope_accuracy", "step_cost.json")
+HEADLINE = "headline"
+
+
+def headline_names(model: str, path: str = STEP_COST) -> list[str]:
+    """``plain``, ``baseline`` and the README headline's rows of ``model`` (as ``step_cost.json``
+    lists them): what ``--configs headline`` measures.
+
+    Raises:
+      ValueError: the file is missing or has no headline row of ``model``.
+    """
+    try:
+        with open(path) as f:
+            cost = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the headline rows from {path}: {e}") from None
+    rows = [
+        row["name"]
+        for task, model_of_task in cost.get("model_of_task", {}).items()
+        if model_of_task == model
+        for row in cost["tasks"].get(task, [])
+    ]
+    if not rows:
+        raise ValueError(f"{path} has no headline row of {model}; name the configs instead")
+    return [PLAIN, "baseline", *rows]
 
 
 def grid_names(model: str, batch_size: int) -> list[str]:
@@ -209,7 +239,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         default="",
-        help="comma-separated config names (default: plain and the whole report grid)",
+        help="comma-separated config names (default: plain and the whole report grid), or "
+        f"'{HEADLINE}': plain, baseline and the README headline's rows of each model",
     )
     parser.add_argument(
         "--batch-size", type=int, default=None, help="default: 128 for wrn-*, 100 for dynamicconv-*"
@@ -266,7 +297,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_validate.py: error: --models: {e}", file=sys.stderr)
             return 2
         names = grid_names(model, work.batch_size)
-        wanted = [c for c in args.configs.split(",") if c] or names
+        try:
+            headline = headline_names(model) if args.configs == HEADLINE else None
+        except ValueError as e:
+            print(f"gpu_validate.py: error: --configs {HEADLINE}: {e}", file=sys.stderr)
+            return 2
+        wanted = headline or [c for c in args.configs.split(",") if c] or names
         unknown = [c for c in wanted if c not in names]
         if unknown:
             print(

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "time_source": "measured steps, XLA:" + study.environment()["backend"].upper(),
         "flops_source": "jaxpr count of the memory report's step",
+        "model_of_task": {task: TASKS[task][0] for task in REPORTS},
         "environment": study.environment(),
         "tasks": {task: measure_task(task, args.repeats) for task in REPORTS},
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -82,6 +83,7 @@ def test_a_config_that_fails_is_recorded_and_the_run_goes_on(gpu_validate, tmp_p
         (["--configs", "remat nonsense"], "unknown --configs ['remat nonsense'] for wrn-10-1"),
         (["--models", "resnet-50"], "--models: Unknown model='resnet-50'"),
         (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--configs", "headline"], "step_cost.json has no headline row of wrn-10-1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, match):
@@ -92,6 +94,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, match):
     assert proc.returncode == 2, proc.stderr
     assert match in proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
+
+
+def test_headline_configs_are_the_readme_headline_rows_of_each_model(gpu_validate):
+    """``--configs headline``: plain, baseline and the rows the README headline shows (the
+    committed step_cost.json lists them), every one a row of the model's grid."""
+    from experiments.envelope_accuracy import headline_table
+
+    readme_rows = set(re.findall(r"\| `([^`]+)` \|", headline_table()))
+    for model, batch_size in (("wrn-28-2", 128), ("dynamicconv-iwslt", 100)):
+        names = gpu_validate.headline_names(model)
+        assert names[:2] == ["plain", "baseline"] and len(names) >= 4
+        assert set(names[2:]) <= readme_rows
+        assert set(names) <= set(gpu_validate.grid_names(model, batch_size))
+    shown = {n for m in ("wrn-28-2", "dynamicconv-iwslt") for n in gpu_validate.headline_names(m)}
+    assert readme_rows <= shown
 
 
 def test_help_names_the_output():
