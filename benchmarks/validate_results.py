@@ -159,7 +159,7 @@ def write(result, plans, rows, stem: str, *, plot_too: bool) -> None:
 
 def merge(runs: list[dict[str, Any]], notes: list[str], command: str) -> dict[str, Any]:
     """Runs of :mod:`gpu_validate` on one device as one result; each section keeps its run's
-    ``plain``, ratios and command (``made_by``, ``jobs``).
+    ``plain``, ratios and command (``made_by``, ``jobs``); a merged file may be one of the runs.
 
     Raises:
       ValueError: the runs name different devices, backends or JAX versions.
@@ -169,10 +169,13 @@ def merge(runs: list[dict[str, Any]], notes: list[str], command: str) -> dict[st
     if differing:
         raise ValueError(f"the runs differ in {differing}: merge runs of one device only")
     result = {k: runs[0].get(k) for k in keys}
-    result.update(command=command, jobs=None, notes=notes, models=[])
+    # A merged file merges again: its sections keep their commands and its notes come first.
+    earlier = [note for run in runs for note in run.get("notes", [])]
+    result.update(command=command, jobs=None, notes=earlier + notes, models=[])
     for run in runs:
         for model in run["models"]:
-            result["models"].append({**model, "made_by": run["command"], "jobs": run["jobs"]})
+            made = {"made_by": run["command"], "jobs": run["jobs"]}
+            result["models"].append({**made, **model})
     return result
 
 

@@ -165,13 +165,15 @@ def test_the_gpu_figures_quoted_are_the_committed_run_s():
 
 def test_the_headline_run_s_figures_quoted_are_its_own():
     # benchmarks/results/validate_gpu_headline.*: both benchmarks' headline rows on one H200;
-    # validate_gpu_headline_75c2b49.*: the earlier headline run, kept for its act and state rows.
+    # validate_gpu_headline_a8ab060.*: the run before the radix select, kept for its static-mask
+    # and state rows; validate_gpu_headline_75c2b49.*: the first, kept for its act rows.
     root = BENCHMARKS.parent
     tables = load_benchmark("validate_results")
     compare = load_benchmark("backend_compare")
     reports = [json.loads((root / p).read_text()) for p in compare.REPORTS]
     runs = {}
-    for stem in ("validate_gpu_headline", "validate_gpu_headline_75c2b49"):
+    for stem in ("validate_gpu_headline", "validate_gpu_headline_a8ab060",
+                 "validate_gpu_headline_75c2b49"):  # fmt: skip
         run = json.loads((root / f"benchmarks/results/{stem}.json").read_text())
         assert "H200" in run["device"] and run["backend"] == "gpu"
         assert all(m["configs"][0]["name"] == "plain" and "made_by" in m for m in run["models"])
@@ -180,6 +182,7 @@ def test_the_headline_run_s_figures_quoted_are_its_own():
         assert vs_cpu["models"] == json.loads(json.dumps(compare.compare(run, reports)))
         runs[stem] = run["models"]
     wrn, dc = runs["validate_gpu_headline"]
+    _, dc_before = runs["validate_gpu_headline_a8ab060"]
     earlier_wrn, _, dc_act = runs["validate_gpu_headline_75c2b49"]
 
     def row(model, name):
@@ -202,17 +205,18 @@ def test_the_headline_run_s_figures_quoted_are_its_own():
             f"in-envelope {x(wrn, inside)} and {x(dc, dc_inside)}") in readme  # fmt: skip
     measured = " ".join((root / "docs/measured.md").read_text().split())
     runtime = "reduction_runtime_vs_plain"
+    assert row(wrn, best)[runtime] is None  # initialisation set that process's peak
     for quoted in (
         f"any-envelope row is {mib(wrn, best)} MiB (**{x(wrn, best)}**",
         f"in-envelope row {mib(wrn, inside)} MiB (**{x(wrn, inside)}**",
         f"plain {mib(wrn, 'plain', 'peak')} MiB, in-envelope {mib(wrn, inside, 'peak')} "
-        f"({x(wrn, inside, runtime)}), any-envelope {mib(wrn, best, 'peak')} "
-        f"({x(wrn, best, runtime)})",
+        f"({x(wrn, inside, runtime)}); the any-envelope row's process peaked at "
+        f"{mib(wrn, best, 'peak')} MiB during initialisation",
         f"compiles to {mib(dc, 'plain')} MiB on XLA:GPU",
         f"is {mib(dc, dc_best)} MiB (**{x(dc, dc_best)}**",
         f"runtime peak {mib(dc, dc_best, 'peak')} of {mib(dc, 'plain', 'peak')} MiB, "
         f"{x(dc, dc_best, runtime)})",
-        f"static 70% mask {mib(dc, dc_static)} MiB ({x(dc, dc_static)}",
+        f"static 70% mask {mib(dc_before, dc_static)} MiB ({x(dc_before, dc_static)}",
         f"in-envelope row {mib(dc, dc_inside)} MiB (**{x(dc, dc_inside)}**",
         f"`act int8` {mib(earlier_wrn, 'act int8')} MiB and `act int2` "
         f"{mib(earlier_wrn, 'act int2')} ({x(earlier_wrn, 'act int8')[:-1]}x and "
@@ -307,6 +311,13 @@ def test_merged_runs_keep_each_section_s_own_plain_and_command(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "Made by: `run 1` (4 configurations at once" in md and "\nwhy\n" in md
     assert out.with_suffix(".png").stat().st_size > 0
+    # Merged again with a later run: the earlier sections keep their commands and notes.
+    again = tmp_path / "again"
+    assert tables.main(["--out", str(again), "--note", "later", str(out.with_suffix(".json")),
+                        runs[0]]) == 0  # fmt: skip
+    merged_again = json.loads(again.with_suffix(".json").read_text())
+    assert [m["made_by"] for m in merged_again["models"]] == ["run 0", "run 1", "run 0"]
+    assert merged_again["notes"] == ["why", "later"]
     other = json.loads(open(runs[1]).read())
     other["device"] = "H100"
     (tmp_path / "r1.json").write_text(json.dumps(other))
