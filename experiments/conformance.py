@@ -74,7 +74,7 @@ def techniques(block: str) -> dict[str, dict]:
         "state int8": {"optimizer_state": "int8"},
         "state int4": {"optimizer_state": "int4"},
         "factorize tucker": {"factorize": lm.FactorConfig()},
-        "mixed_fp16 + mb 2 + remat + int8": {
+        "mixed_fp16 + microbatches 2 + remat + int8": {
             "precision": "mixed_fp16",
             "microbatches": 2,
             "optimizer_state": "int8",

@@ -29,9 +29,8 @@ def plot_considered(result: BudgetPlan, path: str) -> None:
             color="C3" if chosen else ("C2" if y * MIB <= result.budget_bytes else "C0"),
         )
         label = " ".join(c["argv"][4:]) or "no technique"
-        for flag, short in (("--precision ", ""), ("--microbatches ", "mb "),
-                            ("--optimizer-state ", "state "), ("--sparsity ", "sparse "),
-                            ("--", "")):  # fmt: skip
+        for flag, short in (("--precision ", ""), ("--optimizer-state ", "state "),
+                            ("--sparsity ", "sparse "), ("--", "")):  # fmt: skip
             label = label.replace(flag, short)
         ax.annotate(label, (x, y), fontsize=6, xytext=(4, -2), textcoords="offset points")
     ax.axhline(result.budget_bytes / MIB, color="k", lw=0.8, ls="--", label="budget")

@@ -235,5 +235,5 @@ def plan_of(point: dict[str, Any]) -> Plan:
 
 def plan_name(plan: Plan) -> str:
     """A plan's short name: each technique's label in the registry's order
-    (``"fp16 + mb 4 + remat full"``)."""
+    (``"fp16 + microbatches 4 + remat full"``)."""
     return " + ".join(label for t in TECHNIQUES if (label := t.label(plan)) is not None)

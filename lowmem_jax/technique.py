@@ -208,7 +208,7 @@ class Technique:
       fields: the ``Plan`` fields it owns (:class:`PlanField`; ``Plan`` is made of them).
       validate: ``validate(plan)`` raises ``ValueError`` naming the field and the allowed
         values; called by ``Plan`` on construction.
-      label: ``label(plan) -> text | None``: its part of a plan's short name (``"mb 4"``),
+      label: ``label(plan) -> text | None``: its part of a plan's short name (``"microbatches 4"``),
         ``None`` where it is off.
       envelope, axis: see :class:`EnvelopeRule`, :class:`Axis`; required (``None`` says
         "no limit" / "not searched", a decision each technique states, not a default).

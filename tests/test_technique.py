@@ -64,6 +64,14 @@ def test_every_axis_value_gives_a_plan_its_flags_give_back(t):
             assert t.label(plan) in plan_name(plan)
 
 
+def test_a_plan_s_microbatch_count_reads_as_its_flag():
+    """``microbatches 4`` in a plan's name is ``--microbatches 4``, a count; a report row's
+    ``mb k`` (k examples per microbatch) is another thing and never appears in a plan's name."""
+    plan = lm.Plan(microbatches=4, remat="full")
+    assert plan_name(plan) == "fp32 + microbatches 4 + remat full"
+    assert "--microbatches 4" in " ".join(analyze_argv("wrn-28-2", BATCH, plan))
+
+
 @pytest.mark.parametrize("envelope", sorted(ENVELOPES))
 @pytest.mark.parametrize("t", [t for t in TECHNIQUES if t.envelope is not None],
                          ids=lambda t: t.name)  # fmt: skip

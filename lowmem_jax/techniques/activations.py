@@ -83,7 +83,7 @@ TECHNIQUE = Technique(
     # -> 42.5 MiB, ResNet-18 6.9 -> 7.0). Not in the default space: the analytic count (the
     # compressed residuals, not their float transients) predicts fits that XLA does not
     # confirm; on WRN-10-1 b16 at 3 MiB (any) it cost 6 more compiles, 3.5x the time, and
-    # answered a lossier plan (bf16 + act int4 + mb 4 instead of fp32 + mb 8).
+    # answered a lossier plan (bf16 + act int4 + microbatches 4 instead of fp32 + microbatches 8).
     axis=Axis(
         "activations",
         compression_lib.FORMATS,

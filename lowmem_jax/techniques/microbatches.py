@@ -58,7 +58,8 @@ TECHNIQUE = Technique(
         ),
     ),
     validate=lambda plan: microbatch_lib.check_num_microbatches(plan.microbatches),
-    label=lambda plan: f"mb {plan.microbatches}" if plan.microbatches > 1 else None,
+    # As the flag reads (--microbatches 4: a count); a report row's "mb k" is k examples each.
+    label=lambda plan: f"microbatches {plan.microbatches}" if plan.microbatches > 1 else None,
     wrap_grad_fn=_accumulate,
     # The report kept accuracy down to microbatches of about 8 examples (BatchNorm statistics
     # per microbatch); applied to every model, which is conservative for those without it.
