@@ -69,6 +69,8 @@ def measure_task(task: str, repeats: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default: 5)")
+    parser.add_argument("--note", default="", help="a paragraph kept in the file (the machine, "
+                        "what changed since the last measurement)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.repeats < 1:
         print(f"headline_cost.py: error: --repeats must be >= 1, got {args.repeats}",
@@ -76,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = {
         "command": "python experiments/headline_cost.py"
-        + ("" if args.repeats == 5 else f" --repeats {args.repeats}"),
+        + ("" if args.repeats == 5 else f" --repeats {args.repeats}")
+        + (" --note ..." if args.note else ""),  # the note is in the file itself
+        **({"note": args.note} if args.note else {}),
         "repeats": args.repeats,
         "time_source": "measured steps, XLA:" + study.environment()["backend"].upper(),
         "flops_source": "jaxpr count of the memory report's step",

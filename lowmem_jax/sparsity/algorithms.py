@@ -204,9 +204,11 @@ def rewire_compressed(
     second runs each layer whole: pruning on the ``[capacity]`` slots (DSR: the compare again;
     the others: one ``[capacity]`` sort keyed by ``(|w|, position)``, :func:`~.masks.smallest`'s
     order), regrowth on the dense positions (an int8 ``[n]`` map of the survivors and old
-    non-zeros, and the float32 ``[n]`` scores, the random ones drawn exactly as :func:`rewire`
-    draws them, ranked by :func:`~.masks.grow_score` chunk by chunk in
-    :func:`~.masks.top_positions`), and the new slots (survivors keep theirs, regrown weights
+    non-zeros, and the scores: RigL's dense gradient, SNFS's momentum densified; DSR's and
+    SET's random ones, the numbers :func:`rewire` draws, drawn per chunk where the chunk is
+    ranked, :func:`~.masks.uniform_part`, so no ``[n]`` of them exists; ranked by
+    :func:`~.masks.grow_score` chunk by chunk in :func:`~.masks.top_positions`), and the new
+    slots (survivors keep theirs, regrown weights
     fill the freed ones in order). Each layer's pass is one ``lax.cond`` whose predicate reads
     the previous layer's new slots: a conditional runs as one unit once its predicate is known,
     so one layer's temporaries are alive at a time (an ``optimization_barrier`` chain does not
@@ -266,25 +268,31 @@ def rewire_compressed(
             .at[idx]
             .set(jnp.where(surv, 2, 1).astype(jnp.int8), mode="drop")
         )
-        if algorithm == "rigl":
-            score = source
-        elif algorithm == "snfs":
-            score = dense(j, source, idx)
-        else:
-            score = masks_lib.uniform_scores(source, n)
+        # Random regrowth draws each chunk's scores where the chunk is ranked (no [n] scores).
+        score_part = masks_lib.uniform_part(source, n) if algorithm in ("dsr", "set") else None
+        if score_part is None:
+            if algorithm == "rigl":
+                score = source
+            elif algorithm == "snfs":
+                score = dense(j, source, idx)
+            else:
+                score = masks_lib.uniform_scores(source, n)
+
+            def score_part(start, size, score=score):
+                return masks_lib.slicer(start, size)(score)
 
         # Regrowth's key (grow_score: eligible where code < 2, preferred where 0) is made chunk
-        # by chunk inside the selection's loops: no [n] key or mask beside `score` and `code`.
+        # by chunk inside the selection's loops: no [n] key or mask beside the scores and `code`.
         def scale_part(start, size, largest):
-            part = masks_lib.slicer(start, size)
-            return jnp.maximum(largest, masks_lib.grow_scale(part(code) < 2, part(score)))
+            on = masks_lib.slicer(start, size)(code) < 2
+            return jnp.maximum(largest, masks_lib.grow_scale(on, score_part(start, size)))
 
         scale = masks_lib.over_chunks(n, scale_part, jnp.float32(1e-30))
 
         def chunk(start, size):
-            part = masks_lib.slicer(start, size)
-            c = part(code)
-            return c < 2, masks_lib.grow_key(part(score), scale, (c == 0) if zeros_first else None)
+            c = masks_lib.slicer(start, size)(code)
+            prefer = (c == 0) if zeros_first else None
+            return c < 2, masks_lib.grow_key(score_part(start, size), scale, prefer)
 
         grown = masks_lib.top_positions(chunk, n, grow_j, caps[j])
         # Freed slot number r (in slot order) takes the r-th regrown position (or n: unused).

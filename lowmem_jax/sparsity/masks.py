@@ -29,6 +29,7 @@ __all__ = [
     "allocate",
     "greedy_fill",
     "top_k_mask",
+    "uniform_part",
     "uniform_scores",
 ]
 
@@ -216,34 +217,52 @@ def allocate(total: jax.Array, weights: jax.Array, room: jax.Array) -> jax.Array
     return greedy_fill(share, room, total - share.sum())
 
 
-def uniform_scores(key: jax.Array, n: int, chunk: int = SCORE_CHUNK) -> jax.Array:
-    """float32 ``[n]``, bit for bit ``jax.random.uniform(key, (n,))`` (random regrowth's scores),
-    drawn ``chunk`` elements at a time.
+def uniform_part(key: jax.Array, n: int) -> Callable[[jax.Array | int, int], jax.Array] | None:
+    """``part(start, size)``: float32 ``[size]``, bit for bit ``jax.random.uniform(key, (n,))[start:
+    start + size]`` (``start`` traced), drawn without the other ``n - size`` elements; ``None``
+    where the key's scheme is not JAX's partitionable threefry (then only the whole draw,
+    :func:`uniform_scores`, gives the same numbers).
 
-    With JAX's partitionable threefry counters (the default), element ``i`` is
-    ``threefry2x32(key, (0, i))``, its two words xor-ed, its top 23 bits as the mantissa of a
-    float in ``[1, 2)``, minus 1. Drawn whole, XLA:CPU runs the hash as a loop whose carries are
-    ``[n]`` words (several dense copies of the largest layer alive at once); drawn in chunks,
-    only ``[chunk]`` ones. Other key implementations or counter schemes use
-    ``jax.random.uniform`` itself (the same numbers, whole).
+    With partitionable threefry counters (JAX's default), element ``i`` is ``threefry2x32(key,
+    (0, i))``, its two words xor-ed, its top 23 bits as the mantissa of a float in ``[1, 2)``,
+    minus 1: any slice can be drawn alone, so random regrowth never needs its ``[n]`` scores.
     """
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     impl = str(jax.random.key_impl(key)) if typed else "threefry2x32"
-    if not jax.config.jax_threefry_partitionable or "threefry" not in impl or n <= chunk:
-        return jax.random.uniform(key, (n,))
+    if not jax.config.jax_threefry_partitionable or "threefry" not in impl:
+        return None
     words = jax.random.key_data(key) if typed else key
     k1, k2 = words[0], words[1]
 
-    def draw(i, out):
-        # The last chunk ends at n (overlapping its predecessor: same indices, same numbers).
-        start = jnp.minimum(i * chunk, n - chunk).astype(jnp.uint32)
-        counts = start + jnp.arange(chunk, dtype=jnp.uint32)
+    def part(start: jax.Array | int, size: int) -> jax.Array:
+        counts = jnp.asarray(start).astype(jnp.uint32) + jnp.arange(size, dtype=jnp.uint32)
         bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
         mantissa = ((bits1 ^ bits2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000)
-        floats = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0)
-        return jax.lax.dynamic_update_slice(out, floats, (start.astype(jnp.int32),))
+        return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0)
+
+    return part
+
+
+def uniform_scores(key: jax.Array, n: int, chunk: int = SCORE_CHUNK) -> jax.Array:
+    """float32 ``[n]``, bit for bit ``jax.random.uniform(key, (n,))`` (random regrowth's scores),
+    drawn ``chunk`` elements at a time by :func:`uniform_part`.
+
+    Drawn whole, XLA:CPU runs the hash as a loop whose carries are ``[n]`` words (several dense
+    copies of the largest layer alive at once); drawn in chunks, only ``[chunk]`` ones. Other
+    key implementations or counter schemes use ``jax.random.uniform`` itself (the same numbers,
+    whole).
+    """
+    part = uniform_part(key, n)
+    if part is None or n <= chunk:
+        return jax.random.uniform(key, (n,))
+
+    def draw(i, out):
+        # The last chunk ends at n (overlapping its predecessor: same indices, same numbers).
+        start = jnp.minimum(i * chunk, n - chunk)
+        return jax.lax.dynamic_update_slice(out, part(start, chunk), (start,))
 
     # A zero computed from the key: XLA may not create the [n] buffer before the key exists,
-    # so a caller that sequences layers (rewire_compressed) holds one layer's buffer at a time.
-    zero = k1.astype(jnp.float32) * jnp.float32(0.0)
+    # so a caller that sequences layers holds one layer's buffer at a time.
+    words = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    zero = words[0].astype(jnp.float32) * jnp.float32(0.0)
     return jax.lax.fori_loop(0, -(-n // chunk), draw, jnp.broadcast_to(zero, (n,)))
