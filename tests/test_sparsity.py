@@ -560,6 +560,7 @@ def test_any_slice_of_the_uniform_scores_is_drawn_alone(n, typed):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want[start : start + size])
     # Another key scheme: no slice is drawn alone (callers draw the whole vector).
     assert masks_lib.uniform_part(jax.random.key(0, impl="rbg"), n) is None
+    assert masks_lib.uniform_part(key, 1 << 32) is None  # the counters' high word is not 0
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU buffer assignment")

@@ -220,8 +220,8 @@ def allocate(total: jax.Array, weights: jax.Array, room: jax.Array) -> jax.Array
 def uniform_part(key: jax.Array, n: int) -> Callable[[jax.Array | int, int], jax.Array] | None:
     """``part(start, size)``: float32 ``[size]``, bit for bit ``jax.random.uniform(key, (n,))[start:
     start + size]`` (``start`` traced), drawn without the other ``n - size`` elements; ``None``
-    where the key's scheme is not JAX's partitionable threefry (then only the whole draw,
-    :func:`uniform_scores`, gives the same numbers).
+    where the key's scheme is not JAX's partitionable threefry or ``n >= 2**32`` (then only the
+    whole draw, :func:`uniform_scores`, gives the same numbers).
 
     With partitionable threefry counters (JAX's default), element ``i`` is ``threefry2x32(key,
     (0, i))``, its two words xor-ed, its top 23 bits as the mantissa of a float in ``[1, 2)``,
@@ -229,7 +229,8 @@ def uniform_part(key: jax.Array, n: int) -> Callable[[jax.Array | int, int], jax
     """
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     impl = str(jax.random.key_impl(key)) if typed else "threefry2x32"
-    if not jax.config.jax_threefry_partitionable or "threefry" not in impl:
+    # Past 2^32 elements the counters' high word is not 0: drawn whole there.
+    if not jax.config.jax_threefry_partitionable or "threefry" not in impl or n >= 1 << 32:
         return None
     words = jax.random.key_data(key) if typed else key
     k1, k2 = words[0], words[1]
