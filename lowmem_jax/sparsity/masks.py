@@ -262,8 +262,7 @@ def uniform_scores(key: jax.Array, n: int, chunk: int = SCORE_CHUNK) -> jax.Arra
         start = jnp.minimum(i * chunk, n - chunk)
         return jax.lax.dynamic_update_slice(out, part(start, chunk), (start,))
 
-    # A zero computed from the key: XLA may not create the [n] buffer before the key exists,
-    # so a caller that sequences layers holds one layer's buffer at a time.
-    words = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-    zero = words[0].astype(jnp.float32) * jnp.float32(0.0)
+    # A zero computed from the key (0 x a number in [0, 1)): XLA may not create the [n] buffer
+    # before the key exists, so a caller that sequences layers holds one layer's at a time.
+    zero = part(0, 1)[0] * jnp.float32(0.0)
     return jax.lax.fori_loop(0, -(-n // chunk), draw, jnp.broadcast_to(zero, (n,)))
