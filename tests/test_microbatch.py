@@ -36,15 +36,17 @@ def test_mean_of_microbatch_grads_equals_full_batch(k):
 )
 def test_accumulation_equals_full_batch_property(microbatch_size, k, seed):
     grad_fn, params, state, batch = _setup(MLP(), microbatch_size * k, seed)
-    full, _, _ = grad_fn(params, state, batch, None)
-    acc, _, _ = lm.accumulate_gradients(grad_fn, k)(params, state, batch, None)
+    # Jitted: two programs per example instead of one per operation and shape.
+    full, _, _ = jax.jit(grad_fn)(params, state, batch, None)
+    acc, _, _ = jax.jit(lm.accumulate_gradients(grad_fn, k))(params, state, batch, None)
     assert_trees_close(acc, full, rtol=1e-4, atol=1e-6)
 
 
 def test_batchnorm_semantics_per_microbatch_stats_and_ordered_running_averages():
     k = 4
     grad_fn, params, state, batch = _setup(BNNet(momentum=0.8), 16)
-    acc, acc_state, _ = lm.accumulate_gradients(grad_fn, k)(params, state, batch, None)
+    acc, acc_state, _ = jax.jit(lm.accumulate_gradients(grad_fn, k))(params, state, batch, None)
+    grad_fn = jax.jit(grad_fn)  # the references: one program per batch shape
 
     # Reference: k ordinary steps over consecutive slices, threading the running averages.
     ref_grads, ref_state = [], state

@@ -11,6 +11,11 @@ from hypothesis import strategies as st
 
 from lowmem_jax import quantization as q
 
+# The property tests' quantize and dequantize jitted: one program per shape, not one per
+# operation and shape (what the optimizer step runs is jitted too).
+_quantize = jax.jit(q.quantize, static_argnums=(1, 2), static_argnames=("block_size", "rank1"))
+_dequantize = jax.jit(q.dequantize)
+
 
 def test_dynamic_map_is_bitsandbytes_create_dynamic_map():
     signed, unsigned = q.dynamic_map(True), q.dynamic_map(False)
@@ -44,7 +49,7 @@ def _neighbours(book, v):
 
 
 def _check_blockwise(x, book_name, bits, block_size):
-    qx = q.quantize(jnp.asarray(x), book_name, bits, block_size=block_size)
+    qx = _quantize(jnp.asarray(x), book_name, bits, block_size=block_size)
     book = q.code_book(book_name, bits)
     n = x.size
     nb = -(-n // block_size)
@@ -52,7 +57,7 @@ def _check_blockwise(x, book_name, bits, block_size):
     np.testing.assert_array_equal(np.asarray(qx.scales), np.abs(blocks).max(axis=1))
     assert qx.codes.dtype == jnp.uint8
     assert qx.codes.shape == ((nb * block_size) // (8 // bits),)
-    y = np.asarray(q.dequantize(qx))
+    y = np.asarray(_dequantize(qx))
     assert y.shape == x.shape
     s = np.repeat(np.asarray(qx.scales), block_size)[:n]
     v = np.where(s > 0, x.reshape(-1) / np.where(s > 0, s, 1), 0)
@@ -115,7 +120,7 @@ def test_blockwise_any_shape_not_divisible_by_the_block(shape, block_size, bits,
 def test_rank1_scales_are_per_axis_maxima_and_bound_every_element(shape, seed):
     x = np.random.default_rng(seed).exponential(size=shape).astype(np.float32) ** 2
     x[tuple(0 for _ in shape)] = 0.0  # an exact zero: the zero-free map rounds it up
-    qx = q.quantize(jnp.asarray(x), "linear", 4, rank1=True)
+    qx = _quantize(jnp.asarray(x), "linear", 4, rank1=True)
     assert qx.meta.block_size == 0 and len(qx.scales) == len(shape)
     for axis, m in enumerate(qx.scales):
         others = tuple(a for a in range(x.ndim) if a != axis)
@@ -126,7 +131,7 @@ def test_rank1_scales_are_per_axis_maxima_and_bound_every_element(shape, seed):
         view[axis] = shape[axis]
         s = np.minimum(s, np.asarray(m).reshape(view))
     assert np.all(x <= s)
-    y = np.asarray(q.dequantize(qx))
+    y = np.asarray(_dequantize(qx))
     assert qx.codes.shape == (-(-x.size // 2),)  # two 4-bit codes a byte
     # Zero-free linear map: every value decodes to between s/16 and s, within s/32 of x.
     assert np.all(y >= s / 16 * (1 - 1e-6)) and np.all(y <= s * (1 + 1e-6))

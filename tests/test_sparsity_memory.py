@@ -53,10 +53,12 @@ def test_compressed_dsr_rewiring_temporaries_stay_within_the_dense_step():
 def test_blockwise_densification_keeps_one_blocks_dense_weights():
     """With remat, each scanned block builds its dense weights from the compressed ones inside
     its checkpoint (``CompressedStack``), so the backward pass rebuilds them instead of keeping
-    every block's: the step's temporaries fall (0.20 of the dense fp16 weights here, XLA:CPU;
+    every block's: the step's temporaries fall (by 2.3x the dense fp16 weights here, XLA:CPU;
     the WRN-28-2 b128 report row falls from 13.6 to 9.4 MiB)."""
+    # A static mask: densification is the same for every algorithm, and without a rewiring
+    # to compile the two steps compile in a third of the time.
     cfg = sparsity.SparseConfig(
-        algorithm="dsr", density=0.1, distribution="uniform", compressed=True
+        algorithm="static", density=0.1, distribution="uniform", compressed=True
     )
     plan = dataclasses.replace(PLAN, sparsity=cfg)
     setup = build(workload("wrn-16-2", BATCH, image_size=IMAGE), plan)

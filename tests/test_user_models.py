@@ -124,7 +124,9 @@ def _batch(digits, size=32):
 # --- the composed step trains ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("api, norm", MODELS)
+# The other two models train in the README's examples (tests/test_readme.py): Linen with
+# BatchNorm under this very plan, NNX with LayerNorm (mixed bf16, remat, sparse).
+@pytest.mark.parametrize("api, norm", [("linen", "layer"), ("nnx", "batch")])
 def test_the_composed_step_trains_on_digits(api, norm, digits):
     plan = lm.Plan(
         precision="mixed_fp16", microbatches=2, remat="full", remat_blocks=BLOCK[api]
