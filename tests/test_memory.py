@@ -182,7 +182,8 @@ def test_analyze_cli_rejects_bad_options(argv, capsys):
 
 @pytest.mark.slow
 def test_report_writes_tables_and_plots(tmp_path):
-    wanted = ("plain", "baseline", "microbatch 4", "fp16 + mb 2 + remat full + sparse 90%")
+    # A static mask: compressed storage without a rewiring to compile (a third of the time).
+    wanted = ("plain", "baseline", "microbatch 4", "fp16 + mb 2 + remat full + static sparse 70%")
     grid = [g for g in standard_grid(8) if g[0] in wanted]
     assert [g[0] for g in grid] == list(wanted)
     assert grid[0][2] is None  # plain: no plan
@@ -207,9 +208,10 @@ def test_report_writes_tables_and_plots(tmp_path):
     for r in rows.values():  # the same total, two denominators
         plain, base = rows["plain"]["xla"]["total_bytes"], rows["baseline"]["xla"]["total_bytes"]
         assert r["reduction_xla_vs_plain"] == pytest.approx(r["reduction_xla"] * plain / base)
-    sparse = rows["fp16 + mb 2 + remat full + sparse 90%"]
+    sparse = rows[wanted[-1]]
     assert sparse["config"]["sparsity"]["storage"] == "compressed"
-    assert sparse["analytic"]["model_bytes"] < 0.2 * rows["baseline"]["analytic"]["model_bytes"]
+    # 30% of the weights in float16 with int32 indices: under half the float32 dense bytes.
+    assert sparse["analytic"]["model_bytes"] < 0.5 * rows["baseline"]["analytic"]["model_bytes"]
     best = result["best"]
     assert best["reduction_xla"] == max(r["reduction_xla"] for r in rows.values())
     assert best["reduction_xla_vs_plain"] == rows[best["name"]]["reduction_xla_vs_plain"]
