@@ -204,9 +204,13 @@ def test_snfs_shares_regrowth_by_mean_momentum():
 
 @pytest.mark.parametrize("regrow_pool", ["not_kept", "zeros_first"])
 @pytest.mark.parametrize("algorithm", ["set", "rigl", "snfs", "dsr"])
-def test_compressed_rewire_selects_what_the_dense_rewire_selects(algorithm, regrow_pool):
+def test_compressed_rewire_selects_what_the_dense_rewire_selects(
+    monkeypatch, algorithm, regrow_pool
+):
     """Slots in scrambled order with unused ones, many ties (broken by position in both), and a
-    layer too dense to regrow only at old zeros."""
+    layer too dense to regrow only at old zeros; the selection's windows of 16 positions, so
+    that each layer (60, 90, 40 positions) takes several and a part of one."""
+    monkeypatch.setattr(masks_lib, "SELECT_CHUNK", 16)
     rng = np.random.default_rng(3)
     sizes, caps = (60, 90, 40), (20, 30, 36)
     weights, masks, moms, values, indices, moms_c, grads = [], [], [], [], [], [], []
