@@ -179,6 +179,15 @@ class _PlanMethods:
                 options.update(technique.compiler_options(self))
         return options
 
+    def compile_cost(self) -> float:
+        """About how many times longer the step takes to trace and compile than with no
+        technique: the product of the registered techniques' ``compile_cost`` factors."""
+        cost = 1.0
+        for technique in TECHNIQUES:
+            if technique.compile_cost is not None:
+                cost *= technique.compile_cost(self)
+        return cost
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able description, ``loss_scale`` resolved: the fields with a flag, then the
         other settings, then each config (a value with ``describe()``, e.g.

@@ -95,7 +95,8 @@ def run_report(
         return report, time.perf_counter() - t0
 
     todo = [(name, plan) for name, _, plan in grid if not (reuse and name in reuse)]
-    rows, seconds = [], []
+    weights = {name: 1.0 if plan is None else plan.compile_cost() for name, plan in todo}
+    rows, done = [], 0.0
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         pending = {name: pool.submit(analyzed, plan) for name, plan in todo}
@@ -106,10 +107,11 @@ def run_report(
                 continue
             report, took = pending.pop(name).result()
             rows.append({"name": name, "group": group, "argv": argv, **report})
-            seconds.append(took)
+            done += weights[name]
             if progress:
                 elapsed = time.perf_counter() - start
-                left = len(pending) * elapsed / len(seconds)  # at the pace so far
+                # At the pace so far, each row weighed by its plan's compile cost.
+                left = sum(weights[n] for n in pending) * elapsed / done
                 progress(
                     f"[{i:2d}/{len(grid)}] {name:34s} XLA total "
                     f"{report['xla']['total_bytes'] / MIB:8.1f} MiB  analytic "

@@ -234,6 +234,9 @@ class Technique:
       compiler_options: XLA options the jitted step needs.
       took_effect: ``took_effect(evidence, plan) -> Verdict | None``: whether the setting
         changed the step (``None`` where the technique is off); :func:`lowmem_jax.verdicts`.
+      compile_cost: ``compile_cost(plan) -> factor``: about how many times longer the step
+        takes to trace and compile with the setting than without it (measured on XLA:CPU);
+        ``lowmem report``'s estimate of the time left weighs its rows by the product.
     """
 
     name: str
@@ -253,3 +256,4 @@ class Technique:
     wrap_step: Callable[[Callable, Any], Callable] | None = None
     compiler_options: Callable[[Any], dict[str, str]] | None = None
     took_effect: Callable[[Evidence, Any], Verdict | None] | None = None
+    compile_cost: Callable[[Any], float] | None = None

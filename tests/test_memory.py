@@ -228,6 +228,41 @@ def test_report_writes_tables_and_plots(tmp_path):
     assert "| microbatch 4 |" in text and f"`lowmem analyze {' '.join(best['argv'])}`" in text
 
 
+def test_the_time_left_weighs_each_row_by_its_plan_s_compile_cost(monkeypatch):
+    """Rows whose steps compile longer (dynamic sparsity's rewiring) count for more in the
+    estimate: with analyses that take exactly their plan's cost, the estimate is exact."""
+    import threading
+    import types
+
+    from lowmem_jax import report as report_lib
+    from lowmem_jax.sparsity import report_sparsity
+
+    now, turn = [0.0], threading.Semaphore(1)  # one analysis per line printed, in order
+
+    def analyze(model, batch_size, plan, seq_len):
+        turn.acquire()
+        now[0] += 1.0 if plan is None else plan.compile_cost()
+        config = {"plain": True} if plan is None else plan.to_dict()
+        figures = {"total_bytes": 100, "source": "test"}
+        return types.SimpleNamespace(to_dict=lambda: {
+            "xla": figures, "analytic": figures, "flops": 1.0,
+            "config": {"batch_size": batch_size, **config},
+        })  # fmt: skip
+
+    monkeypatch.setattr(report_lib, "analyze_model", analyze)
+    monkeypatch.setattr(report_lib, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    dsr = lm.Plan(sparsity=report_sparsity(0.7))
+    static = lm.Plan(sparsity=dataclasses.replace(dsr.sparsity, algorithm="static"))
+    assert dsr.compile_cost() == 3.5 and static.compile_cost() == lm.Plan().compile_cost() == 1
+    grid = [("plain", "plain", None), ("baseline", "baseline", lm.Plan()),
+            ("dsr", "sparsity", dsr), ("static", "sparsity", static),
+            ("dsr 2", "sparsity", dsr)]  # fmt: skip
+    lines: list[str] = []
+    run_report("wrn-10-1", 8, grid=grid, progress=lambda line: (lines.append(line), turn.release()))
+    left = [float(line.split("~")[1].split("s left")[0]) for line in lines]
+    assert left == [9, 8, 4, 4, 0]  # 1 + 3.5 + 1 + 3.5, then 3.5 + 1 + 3.5, ...: rounded
+
+
 def test_the_envelope_is_the_technical_reports_safe_region():
     from lowmem_jax.report import in_envelope
 

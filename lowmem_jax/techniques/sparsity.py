@@ -174,4 +174,7 @@ TECHNIQUE = Technique(
         corner="last",
     ),
     took_effect=_took_effect,
+    # The rewiring compiles per sparse layer: WRN-28-2's dynamic-sparse report rows took 39-52 s
+    # to analyse cold, the others 10-25 (benchmarks/results/report_time.md).
+    compile_cost=lambda plan: 3.5 if plan.sparsity is not None and plan.sparsity.dynamic else 1.0,
 )
