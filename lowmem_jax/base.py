@@ -197,9 +197,9 @@ def differentiated_loss(
             params = opt.materialize(stored, opt_state, blockwise=True)
             if not reads_lazy_leaves(loss_fn, params, model_state, batch, rng):
                 warnings.warn(
-                    "the model maps over a parameter's leading axis (nn.scan, nnx.scan, vmap), "
-                    "so its compressed sparse weights are densified before it runs, all at once "
-                    "(not inside each block, even under remat)",
+                    "the model slices a parameter's arrays (nnx.scan, jax.vmap), so its "
+                    "compressed sparse weights are densified before it runs, all at once (not "
+                    "inside each block, even under remat)",
                     stacklevel=2,
                 )
                 params = densify_lazy_leaves(params)
@@ -221,9 +221,9 @@ def densify_lazy_leaves(params: PyTree) -> PyTree:
 def reads_lazy_leaves(loss_fn: LossFn, params: PyTree, *args: Any) -> bool:
     """Whether ``loss_fn(params, *args)`` traces with ``params``' :class:`LazyLeaf` leaves as
     they are (abstractly: nothing runs). ``True`` when there are none. A model that maps over
-    a leaf's leading axis (``nn.scan``, ``nnx.scan``, ``vmap``) slices the compressed arrays
-    instead of the dense weights and fails here: it then gets them dense, as before the model
-    is called."""
+    a leaf's leading axis by slicing its arrays (``nnx.scan``, ``jax.vmap``; Linen's ``nn.scan``
+    asks the leaf for its blocks instead) slices the compressed arrays instead of the dense
+    weights and fails here: it then gets them dense, as before the model is called."""
     if not any(_is_lazy(x) for x in jax.tree.leaves(params, is_leaf=_is_lazy)):
         return True
     try:

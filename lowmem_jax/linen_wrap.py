@@ -1,6 +1,7 @@
 """A user's Linen model with another ``__call__``, without edits to its code: what
 :func:`lowmem_jax.remat.remat_module` and :func:`lowmem_jax.factorization.factorize_module` do
 to a Linen model (each ``call`` runs the model's own ``__call__`` under ``nn.intercept_methods``).
+:func:`swap_calls` is the same for an NNX model's submodules (remat, :mod:`lowmem_jax.lazy_layers`).
 
 :func:`with_call` makes an instance of a subclass of the model's class, with the model's fields
 and ``call`` as its ``__call__`` (``isinstance`` still holds; parameters keep their names).
@@ -17,7 +18,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-__all__ = ["fields", "with_call", "traced_init"]
+__all__ = ["fields", "with_call", "swap_calls", "traced_init"]
 
 
 def fields(module: nn.Module) -> dict[str, Any]:
@@ -48,6 +49,20 @@ def with_call(module: nn.Module, call: Callable[..., Any], key: Hashable) -> nn.
 
 
 _SUBCLASSES: dict[tuple[type, Hashable], type] = {}
+
+
+def swap_calls(modules: Iterable[Any], make_call: Callable[[type], Callable[..., Any]]) -> None:
+    """Swaps the class of each NNX module in ``modules`` (in place) for a subclass whose
+    ``__call__`` is ``make_call(cls)`` (made once per class, with the same name, module and
+    qualified name), so ``nnx.split`` / ``nnx.merge`` keep the new call and ``isinstance``
+    still holds."""
+    swapped: dict[type, type] = {}
+    for module in modules:
+        cls = type(module)
+        if cls not in swapped:
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            swapped[cls] = type(cls.__name__, (cls,), {"__call__": make_call(cls), **namespace})
+        module.__class__ = swapped[cls]
 
 
 def traced_init(

@@ -64,6 +64,8 @@ __all__ = [
     "POLICY_NAMES",
     "compiler_options",
     "remat_module",
+    "checkpointed_call",
+    "INSIDE_BLOCK",
     "tagged_names",
     "check_saved_names",
     "SCHEDULE_POLICIES",
@@ -216,20 +218,20 @@ def stack_policies(
 
 # Set while a block's call runs under its checkpoint, so that a block inside a block is not
 # wrapped again.
-_INSIDE_BLOCK = contextvars.ContextVar("lowmem_remat_inside_block", default=False)
+INSIDE_BLOCK = contextvars.ContextVar("lowmem_remat_inside_block", default=False)
 
 
-def _checkpointed_call(lifted_remat, module, cls: type, args: tuple, kwargs: dict, policy) -> Any:
+def checkpointed_call(lifted_remat, module, cls: type, args: tuple, kwargs: dict, policy) -> Any:
     """``cls.__call__(module, *args, **kwargs)`` under Flax's lifted remat (``nn.remat`` or
     ``nnx.remat``: parameters and collections keep their structure); keyword arguments are
     closed over (static flags such as ``train``), positional ones traced."""
 
     def body(mdl, *positional):
-        token = _INSIDE_BLOCK.set(True)
+        token = INSIDE_BLOCK.set(True)
         try:
             return cls.__call__(mdl, *positional, **kwargs)
         finally:
-            _INSIDE_BLOCK.reset(token)
+            INSIDE_BLOCK.reset(token)
 
     return lifted_remat(body, policy=policy)(module, *args)
 
@@ -288,7 +290,7 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
             found = blocks_lib.linen_blocks(cls, fields, tuple(self.scope.rngs), args, kwargs)
             if not found:
                 warnings.warn(blocks_lib.no_blocks_warning(cls.__name__, spec.name), stacklevel=2)
-                return _checkpointed_call(nn.remat, self, cls, args, kwargs, spec.policy)
+                return checkpointed_call(nn.remat, self, cls, args, kwargs, spec.policy)
             return _call_with_blocks(self, cls, found, spec.policy, args, kwargs)
 
     elif names:
@@ -299,7 +301,7 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
     else:
 
         def call(self, *args, **kwargs):
-            return _checkpointed_call(nn.remat, self, cls, args, kwargs, spec.policy)
+            return checkpointed_call(nn.remat, self, cls, args, kwargs, spec.policy)
 
     # a policy name parses to the same policy; a RematSpec given is keyed by its policy object
     key = remat if isinstance(remat, str) else spec
@@ -317,10 +319,10 @@ def _call_with_blocks(module, cls: type, names: tuple[str, ...], policy, args, k
         if (
             context.method_name != "__call__"
             or type(target).__name__ not in names
-            or _INSIDE_BLOCK.get()
+            or INSIDE_BLOCK.get()
         ):
             return next_fun(*a, **k)
-        return _checkpointed_call(nn.remat, target, type(target), a, k, policy)
+        return checkpointed_call(nn.remat, target, type(target), a, k, policy)
 
     with nn.intercept_methods(interceptor):
         out = cls.__call__(module, *args, **kwargs)
@@ -341,28 +343,21 @@ def _remat_nnx_module(module: nnx.Module, policy, names: tuple[str, ...]) -> nnx
     """An ``nnx.clone`` of ``module`` whose submodules of the classes in ``names`` (or, for
     ``names=()``, the module itself) run ``__call__`` under ``nnx.remat``.
 
-    The instances' classes are swapped for subclasses, so ``nnx.split`` / ``nnx.merge`` keep
-    the checkpointing and ``isinstance`` still holds."""
+    The instances' classes are swapped for subclasses (:func:`lowmem_jax.linen_wrap.swap_calls`)."""
     module = nnx.clone(module)
     submodules = [s for path, s in nnx.iter_graph(module) if path and isinstance(s, nnx.Module)]
     _check_block_names(names, type(module).__name__, {type(s).__name__ for s in submodules}, "has")
     targets = [s for s in submodules if type(s).__name__ in names] if names else [module]
-    swapped: dict[type, type] = {}
-    for sub in targets:
-        cls = type(sub)
-        if cls not in swapped:
 
-            def call(self, *args, _cls=cls, **kwargs):
-                if _INSIDE_BLOCK.get():
-                    return _cls.__call__(self, *args, **kwargs)
-                return _checkpointed_call(nnx.remat, self, _cls, args, kwargs, policy)
+    def make_call(cls):
+        def call(self, *args, **kwargs):
+            if INSIDE_BLOCK.get():
+                return cls.__call__(self, *args, **kwargs)
+            return checkpointed_call(nnx.remat, self, cls, args, kwargs, policy)
 
-            swapped[cls] = type(
-                cls.__name__,
-                (cls,),
-                {"__call__": call, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
-            )
-        sub.__class__ = swapped[cls]
+        return call
+
+    linen_wrap.swap_calls(targets, make_call)
     return module
 
 

@@ -113,18 +113,17 @@ def test_the_docs_quote_the_committed_conformance_table():
     held = {(m, r): sparse(m, r) for m in result["models"] for r in conformance.SPARSE_ROWS}
     alone, with_remat = conformance.SPARSE_ROWS
     holds = {(m, r) for (m, r), (ok, _, _) in held.items() if ok}
-    expected = {(m, r) for m in ("linen_resnet", "nnx_cnn") for r in (with_remat, alone)}
-    assert holds == expected | {("gpt2", with_remat), ("linen_lm_scan", with_remat)}, holds
-    _, temp, limit = held["gpt2", with_remat]
-    quoted = [f"GPT-2 (temp {temp:.1f} MiB, limit {limit:.1f})"]
-    quoted += [f"{name} ({held[m, r][1]:.1f}, {held[m, r][2]:.1f})"
-               for name, m, r in (("ResNet-18", "linen_resnet", with_remat),
-                                  ("the Linen scan LM", "linen_lm_scan", with_remat),
-                                  ("NNX CNN", "nnx_cnn", with_remat),
-                                  ("ResNet-18", "linen_resnet", alone))]  # fmt: skip
-    quoted += [f"{held[m, r][1]:.1f} against {held[m, r][2]:.1f}"
-               for m, r in (("nnx_scan", with_remat), ("gpt2", alone),
-                            ("linen_lm_scan", alone), ("nnx_scan", alone))]  # fmt: skip
+    others = ("gpt2", "linen_resnet", "linen_lm_scan", "nnx_cnn")
+    assert holds == {(m, r) for m in others for r in (with_remat, alone)}, holds
+    names = {"gpt2": "GPT-2", "linen_resnet": "ResNet-18", "linen_lm_scan": "the Linen scan LM",
+             "nnx_cnn": "the NNX CNN"}  # fmt: skip
+    quoted = []
+    for r, gpt2 in ((with_remat, "GPT-2 (temp {:.1f} MiB, limit {:.1f})"),
+                    (alone, "GPT-2 ({:.1f}, {:.1f})")):  # fmt: skip
+        quoted.append(gpt2.format(*held["gpt2", r][1:]))
+        quoted += [f"{names[m]} ({held[m, r][1]:.1f}, {held[m, r][2]:.1f})" for m in others[1:]]
+    quoted += [f"({held['nnx_scan', r][1]:.1f} against {held['nnx_scan', r][2]:.1f})"
+               for r in (with_remat, alone)]  # fmt: skip
     assert all(q in your_model for q in quoted), quoted
     totals = []
     for model in ("linen_resnet", "linen_lm_scan", "nnx_scan", "nnx_cnn"):

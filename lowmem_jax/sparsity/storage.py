@@ -50,6 +50,7 @@ __all__ = [
     "CompressedStorage",
     "CompressedStack",
     "CompressedLeaf",
+    "CompressedBlock",
     "MASKED",
     "COMPRESSED",
 ]
@@ -275,9 +276,10 @@ class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
     backward pass scatters again instead of keeping the dense weights from the forward pass; its
     gradient w.r.t. ``values`` is a gather.
 
-    A transform that maps over the leaf's leading axis (``nn.scan``) cannot slice it: adding or
-    removing an axis raises (:func:`lowmem_jax.base.reads_lazy_leaves` then gives the model dense
-    weights)."""
+    A Linen transform that maps over the leaf's leading axis (``nn.scan``, ``nn.vmap``) gets a
+    :class:`CompressedBlock` per block (:meth:`remove_axis`); one that slices the arrays
+    themselves (``nnx.scan``) fails, and :func:`lowmem_jax.base.reads_lazy_leaves` then gives
+    the model dense weights."""
 
     @property
     def ndim(self) -> int:
@@ -300,9 +302,66 @@ class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
         return val
 
     def add_axis(self, index, params):
-        raise ValueError("a compressed sparse leaf cannot be stacked or sliced by a transform")
+        raise ValueError("a compressed sparse leaf cannot be stacked by a transform")
 
-    remove_axis = add_axis
+    def remove_axis(self, index, params):
+        """What a transform that maps over the leading axis (``nn.scan``, ``nn.vmap``) slices:
+        a :class:`CompressedBlock` per block, the compressed arrays closed over."""
+        if index != 0:
+            raise ValueError(f"a compressed sparse leaf is sliced on axis 0 only, not {index}")
+        return CompressedBlock(jnp.arange(self.shape[0], dtype=jnp.int32), self, self.shape)
+
+
+@jax.tree_util.register_pytree_node_class
+class CompressedBlock(LazyLeaf, meta.AxisMetadata):
+    """Block ``index`` of a :class:`CompressedLeaf` of stacked blocks (``stack``), as a
+    transform that maps over the leaf's leading axis hands it to each block: the only child is
+    ``index`` (``[L]`` outside the transform, which slices it to a scalar), and the stack's
+    compressed arrays are closed over (aux data, compared by identity). Densified like
+    :meth:`CompressedStack.block` where the layer reads it, O(capacity) per block."""
+
+    def __init__(self, index: jax.Array, stack: CompressedLeaf, stack_shape: tuple[int, ...]):
+        self.index, self.stack, self.stack_shape = index, stack, tuple(stack_shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack_shape[jnp.ndim(self.index) == 0 :]
+
+    @property
+    def dtype(self):
+        return self.stack.values.dtype
+
+    def tree_flatten(self):
+        return (self.index,), (self.stack, self.stack_shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def dense(self) -> jax.Array:
+        if jnp.ndim(self.index) != 0:  # restacked by the transform: every block
+            return self.stack.dense()
+        return CompressedStack(self.stack.values, self.stack.indices, self.stack_shape).block(
+            self.index
+        )
+
+    def unbox(self) -> jax.Array:
+        return self.dense()
+
+    def __jax_array__(self) -> jax.Array:
+        return self.dense()
+
+    def __getitem__(self, index) -> jax.Array:
+        return self.dense()[index]
+
+    def replace_boxed(self, val: jax.Array) -> jax.Array:
+        return val
+
+    def add_axis(self, index, params):
+        return self  # the transform stacked ``index`` back
+
+    def remove_axis(self, index, params):
+        raise ValueError("a block of a compressed sparse leaf cannot be sliced again")
 
 
 MASKED = MaskedStorage()

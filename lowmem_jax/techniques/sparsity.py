@@ -6,7 +6,8 @@ import argparse
 
 import jax
 
-from lowmem_jax import scanned_blocks
+from lowmem_jax import lazy_layers, scanned_blocks
+from lowmem_jax import remat as remat_lib
 from lowmem_jax.sparsity import (
     ALGORITHMS,
     DISTRIBUTIONS,
@@ -37,6 +38,25 @@ def _sparse_training(opt, plan, params):
     if params is None:
         raise ValueError("a plan with sparsity needs params in wrap_optimizer(tx, params)")
     return sparse_training(opt, plan.sparsity, params, stacked=scanned_blocks.in_stack)
+
+
+def _densifies_per_layer(plan) -> bool:
+    """Compressed storage without remat: each layer that reads compressed weights runs under its
+    own checkpoint (:mod:`lowmem_jax.lazy_layers`); under remat the blocks rebuild them."""
+    return (
+        plan.sparsity is not None
+        and plan.sparsity.compressed
+        and not remat_lib.parse_policy(plan.remat).enabled
+    )
+
+
+def _configure_model(model, plan):
+    return lazy_layers.checkpoint_lazy_layers(model) if _densifies_per_layer(plan) else model
+
+
+def _compiler_options(plan) -> dict[str, str]:
+    """The per-layer checkpoints' XLA option (remat's: keep recomputations apart on CPU)."""
+    return remat_lib.compiler_options("full") if _densifies_per_layer(plan) else {}
 
 
 def _add_flags(parser: argparse.ArgumentParser, base) -> None:
@@ -133,12 +153,15 @@ def _took_effect(evidence, plan):
         opt = opt.inner
     leaves = opt.layout.leaves if isinstance(opt, SparseTraining) else ()
     stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(evidence.state.params))
-    return Verdict(
-        "sparsity",
-        bool(leaves),
+    text = (
         f"{len(leaves)} weight leaves at {plan.sparsity.density:.0%} density, stored "
-        f"{plan.sparsity.storage.name}: parameters {stored / 2**20:.2f} MiB",
+        f"{plan.sparsity.storage.name}: parameters {stored / 2**20:.2f} MiB"
     )
+    if _densifies_per_layer(plan):
+        names = ("remat2", "checkpoint")
+        layers = sum(1 for eqn, _ in evidence.equations() if eqn.primitive.name in names)
+        text += f", {layers} layers densified inside checkpoints of their own"
+    return Verdict("sparsity", bool(leaves), text)
 
 
 TECHNIQUE = Technique(
@@ -161,7 +184,9 @@ TECHNIQUE = Technique(
         argv=_argv,
         given=lambda args: ["--sparsity"] if args.sparsity else [],
     ),
+    configure_model=_configure_model,
     wrap_optimizer=_sparse_training,
+    compiler_options=_compiler_options,
     # DSR kept WRN-28-2 within 0.3 points of dense up to 70-80% sparsity (Mostafa & Wang).
     envelope=EnvelopeRule("max_sparsity", {"report": 0.7, "any": 0.99}, _outside),
     # A fraction of zeros: 0 is dense, else the report's sparse training (DSR, compressed).
