@@ -68,11 +68,7 @@ def build(name: str, model_name: str, batch_size: int, sparsity_level: float):
         "label": jnp.asarray(rng.integers(0, 10, size=batch_size), jnp.int32),
     }
     dense_plan = lm.Plan()  # fp32, 1 microbatch, no remat
-    model = dense_plan.configure_model(workload(model_name).model)
-    variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(batch["image"][:2])
-    model_state = {"batch_stats": variables["batch_stats"]}
     tx = optax.sgd(0.1, momentum=0.9, nesterov=True)
-    loss_fn = lm.classifier_loss_fn(model)
     plan = dense_plan
     if CONFIGS[name] is not None:
         storage, algorithm, distribution = CONFIGS[name]
@@ -84,6 +80,12 @@ def build(name: str, model_name: str, batch_size: int, sparsity_level: float):
             compressed=storage == "compressed",
         )
         plan = dataclasses.replace(dense_plan, sparsity=cfg)
+    # The plan configures the model (compressed storage: each layer densified inside its own
+    # checkpoint); the parameters are the same for every config.
+    model = plan.configure_model(workload(model_name).model)
+    variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(batch["image"][:2])
+    model_state = {"batch_stats": variables["batch_stats"]}
+    loss_fn = lm.classifier_loss_fn(model)
     tx = plan.wrap_optimizer(tx, variables["params"])
     state = lm.TrainState.create(
         params=variables["params"], model_state=model_state, tx=tx, plan=plan
