@@ -325,7 +325,7 @@ class CompressedBlock(LazyLeaf, meta.AxisMetadata):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.stack_shape[jnp.ndim(self.index) == 0 :]
+        return self.stack_shape[1:] if jnp.ndim(self.index) == 0 else self.stack_shape
 
     @property
     def dtype(self):
