@@ -81,6 +81,13 @@ class LazyLeaf:
         """The dense ``[*shape]`` weights."""
         raise NotImplementedError
 
+    def sliceable(self) -> LazyLeaf | None:
+        """The same weights as a leaf whose array children all have the dense leading axis
+        ``shape[0]``, so a transform that slices a parameter's arrays (``nnx.scan``,
+        ``jax.vmap``, ``jax.lax.scan``) hands each iteration its block; ``None`` where there is
+        no such form."""
+        return None
+
 
 class Optimizer:
     """An optax-protocol transformation that owns the stored form of the parameters.
@@ -195,15 +202,18 @@ def differentiated_loss(
 
         def loss(stored, model_state, batch, rng):  # the dense weights exist per microbatch
             params = opt.materialize(stored, opt_state, blockwise=True)
-            if not reads_lazy_leaves(loss_fn, params, model_state, batch, rng):
+            args = (model_state, batch, rng)
+            if not reads_lazy_leaves(loss_fn, params, *args):
+                params = sliceable_lazy_leaves(params)
+            if not reads_lazy_leaves(loss_fn, params, *args):
                 warnings.warn(
-                    "the model slices a parameter's arrays (nnx.scan, jax.vmap), so its "
-                    "compressed sparse weights are densified before it runs, all at once (not "
-                    "inside each block, even under remat)",
+                    "the model cannot read its compressed sparse weights where its layers use "
+                    "them, so they are densified before it runs, all at once (not inside each "
+                    "block, even under remat)",
                     stacklevel=2,
                 )
                 params = densify_lazy_leaves(params)
-            return loss_fn(params, model_state, batch, rng)
+            return loss_fn(params, *args)
 
         return loss, params
     return loss_fn, opt.materialize(params, opt_state)
@@ -218,12 +228,23 @@ def densify_lazy_leaves(params: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x.dense() if _is_lazy(x) else x, params, is_leaf=_is_lazy)
 
 
+def sliceable_lazy_leaves(params: PyTree) -> PyTree:
+    """``params`` with every :class:`LazyLeaf` that has a :meth:`LazyLeaf.sliceable` form
+    replaced by it."""
+
+    def sliceable(x):
+        return (x.sliceable() or x) if _is_lazy(x) else x
+
+    return jax.tree.map(sliceable, params, is_leaf=_is_lazy)
+
+
 def reads_lazy_leaves(loss_fn: LossFn, params: PyTree, *args: Any) -> bool:
     """Whether ``loss_fn(params, *args)`` traces with ``params``' :class:`LazyLeaf` leaves as
     they are (abstractly: nothing runs). ``True`` when there are none. A model that maps over
     a leaf's leading axis by slicing its arrays (``nnx.scan``, ``jax.vmap``; Linen's ``nn.scan``
     asks the leaf for its blocks instead) slices the compressed arrays instead of the dense
-    weights and fails here: it then gets them dense, as before the model is called."""
+    weights and fails here: it then gets their :meth:`LazyLeaf.sliceable` forms
+    (:func:`sliceable_lazy_leaves`), or, failing that too, dense weights."""
     if not any(_is_lazy(x) for x in jax.tree.leaves(params, is_leaf=_is_lazy)):
         return True
     try:

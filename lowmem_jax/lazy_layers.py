@@ -14,11 +14,9 @@ reads, so a dense or convolution layer's output is not computed twice, only its 
 A layer called inside a block that :func:`lowmem_jax.remat.remat_module` already checkpoints is
 left as it is (the block's backward pass rebuilds it). On XLA:CPU the checkpoints need
 :func:`lowmem_jax.remat.compiler_options`, or CSE merges each recomputation into the forward
-pass. Inside Linen's ``nn.scan`` a layer reads its block of a stacked leaf
-(:class:`~lowmem_jax.sparsity.storage.CompressedBlock`) and is checkpointed the same way; a
-model that slices a parameter's arrays itself (``nnx.scan``) gets its weights dense before it
-runs (:func:`lowmem_jax.base.reads_lazy_leaves`): no layer of it reads a lazy leaf, and nothing
-changes.
+pass. Inside a loop over stacked blocks (Linen's ``nn.scan``, ``nnx.scan``) a layer reads its
+block of a stacked leaf (:class:`~lowmem_jax.sparsity.storage.CompressedBlock`) and is
+checkpointed the same way.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ pytest puts ``tests/`` on ``sys.path`` (no package), so test modules import thes
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import pathlib
 import tempfile
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import settings
 
 from lowmem_jax.metrics_writer import read_jsonl, read_scalars
@@ -228,3 +231,19 @@ def assert_tensorboard_matches_jsonl(directory):
     records = read_jsonl(os.path.join(directory, "metrics.jsonl"))
     assert records, "no records"
     assert read_scalars(str(directory)) == expected_scalars(records)
+
+
+def unnamed_stacks(figures, tx, monkeypatch):
+    """``(figures(sliced), figures(dense))`` for a compressed sparse optimizer ``tx`` not told
+    which leaves are stacked: the step hands the model's loop the leaves' ``sliceable`` forms
+    (no warning), or, without those, dense weights built before the model runs (a warning)."""
+    from lowmem_jax.sparsity import storage
+
+    unnamed = dataclasses.replace(tx, stacked=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sliced = figures(unnamed)
+    monkeypatch.setattr(storage.CompressedLeaf, "sliceable", lambda self: None)
+    with pytest.warns(UserWarning, match="densified before it runs"):
+        dense = figures(unnamed)
+    return sliced, dense

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FAST_COMPILE, OPTIMIZERS, tiny_params
+from conftest import FAST_COMPILE, OPTIMIZERS, tiny_params, unnamed_stacks
 
 import lowmem_jax as lm
 from lowmem_jax import sparsity
@@ -675,7 +675,7 @@ def test_compressed_stack_blocks_are_the_dense_leaf_sliced():
 
 
 @pytest.mark.slow
-def test_blockwise_stacks_give_the_gradients_of_the_dense_materialization():
+def test_blockwise_stacks_give_the_gradients_of_the_dense_materialization(monkeypatch):
     """Under remat the step's loss reads the scanned stacks' compressed weights block by block;
     its gradient w.r.t. the stored values equals the one through the whole dense
     materialization (without remat the stacks are densified whole: ``CompressedStack.dense``,
@@ -696,10 +696,10 @@ def test_blockwise_stacks_give_the_gradients_of_the_dense_materialization():
         return jax.jit(jax.grad(lambda p: loss(p, state.model_state, batch, rng)[0]))(wrt)
 
     blockwise = grads(setup.tx)
-    # Not told which leaves are stacked, the step hands the scan lazy leaves it cannot slice:
-    # it falls back to dense weights built before the model runs, and says so.
-    with pytest.warns(UserWarning, match="densified before it runs"):
-        whole = grads(dataclasses.replace(setup.tx, stacked=None))
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), blockwise, whole
-    )
+    # Not told which leaves are stacked, the step hands the scan the leaves' sliceable forms
+    # (CompressedBlock); without those, dense weights built before the model runs, and says so.
+    sliced, whole = unnamed_stacks(grads, setup.tx, monkeypatch)
+    for other in (sliced, whole):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), blockwise, other
+        )

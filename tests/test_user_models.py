@@ -424,8 +424,8 @@ def test_repeated_blocks_are_the_outermost_composite_classes_run_twice():
 
 
 class ScannedBlock(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.linear = nnx.Linear(8, 8, rngs=rngs)
+    def __init__(self, rngs: nnx.Rngs, width: int = 8):
+        self.linear = nnx.Linear(width, width, rngs=rngs)
         self.dropout = nnx.Dropout(0.5, rngs=rngs)
 
     def __call__(self, x):
@@ -436,14 +436,14 @@ class ScanOverLayers(nnx.Module):
     """The canonical NNX pattern: layers created with nnx.vmap over split RNG streams (a key per
     layer), applied with nnx.scan."""
 
-    def __init__(self, layers: int, rngs: nnx.Rngs):
+    def __init__(self, layers: int, rngs: nnx.Rngs, width: int = 8):
         @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs):
-            return ScannedBlock(rngs)
+            return ScannedBlock(rngs, width)
 
         self.blocks = create(rngs)
-        self.head = nnx.Linear(8, 2, rngs=rngs)
+        self.head = nnx.Linear(width, 2, rngs=rngs)
 
     def __call__(self, x):
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
@@ -591,35 +591,49 @@ class LinenScanNet(nn.Module):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU buffer assignment")
+@pytest.mark.parametrize("api", ["linen", "nnx"])
 @pytest.mark.parametrize("remat", ["none", "full"])
-def test_nn_scan_reads_one_blocks_compressed_weights_per_iteration(remat, monkeypatch):
-    """``nn.scan`` slices a compressed leaf's ``CompressedBlock`` (the compressed arrays closed
-    over) instead of dense weights built before the model (the dense fallback, as before):
-    no warning, the same gradient, and temp lower by at least two of the four blocks' dense
-    kernels (each iteration densifies its block inside its layer's or block's checkpoint)."""
+def test_a_layer_loop_reads_one_blocks_compressed_weights_per_iteration(api, remat, monkeypatch):
+    """A loop over stacked blocks reads its block of each compressed leaf per iteration
+    (``CompressedBlock``, the compressed arrays closed over): Linen's ``nn.scan`` asks the leaf
+    for it (``remove_axis``); ``nnx.scan`` slices the arrays of its state itself, so the step
+    hands it the leaf's ``sliceable`` form. Against dense weights built before the model runs
+    (the fallback, once the only way for both): no warning, the same gradient, and temp lower
+    by at least two of the four blocks' dense kernels (each iteration densifies its block
+    inside its layer's or block's checkpoint)."""
     from lowmem_jax.base import differentiated_loss
     from lowmem_jax.sparsity import storage
 
     sparse = lm.sparsity.SparseConfig(
         algorithm="static", density=0.2, distribution="uniform", compressed=True
     )
-    plan = lm.Plan(remat=remat, remat_blocks=("ScannedDense",) if remat != "none" else (),
+    block = {"linen": "ScannedDense", "nnx": "ScannedBlock"}[api]
+    plan = lm.Plan(remat=remat, remat_blocks=(block,) if remat != "none" else (),
                    sparsity=sparse)  # fmt: skip
-    model = plan.configure_model(LinenScanNet())
-    batch = {"x": jax.random.normal(jax.random.key(1), (64, 16)), "y": jnp.arange(64) % 2}
-    params = model.init(jax.random.key(0), batch["x"])["params"]
+    x = jax.random.normal(jax.random.key(1), (64, 16 if api == "linen" else 128))
+    batch = {"x": x, "y": jnp.arange(64) % 2}
+    if api == "linen":
+        model = plan.configure_model(LinenScanNet())
+        params, model_state = model.init(jax.random.key(0), x)["params"], {}
 
-    tx = plan.wrap_optimizer(optax.sgd(0.1), params)
-    state = lm.TrainState.create(params=params, tx=tx, plan=plan, model_state={})
-
-    def figures():
-        def loss_fn(p, model_state, b, rng):  # traced anew (eval_shape caches per function)
+        def loss_fn(p, model_state, b, rng):
             logits = model.apply({"params": p}, b["x"])
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
             return loss, (model_state, {})
+    else:
+        split = lm.split_nnx(plan.configure_model(ScanOverLayers(4, nnx.Rngs(0), width=128)),
+                             _scan_loss)  # fmt: skip
+        params, model_state, loss_fn = split.params, split.model_state, split.loss_fn
+    tx = plan.wrap_optimizer(optax.sgd(0.1), params)
+    state = lm.TrainState.create(params=params, tx=tx, plan=plan, model_state=model_state)
 
-        loss, wrt = differentiated_loss(loss_fn, tx, state.params, state.opt_state)
-        grad = jax.jit(jax.grad(lambda p: loss(p, {}, batch, None)[0]))
+    def figures():
+        def fresh(*args):  # traced anew (eval_shape caches per function)
+            return loss_fn(*args)
+
+        loss, wrt = differentiated_loss(fresh, tx, state.params, state.opt_state)
+        rng = jax.random.key(2)
+        grad = jax.jit(jax.grad(lambda p: loss(p, model_state, batch, rng)[0]))
         compiled = grad.lower(wrt).compile(plan.compiler_options())
         return compiled.memory_analysis().temp_size_in_bytes, compiled(wrt)
 
@@ -628,9 +642,10 @@ def test_nn_scan_reads_one_blocks_compressed_weights_per_iteration(remat, monkey
         temp, grads = figures()
 
     def sliced(self, index, params):
-        raise ValueError("sliced")  # as before: the scan cannot take the leaf
+        raise ValueError("sliced")  # as before: the loop cannot take the leaf
 
     monkeypatch.setattr(storage.CompressedLeaf, "remove_axis", sliced)
+    monkeypatch.setattr(storage.CompressedLeaf, "sliceable", lambda self: None)
     with pytest.warns(UserWarning, match="densified before it runs"):
         fallback_temp, fallback_grads = figures()
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),

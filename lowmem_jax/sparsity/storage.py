@@ -278,8 +278,8 @@ class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
 
     A Linen transform that maps over the leaf's leading axis (``nn.scan``, ``nn.vmap``) gets a
     :class:`CompressedBlock` per block (:meth:`remove_axis`); one that slices the arrays
-    themselves (``nnx.scan``) fails, and :func:`lowmem_jax.base.reads_lazy_leaves` then gives
-    the model dense weights."""
+    themselves (``nnx.scan``, ``jax.lax.scan``) fails on this leaf, and the step then hands the
+    model :meth:`sliceable` forms instead (:func:`lowmem_jax.base.differentiated_loss`)."""
 
     @property
     def ndim(self) -> int:
@@ -309,6 +309,11 @@ class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
         a :class:`CompressedBlock` per block, the compressed arrays closed over."""
         if index != 0:
             raise ValueError(f"a compressed sparse leaf is sliced on axis 0 only, not {index}")
+        return self.sliceable()
+
+    def sliceable(self) -> CompressedBlock:
+        """Every block at once: a :class:`CompressedBlock` whose only child, the block index
+        ``[L]``, is what a transform that slices the arrays (``nnx.scan``) slices."""
         return CompressedBlock(jnp.arange(self.shape[0], dtype=jnp.int32), self, self.shape)
 
 
