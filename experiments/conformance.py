@@ -84,14 +84,27 @@ def techniques(block: str) -> dict[str, dict]:
 
 
 def run_cell(model: str, fields: dict, optimizer: str) -> dict:
-    """One cell: ``status`` (ok / refused / error), figures, verdicts."""
+    """One cell: ``status`` (ok / refused / error), figures, verdicts, and the warnings the
+    library gave while building, tracing and compiling it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cell = _run_cell(model, fields, optimizer)
+    if cell["status"] not in ("refused", "error"):
+        cell["warnings"] = sorted({str(w.message).splitlines()[0] for w in caught})
+        mine = {str(w.message).splitlines()[0] for w in caught if _LIBRARY in w.filename}
+        cell["library_warnings"] = sorted(mine)
+    return cell
+
+
+_LIBRARY = os.path.dirname(lm.__file__)
+
+
+def _run_cell(model: str, fields: dict, optimizer: str) -> dict:
     workload, _, _ = MODELS[model]
     started = time.perf_counter()
     try:  # the library's checks: a plan the model cannot take is refused here, in one line
         plan = lm.Plan(**fields)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            subject = conformance_models.subject(workload(), plan)
+        subject = conformance_models.subject(workload(), plan)
         tx = plan.wrap_optimizer(OPTIMIZERS[optimizer](), subject.params)
         state = lm.TrainState.create(
             params=subject.params,
@@ -144,7 +157,6 @@ def run_cell(model: str, fields: dict, optimizer: str) -> dict:
             {"technique": v.technique, "took_effect": v.took_effect, "evidence": v.evidence}
             for v in verdicts
         ],
-        "warnings": sorted({str(w.message).splitlines()[0] for w in caught}),
         "seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -333,6 +345,8 @@ def _cell_text(cell: dict) -> str:
     mine = [v for v in cell["verdicts"] if not v["took_effect"]]
     if mine:
         text += "; NO EFFECT: " + "; ".join(f"{v['technique']}: {v['evidence']}" for v in mine)
+    if cell.get("library_warnings"):
+        text += "; warned: " + "; ".join(cell["library_warnings"])
     return text
 
 
@@ -352,7 +366,8 @@ def markdown(result: dict) -> str:
         "of it where `lm.inspect` finds saved residuals under 1% of the step's peak; remat "
         "(its blocks found by the plan, none named) must leave the losses as they are. "
         "`refused` is the one-line error a plan the model cannot take gets; NO EFFECT names a "
-        "technique whose verdict says it changed nothing.",
+        "technique whose verdict says it changed nothing; `warned` quotes a warning the library "
+        "gave while the cell was built, traced or compiled.",
         "",
     ]
     lines += _smallest_table(result)

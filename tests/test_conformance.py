@@ -47,7 +47,10 @@ def test_the_table_checks_each_rule_against_the_plain_step_with_the_same_optimiz
                 "argument_bytes": args * mib, "verdicts": [], "losses": [1.0]}  # fmt: skip
 
     rows = {
-        "plain": {"adam": cell(100, 60, 40), "sgd": cell(70, 50, 20)},
+        "plain": {
+            "adam": cell(100, 60, 40),
+            "sgd": {**cell(70, 50, 20), "library_warnings": ["densified, all at once"]},
+        },
         "state int8": {"adam": cell(80, 60, 20), "sgd": {"status": "refused", "error": "E: no"}},
         "sparse 70% dsr": {"adam": cell(90, 62, 30), "sgd": cell(70, 52, 19)},
     }
@@ -64,6 +67,7 @@ def test_the_table_checks_each_rule_against_the_plain_step_with_the_same_optimiz
         in text
     )
     assert "(rule FAILS: temp <= 50.1)" in text
+    assert "| plain | sgd | ok; total 70.0 MiB, temp 50.0; warned: densified, all at once |" in text
 
     # Compressed activations: the total falls, or saved residuals are under 1% of the peak and
     # the total rises by at most 0.1%.

@@ -211,10 +211,14 @@ def test_unroll_none_unrolls_stacks_without_remat_or_float16(remat, dtype, unrol
     assert [e.params["unroll"] > 1 for e in scans] == [straight]
     assert lm.scanned_blocks.straight_line(unroll, remat, dtype) is straight
     looped = lm.ScannedBlocks(functools.partial(Block, 8, dtype), 3, remat, False)
-    np.testing.assert_array_equal(
+    # Two programs (unrolled, looped): the same math, but XLA may fuse them differently on
+    # another machine, so the last bit may differ.
+    tolerance = 1e-6 if dtype == jnp.float32 else 1e-3
+    np.testing.assert_allclose(
         stack.apply({"params": params}, x, train=True),
         looped.apply({"params": params}, x, train=True),
-    )
+        rtol=tolerance, atol=tolerance,
+    )  # fmt: skip
 
 
 class ContextBlock(nn.Module):
