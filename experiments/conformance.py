@@ -447,13 +447,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--models: unknown {unknown}; allowed values: {list(MODELS)}")
     only, previous = None, None
+    if os.path.exists(json_path):  # other models, and each model's --smallest section, are kept
+        with open(json_path) as f:
+            previous = json.load(f)
     if args.rows:
         only = args.rows.split(",")
         unknown = sorted(set(only) - set(techniques("Block")))
         if unknown:
             parser.error(f"--rows: unknown {unknown}; allowed values: {list(techniques('Block'))}")
-        with open(json_path) as f:
-            previous = json.load(f)
+        if previous is None:
+            parser.error(f"--rows: no {json_path} to keep the other rows from")
     _write(add_rules(run(models, only, previous)), args.out_dir)
     return 0
 

@@ -198,3 +198,22 @@ def test_a_sparse_row_runs_the_algorithm_its_label_names():
         if "sparsity" in fields:
             assert label.endswith(fields["sparsity"].algorithm), label
             assert fields["sparsity"] == lm.sparsity.report_sparsity(0.7), label
+
+
+def test_a_whole_run_keeps_the_smallest_plans_and_the_other_models(tmp_path, monkeypatch):
+    """A run without ``--rows`` once dropped every model's ``--smallest`` section (and the models
+    it did not run): it recomputes the rows of the models it runs and keeps the rest."""
+    fake = {"status": "ok", "losses": [2.0, 1.0], "total_bytes": 2**20, "temp_bytes": 2**20,
+            "argument_bytes": 2**20, "verdicts": []}  # fmt: skip
+    monkeypatch.setattr(conformance, "run_cell", lambda model, fields, optimizer: dict(fake))
+    kept = {"source": "s", "remat_block": "B", "rows": {"plain": {"adam": dict(fake)}},
+            "smallest": {"marker": 1}}  # fmt: skip
+    previous = {"command": "c", "jax_version": "x", "steps": 4,
+                "models": {"nnx_cnn": dict(kept), "gpt2": dict(kept)}}  # fmt: skip
+    monkeypatch.setattr(conformance, "markdown", lambda result: "")  # the table: tested above
+    (tmp_path / "conformance.json").write_text(json.dumps(previous))
+    assert conformance.main(["--models", "nnx_cnn", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "conformance.json").read_text())
+    assert set(result["models"]) == {"nnx_cnn", "gpt2"}
+    assert result["models"]["nnx_cnn"]["smallest"] == {"marker": 1}
+    assert set(result["models"]["nnx_cnn"]["rows"]) == set(conformance.techniques("Block"))
