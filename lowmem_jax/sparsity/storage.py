@@ -307,13 +307,17 @@ class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
     def remove_axis(self, index, params):
         """What a transform that maps over the leading axis (``nn.scan``, ``nn.vmap``) slices:
         a :class:`CompressedBlock` per block, the compressed arrays closed over."""
-        if index != 0:
+        block = self.sliceable() if index == 0 else None
+        if block is None:
             raise ValueError(f"a compressed sparse leaf is sliced on axis 0 only, not {index}")
-        return self.sliceable()
+        return block
 
-    def sliceable(self) -> CompressedBlock:
+    def sliceable(self) -> CompressedBlock | None:
         """Every block at once: a :class:`CompressedBlock` whose only child, the block index
-        ``[L]``, is what a transform that slices the arrays (``nnx.scan``) slices."""
+        ``[L]``, is what a transform that slices the arrays (``nnx.scan``) slices; ``None`` for
+        a scalar (no leading axis)."""
+        if not self.shape:
+            return None
         return CompressedBlock(jnp.arange(self.shape[0], dtype=jnp.int32), self, self.shape)
 
 
