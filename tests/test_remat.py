@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_trees_close_to_scale
 
 import lowmem_jax as lm
 from lowmem_jax.jaxprs import traced_equations
@@ -45,10 +46,10 @@ def baseline():
 def test_remat_gradients_equal_no_remat(baseline, policy):
     grads, (new_state, _) = _wrn_grads(policy)
     ref_grads, (ref_state, _) = baseline
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), grads, ref_grads
-    )
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new_state, ref_state)
+    # Two programs: float32 roundoff, which each program's fusion (XLA's version and flags, this
+    # CPU) may round differently.
+    assert_trees_close_to_scale(grads, ref_grads)
+    assert_trees_close_to_scale(new_state, ref_state)
 
 
 class Block(nn.Module):

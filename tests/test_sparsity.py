@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FAST_COMPILE, OPTIMIZERS, tiny_params, unnamed_stacks
+from conftest import (
+    FAST_COMPILE,
+    OPTIMIZERS,
+    assert_trees_close_to_scale,
+    tiny_params,
+    unnamed_stacks,
+)
 
 import lowmem_jax as lm
 from lowmem_jax import sparsity
@@ -700,6 +706,4 @@ def test_blockwise_stacks_give_the_gradients_of_the_dense_materialization(monkey
     # (CompressedBlock); without those, dense weights built before the model runs, and says so.
     sliced, whole = unnamed_stacks(grads, setup.tx, monkeypatch)
     for other in (sliced, whole):
-        jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), blockwise, other
-        )
+        assert_trees_close_to_scale(blockwise, other)  # three programs: float32 roundoff
