@@ -33,7 +33,7 @@ from lowmem_jax.quantization import Quantized
 #   buffer assignment; compile-bound tests take 25-45% less time, training-bound ones up to 1.8x
 #   more (unoptimised loops; those tests ask for OPTIMIZED).
 # - XLA:CPU's older loop emitters instead of its MLIR fusion emitters (a WRN-16-1 train step's
-#   compile here: 4.0 -> 1.9 s, same bytes): the whole suite, 2 workers, cold, 35m41s -> 21m06s on
+#   compile here: 4.0 -> 1.9 s, same bytes): the whole suite, 2 workers, cold, 35m41s -> 20m14s on
 #   this 2-core machine (2026-11-28, benchmarks/results/suite_durations_cold.md). This one does
 #   change code generation: fusion choices, so temp bytes (`lowmem report`'s quick grid, this
 #   machine: 8 of 13 rows to the byte, the other 5 with 0.0002-15% more temp, most on the smallest
