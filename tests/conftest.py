@@ -38,8 +38,8 @@ from lowmem_jax.quantization import Quantized
 #   change code generation: fusion choices, so temp bytes (`lowmem report`'s quick grid, this
 #   machine: 8 of 13 rows to the byte, the other 5 with 0.0002-15% more temp, most on the smallest
 #   rows) and float32 roundoff. Tests assert relations and float32 tolerances, and the suite passed
-#   under both at the commit that set this; committed figures come from commands under XLA's own
-#   defaults. Before changing how the library lowers memory, run the suite once with
+#   under both (the fusion emitters at d9f0575); committed figures come from commands under XLA's
+#   own defaults. Before changing how the library lowers memory, run the suite once with
 #   LOWMEM_TEST_FUSION_EMITTERS=1, which keeps the fusion emitters (the old time, 35 minutes).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 if os.environ.get("LOWMEM_TEST_FUSION_EMITTERS") != "1":

@@ -52,6 +52,15 @@ def test_remat_gradients_equal_no_remat(baseline, policy):
     assert_trees_close_to_scale(new_state, ref_state)
 
 
+def test_trees_close_to_scale_take_roundoff_and_refuse_a_wrong_value():
+    """The comparison above: an element off by roundoff of its leaf's size passes; one off by
+    0.1% of it fails."""
+    ref = {"w": np.array([1.0, 1e-3, -0.5], np.float32)}
+    assert_trees_close_to_scale({"w": ref["w"] + np.float32(3e-6)}, ref)
+    with pytest.raises(AssertionError):
+        assert_trees_close_to_scale({"w": ref["w"] + np.array([0, 1e-3, 0], np.float32)}, ref)
+
+
 class Block(nn.Module):
     features: int = 64
     dtype: jnp.dtype = jnp.float32

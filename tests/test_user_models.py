@@ -530,9 +530,8 @@ def test_compressed_sparse_weights_are_built_where_each_layer_reads_them(api, re
     _, eager_temp, eager_state, _ = _sparse_step_figures(api, sparse, batch, remat)
     one_block = 3 * 3 * 64 * 64 * 4
     assert eager_temp - temp >= 0.5 * 3 * one_block, (eager_temp, temp)
-    assert_trees_close_to_scale(
-        lazy_state.params, eager_state.params
-    )  # two programs: float32 roundoff
+    # Two programs: the same parameters up to float32 roundoff.
+    assert_trees_close_to_scale(lazy_state.params, eager_state.params)
 
 
 def test_a_model_that_slices_a_compressed_leaf_gets_it_dense():
