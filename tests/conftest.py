@@ -41,7 +41,16 @@ from lowmem_jax.quantization import Quantized
 #   under both (the fusion emitters at d9f0575); committed figures come from commands under XLA's
 #   own defaults. Before changing how the library lowers memory, run the suite once with
 #   LOWMEM_TEST_FUSION_EMITTERS=1, which keeps the fusion emitters (the old time, 35 minutes).
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# - One LLVM module per program instead of several compiled on parallel threads: the two workers
+#   already keep both cores busy, so splitting only adds work (one compile's CPU here: WRN-16-2
+#   3.3-3.6 -> 2.5-3.0 s, dynamicconv-small 16.7 -> 15.0 s, same buffers: the split comes after
+#   buffer assignment; four test files, 2 workers, cold: 249 -> 236 s, one pair, where pairs of
+#   runs differ by up to 4%). Under XLA's defaults (`lowmem report`'s DSR row) it does not help.
+FAST_COMPILE = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_parallel_codegen_split_count": 1,
+}
 if os.environ.get("LOWMEM_TEST_FUSION_EMITTERS") != "1":
     FAST_COMPILE["xla_cpu_use_fusion_emitters"] = False
 os.environ["XLA_FLAGS"] = " ".join(
@@ -71,9 +80,11 @@ settings.register_profile("lowmem", derandomize=True)
 settings.load_profile("lowmem")
 
 
-# For a test whose time goes into running many steps rather than compiling them: XLA's own
-# defaults again (unoptimised loops ran the digits trainings of test_user_models 1.8x slower).
-OPTIMIZED = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+# For a test whose time goes into running many steps rather than compiling them: LLVM at level 1
+# (test_user_models' digits training here, one epoch of 44 steps: level 0 compiles in 1.6 s and
+# runs in 11.4 s, level 1 4.6 s and 2.2 s, XLA's default level 3 35.6 s and 1.9 s). For the suite
+# as a whole level 0 wins: four of its files took 293 s at level 0 and 430 s at level 1.
+OPTIMIZED = {"xla_backend_optimization_level": 1, "xla_llvm_disable_expensive_passes": True}
 
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
