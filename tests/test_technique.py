@@ -12,12 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax import planner
+from lowmem_jax import planner, report_grid
 from lowmem_jax.envelope import ENVELOPES
 from lowmem_jax.plan_flags import add_plan_flags, add_workload_flags, analyze_argv, plan_from_args
 from lowmem_jax.plan_search import plan_name, plan_of
 from lowmem_jax.plan_space import axes_in
-from lowmem_jax.report_grid import model_grid
+from lowmem_jax.report_grid import model_grid, standard_grid
+from lowmem_jax.technique import GridContext, ReportRow
 from lowmem_jax.techniques import TECHNIQUES, technique
 
 PLAN_FIELDS = [f.name for f in dataclasses.fields(lm.Plan)]
@@ -102,6 +103,39 @@ def test_every_searched_technique_has_rows_in_the_report_grid(model):
     plans = [plan for _, _, plan in model_grid(model, BATCH) if plan is not None]
     for t in AXES:
         assert any(t.label(p) not in (None, t.label(lm.Plan())) for p in plans), t.name
+
+
+@pytest.mark.parametrize("images", [True, False])
+def test_every_technique_s_report_rows_reach_the_grid_in_position_order(images):
+    """The grid is the registry's rows (and the combined ones), sorted by position; each
+    technique that declares rows has one of them in the quick grid, with the plan its fields
+    make."""
+    context = GridContext(BATCH, "conv_out", images)
+    full = standard_grid(BATCH, images=images)
+    quick = {name: plan for name, _, plan in standard_grid(BATCH, images=images, quick=True)}
+    by_name = {name: (group, plan) for name, group, plan in full}
+    for t in TECHNIQUES:
+        rows = t.report_rows(context) if t.report_rows else ()
+        for row in rows:
+            assert by_name[row.name] == (row.group, lm.Plan(**row.fields)), row.name
+        assert sum(row.quick for row in rows) == (1 if rows else 0), t.name
+        assert all(row.name in quick for row in rows if row.quick)
+    positions = {row.name: row.position for t in TECHNIQUES if t.report_rows
+                 for row in t.report_rows(context)}  # fmt: skip
+    ordered = [positions[name] for name, _, _ in full if name in positions]
+    assert ordered == sorted(ordered)
+
+
+def test_a_technique_s_rows_land_in_the_report_without_editing_the_grid(monkeypatch):
+    """A new technique's rows reach ``lowmem report`` from its own module: here a copy of the
+    precision technique that declares one more row, put in the registry."""
+    old = technique("precision")
+    row = ReportRow("bf16 again", "precision", {"precision": "bf16"}, 10, quick=True)
+    new = dataclasses.replace(old, report_rows=lambda context: (*old.report_rows(context), row))
+    registry = tuple(new if t is old else t for t in TECHNIQUES)
+    monkeypatch.setattr(report_grid, "TECHNIQUES", registry)
+    names = [name for name, _, _ in model_grid("wrn-28-2", BATCH, "quick")]
+    assert names.index("bf16 again") == names.index("mixed_fp16") + 1
 
 
 def test_the_planner_searches_every_registered_axis():

@@ -1,7 +1,7 @@
 """Compressed activations (:mod:`lowmem_jax.activation_compression`): ``activations``."""
 
 from lowmem_jax import activation_compression as compression_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict, rows_of
 
 
 def _wrap_loss(loss_fn, plan):
@@ -92,6 +92,12 @@ TECHNIQUE = Technique(
         parts=("activations",),
         own_ratio=True,
         in_default_space=False,
+    ),
+    report_rows=rows_of(
+        "activations",
+        70,
+        "act int8",
+        [(f"act {f}", {"activations": f}) for f in ("bf16", "int8", "int2")],
     ),
     took_effect=_took_effect,
 )

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowmem_jax.factorization import METHODS, RANK_RULES, FactorConfig, factorize_module
-from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict, rows_of
 
 
 def _validate(plan) -> None:
@@ -156,6 +156,12 @@ TECHNIQUE = Technique(
         plan_fields=lambda value: {"factorize": value},
         within=lambda value, limit, batch_size: value is None or limit,
         compute=True,
+    ),
+    report_rows=rows_of(
+        "factorization",
+        80,
+        "factorize tucker 25%",
+        [("factorize tucker 25%", {"factorize": FactorConfig("tucker", 0.25)})],
     ),
     took_effect=_took_effect,
 )

@@ -4,7 +4,7 @@ step by the model (:func:`lowmem_jax.workloads.build` honours it)."""
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax.technique import PlanField, Technique, Verdict
+from lowmem_jax.technique import PlanField, Technique, Verdict, rows_of
 
 #: How a batch may store its images (``Plan.input_dtype``).
 INPUT_DTYPES = ("float32", "uint8")
@@ -55,5 +55,11 @@ TECHNIQUE = Technique(
     envelope=None,
     # Not searched: the planner's workloads are not all image batches.
     axis=None,
+    report_rows=rows_of(
+        "input",
+        60,
+        "uint8 input",
+        lambda context: [("uint8 input", {"input_dtype": "uint8"})] if context.images else [],
+    ),
     took_effect=_took_effect,
 )

@@ -4,7 +4,7 @@ import jax
 
 from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import sharding as sharding_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, ReportRow, Technique, Verdict
 
 
 def _outside(config, limit):
@@ -44,6 +44,19 @@ def _took_effect(evidence, plan):
     )
 
 
+def _report_rows(context):
+    """Microbatches of 64, 32, ..., 2 examples, each the largest divisor of the batch size at
+    most that (100: 50, 25, 10, 5, 2); the one nearest 8 examples in the default grid."""
+    targets = (64, 32, 16, 8, 4, 2)
+    sizes = sorted({context.examples(t) for t in targets} - {None}, reverse=True)
+    nearest = min(sizes, key=lambda size: abs(size - 8), default=None)
+    return tuple(
+        ReportRow(f"microbatch {size}", "microbatching",
+                  {"microbatches": context.batch_size // size}, 20, quick=size == nearest)
+        for size in sizes
+    )  # fmt: skip
+
+
 TECHNIQUE = Technique(
     name="microbatches",
     order=30,
@@ -73,5 +86,6 @@ TECHNIQUE = Technique(
             m for m in range(1, batch_size + 1) if batch_size % m == 0
         ),
     ),
+    report_rows=_report_rows,
     took_effect=_took_effect,
 )

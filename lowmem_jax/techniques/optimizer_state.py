@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 from lowmem_jax import optimizer_state as optimizer_state_lib
 from lowmem_jax.quantization import Quantized, quantized_nbytes
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict, rows_of
 
 
 def _outside(config, limit):
@@ -127,6 +127,12 @@ TECHNIQUE = Technique(
         plan_fields=lambda value: {"optimizer_state": value},
         within=lambda value, limit, batch_size: value in limit,
         own_ratio=True,
+    ),
+    report_rows=rows_of(
+        "optimizer state",
+        50,
+        "state int8",
+        [(f"state {f}", {"optimizer_state": f}) for f in ("bf16", "int8", "int4")],
     ),
     took_effect=_took_effect,
 )

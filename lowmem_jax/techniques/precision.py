@@ -4,7 +4,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowmem_jax import precision as precision_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict, rows_of
 
 
 def _configure_model(model, plan):
@@ -76,6 +76,12 @@ TECHNIQUE = Technique(
         within=lambda value, limit, batch_size: value in limit,
         parts=("stored", "activations"),
         own_ratio=True,
+    ),
+    report_rows=rows_of(
+        "precision",
+        10,
+        "mixed_fp16",
+        [(p, {"precision": p}) for p in ("mixed_bf16", "mixed_fp16", "bf16", "fp16")],
     ),
     took_effect=_took_effect,
 )

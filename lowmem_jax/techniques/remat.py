@@ -4,7 +4,7 @@ from flax import nnx
 
 from lowmem_jax import remat as remat_lib
 from lowmem_jax.blocks import AUTO_BLOCKS
-from lowmem_jax.technique import Axis, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, PlanField, Technique, Verdict, rows_of
 
 
 def _validate(plan) -> None:
@@ -104,6 +104,15 @@ TECHNIQUE = Technique(
         compute=True,
         families=("blocks",),
         value_of=_axis_value,
+    ),
+    report_rows=rows_of(
+        "remat",
+        30,
+        "remat full",
+        lambda context: [
+            (f"remat {p}", {"remat": p})
+            for p in ("dots", f"save:{context.saved_name}", "full", "every:2", "sqrt")
+        ],
     ),
     took_effect=_took_effect,
 )

@@ -18,7 +18,7 @@ from lowmem_jax.sparsity import (
     sparse_training,
 )
 from lowmem_jax.sparsity.transform import SparseTraining
-from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict, rows_of
 
 
 def _validate(plan) -> None:
@@ -197,6 +197,12 @@ TECHNIQUE = Technique(
         within=lambda value, limit, batch_size: value <= limit + 1e-9,
         value_of=lambda plan: 0.0 if plan.sparsity is None else 1 - plan.sparsity.density,
         corner="last",
+    ),
+    report_rows=rows_of(
+        "sparsity",
+        40,
+        "sparse 70% dsr",
+        [(f"sparse {s:.0%} dsr", {"sparsity": report_sparsity(s)}) for s in (0.5, 0.7, 0.9)],
     ),
     took_effect=_took_effect,
     # The rewiring compiles per sparse layer: WRN-28-2's dynamic-sparse report rows took 39-52 s

@@ -131,8 +131,19 @@ class MultiHeadAttention(nn.Module):
         return _linear(self.factorize)(c, dtype=self.dtype, name="out_proj")(out)
 
 
-class _LayerMixin:
+class _LayerMixin(nn.Module):
     """Config shared by :class:`EncoderLayer` and :class:`DecoderLayer`."""
+
+    num_heads: int
+    kernel_size: int
+    ffn_dim: int
+    conv_type: str = "dynamic"
+    weight_softmax: bool = True
+    dropout: float = 0.0
+    relu_dropout: float = 0.0
+    weight_dropout: float = 0.0
+    dtype: Any = None
+    factorize: FactorConfig | None = None
 
     def _conv_block(
         self, x: jax.Array, padding: str, src_mask, train: bool, prev: jax.Array | None = None
@@ -187,22 +198,11 @@ class _LayerMixin:
         return LayerNorm(epsilon=1e-5, dtype=self.dtype, name=name)
 
 
-class EncoderLayer(_LayerMixin, nn.Module):
+class EncoderLayer(_LayerMixin):
     """Post-norm encoder layer ``[B, S, C] -> [B, S, C]``: centred conv block, then FFN.
 
     Called as ``layer(x, src_mask, train=...)`` with ``src_mask [B, S]`` bool (True = real token).
     """
-
-    num_heads: int
-    kernel_size: int
-    ffn_dim: int
-    conv_type: str = "dynamic"
-    weight_softmax: bool = True
-    dropout: float = 0.0
-    relu_dropout: float = 0.0
-    weight_dropout: float = 0.0
-    dtype: Any = None
-    factorize: FactorConfig | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, src_mask: jax.Array, train: bool = False) -> jax.Array:
@@ -210,7 +210,7 @@ class EncoderLayer(_LayerMixin, nn.Module):
         return self._ffn_block(x, train)
 
 
-class DecoderLayer(_LayerMixin, nn.Module):
+class DecoderLayer(_LayerMixin):
     """Post-norm decoder layer ``[B, T, C] -> [B, T, C]``: causal conv, cross-attention, FFN.
 
     Called as ``layer(x, memory, src_mask, train=...)`` with the encoder output
@@ -218,17 +218,7 @@ class DecoderLayer(_LayerMixin, nn.Module):
     needs no mask: the conv is causal, so trailing pads never reach earlier positions.
     """
 
-    num_heads: int
-    kernel_size: int
-    ffn_dim: int
-    conv_type: str = "dynamic"
-    weight_softmax: bool = True
-    dropout: float = 0.0
-    relu_dropout: float = 0.0
-    weight_dropout: float = 0.0
     attention_dropout: float = 0.0
-    dtype: Any = None
-    factorize: FactorConfig | None = None
 
     @nn.compact
     def __call__(

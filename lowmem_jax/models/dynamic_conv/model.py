@@ -162,17 +162,7 @@ class DynamicConvTransformer(nn.Module):
                 nn.initializers.normal(std),
                 (self.tgt_vocab_size, self.embed_dim),
             )
-        common = {
-            "num_heads": self.num_heads,
-            "ffn_dim": self.ffn_dim,
-            "conv_type": self.conv_type,
-            "weight_softmax": self.weight_softmax,
-            "dropout": self.dropout,
-            "relu_dropout": self.relu_dropout,
-            "weight_dropout": self.weight_dropout,
-            "dtype": self.dtype,
-            "factorize": self.factorize,
-        }
+        common = self._layer_fields()
         encoder_runs = layer_runs(self.encoder_kernel_sizes)
         decoder_runs = layer_runs(self.decoder_kernel_sizes)
         policies = iter(
@@ -267,19 +257,17 @@ class DynamicConvTransformer(nn.Module):
         # parent=None: an unbound copy of a stack's block, applied to one layer's slice of the
         # stacked params (as ScannedBlocks does), not a new submodule with params of its own.
         return DecoderLayer(
-            num_heads=self.num_heads,
             kernel_size=kernel_size,
-            ffn_dim=self.ffn_dim,
-            conv_type=self.conv_type,
-            weight_softmax=self.weight_softmax,
             attention_dropout=self.attention_dropout,
-            dropout=self.dropout,
-            relu_dropout=self.relu_dropout,
-            weight_dropout=self.weight_dropout,
-            dtype=self.dtype,
-            factorize=self.factorize,
             parent=None,
+            **self._layer_fields(),
         )
+
+    def _layer_fields(self) -> dict[str, Any]:
+        """The fields every encoder and decoder layer takes from the model."""
+        names = ("num_heads", "ffn_dim", "conv_type", "weight_softmax", "dropout",
+                 "relu_dropout", "weight_dropout", "dtype", "factorize")  # fmt: skip
+        return {name: getattr(self, name) for name in names}
 
     def _decoder_stack_params(self) -> list[tuple[int, Any]]:
         """``[(K, stacked DecoderLayer params)]`` per run, each leaf ``[n, ...]``."""
