@@ -19,6 +19,7 @@ Writes ``conformance.json`` and ``conformance.md`` (default ``experiments/result
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -31,7 +32,7 @@ import optax
 
 import lowmem_jax as lm
 from lowmem_jax.envelope import ENVELOPES
-from lowmem_jax.plan_search import Search, plan_name
+from lowmem_jax.plan_search import COMPUTE, Search, plan_name
 from lowmem_jax.plan_space import applicable, axes_in, class_corners
 from lowmem_jax.planner import SPACE
 
@@ -274,12 +275,15 @@ def smallest(work, envelope: str, compiles: int = 6, space: dict | None = None) 
     env = ENVELOPES[envelope]
     search = Search(work, 2**62, env, None, None)
     axes = applicable(search, axes_in(env, work.batch_size, space or SPACE))
+    # Families (remat's per-block schedules) need a bundled model's scanned stacks: left out.
+    keys = [a.key for a in COMPUTE]
+    values = [[v for v in axes[a.key] if v not in a.families] for a in COMPUTE]
     corners = [
         plan
-        for remat in axes["remat"]
-        if remat != "blocks"  # per-block schedules: a bundled model's scanned stacks only
-        for factorize in axes["factorize"]
-        for plan in class_corners(axes, remat, factorize, max(axes["microbatches"]))
+        for combo in itertools.product(*values)
+        for plan in class_corners(
+            axes, dict(zip(keys, combo, strict=True)), max(axes["microbatches"])
+        )
     ]
     predicted = {}
     for plan in set(corners):

@@ -10,11 +10,9 @@ predicted smallest, nor one of the dynamic program's schedules.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_search import AXES, Search, plan_of
-from lowmem_jax.remat import parse_policy, schedule_name
 
 __all__ = ["descend"]
 
@@ -68,11 +66,13 @@ _DESCENT_REACH = 1.10
 
 def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan]:
     """The plans one change away from ``plan``: one step along a storage axis or the
-    microbatch count, and (where the search has per-block schedules) one block of a stack
-    moved to another of ``none`` / ``dots`` / ``full`` (a stack's blocks ordered ``full``,
-    ``dots``, ``none``, as the dynamic program writes them)."""
+    microbatch count, and, where the search expands a compute axis' family
+    (:class:`~lowmem_jax.technique.Family`) and the model has what it is built on, the
+    family's members one change away (remat: one block of a stack moved to another of
+    ``none`` / ``dots`` / ``full``)."""
     moving = [a for a in AXES if a.key in axes and not a.compute]
     here = {a.key: _rounded(a.value(plan)) for a in moving}
+    compute = {a.key: getattr(plan, a.field) for a in AXES if a.key in axes and a.compute}
     plans = []
     for axis in moving:
         values = [_rounded(v) for v in axes[axis.key]]
@@ -81,27 +81,15 @@ def _neighbours(search: Search, axes: dict[str, tuple], plan: Plan) -> list[Plan
         i = values.index(here[axis.key])
         for j in (i - 1, i + 1):
             if 0 <= j < len(values):
-                o = {**here, axis.key: axes[axis.key][j]}
-                plans.append(plan_of({**o, "remat": plan.remat, "factorize": plan.factorize}))
-    stacks = getattr(search.work.model, "block_stacks", None)
-    spec = parse_policy(plan.remat)
-    policies = spec.schedule or (plan.remat,) * (sum(stacks()) if stacks else 0)
-    if "blocks" not in axes["remat"] or not stacks or not set(policies) <= set(_ORDER):
-        return plans
-    starts = list(itertools.accumulate(stacks(), initial=0))
-    for a, b in itertools.pairwise(starts):
-        for block, other in itertools.product(range(a, b), _ORDER):
-            if other == policies[block]:
-                continue
-            moved = list(policies)
-            moved[block] = other
-            moved[a:b] = sorted(moved[a:b], key=_ORDER.index)
-            name = moved[0] if len(set(moved)) == 1 else schedule_name(moved)
-            plans.append(dataclasses.replace(plan, remat=name))
+                plans.append(plan_of({**here, axis.key: axes[axis.key][j], **compute}))
+    for axis in AXES:
+        if axis.family is None or axis.family.value not in axes.get(axis.key, ()):
+            continue
+        structure = axis.family.structure(search.work.model)
+        if structure is not None:
+            for value in axis.family.neighbours(structure, getattr(plan, axis.field)):
+                plans.append(dataclasses.replace(plan, **axis.plan_fields(value)))
     return list(dict.fromkeys(plans))
-
-
-_ORDER = ("full", "dots", "none")  # within a stack, as remat_schedule orders a stack's blocks
 
 
 def _rounded(value):

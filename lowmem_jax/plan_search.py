@@ -21,12 +21,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from lowmem_jax import memory, remat_schedule
+from lowmem_jax import memory
 from lowmem_jax.envelope import Envelope
 from lowmem_jax.flops import count_flops
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
-from lowmem_jax.remat import parse_policy
 from lowmem_jax.step_timing import time_step
 from lowmem_jax.techniques import TECHNIQUES
 from lowmem_jax.workloads import Workload, build
@@ -60,11 +59,12 @@ class Search:
         (:func:`calibration_key`; :meth:`ratio`).
 
         The analytic count is assembled from two cached parts: the stored bytes (parameters,
-        optimizer state with its accumulator, inputs), which do not depend on remat, and the
-        saved activations, which do not depend on sparse storage or the optimizer state (a
-        sparse model's materialized weights have the dense shapes)."""
+        optimizer state with its accumulator, inputs) and the saved activations, each from
+        the settings of the axes that change it (:attr:`Axis.parts`: remat does not change the
+        stored bytes, nor sparse storage or the optimizer state the activations: a sparse
+        model's materialized weights have the dense shapes)."""
         if plan not in self.predicted:
-            stored = self._stored(settings(plan, "stored"), plan.factorize, plan.microbatches > 1)
+            stored = self._stored(settings(plan, "stored"), plan.microbatches > 1)
             self.predicted[plan] = stored + self._activation_bytes(plan)
         return int(self.predicted[plan] * self.ratio(plan, bound))
 
@@ -87,50 +87,58 @@ class Search:
         return 1.0
 
     def _activation_bytes(self, plan: Plan) -> int:
-        """The analytic activations: traced for a named policy, summed for a schedule."""
-        schedule = parse_policy(plan.remat).schedule
+        """The analytic activations: traced, or for a family's member (:class:`Family`) the
+        axis' first value's traced plus the member's change divided by the microbatch count
+        (residuals scale with the batch)."""
         saved = settings(plan, "activations")
-        base = self._activations(saved, "none" if schedule else plan.remat, plan.factorize,
-                                 plan.microbatches)  # fmt: skip
-        if not schedule:
-            return base
-        costs = self.block_costs(saved, plan.factorize)
-        change = remat_schedule.predict(costs, schedule).bytes - costs.base_bytes
+        axis = _family_axis(plan)
+        if axis is None:
+            return self._activations(saved, plan.microbatches)
+        base = self._activations(_with(saved, axis.field, axis.values[0]), plan.microbatches)
+        costs = self.family_costs(axis.key, _with(saved, axis.field, None))
+        change = axis.family.saved_change(costs, getattr(plan, axis.field))
         return int(base + change / plan.microbatches)
 
     @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
-    def block_costs(self, saved: tuple, factorize) -> remat_schedule.BlockCosts:
-        """Each block's costs at one microbatch: measured with the activation-part settings
-        ``saved`` (:func:`settings`) at their defaults, e.g. fp32
-        (:func:`remat_schedule.measure_block_costs`), carried to other settings by their
-        uniform schedules' counts (:func:`remat_schedule.rescale`)."""
-        default = settings(Plan(), "activations")
-        if saved == default:
-            return remat_schedule.measure_block_costs(
-                self.work.model.block_stacks(),
-                lambda remat: self._activations(default, remat, factorize, 1),
-                lambda remat: self.flops(Plan(remat=remat, factorize=factorize)),
-            )
-        uniform = {p: self._activations(saved, p, factorize, 1) for p in ("dots", "full")}
-        return remat_schedule.rescale(
-            self.block_costs(default, factorize),
-            self._activations(saved, "none", factorize, 1),
-            uniform,
+    def family_costs(self, key: str, saved: tuple) -> Any:
+        """The costs of the family of the compute axis ``key`` (:class:`Family`), the other
+        activation-part settings ``saved`` (:func:`settings`, the axis' own ``None``):
+        measured where every other storage setting is at its default (e.g. fp32), carried from
+        there to the others (:attr:`Family.carry`). ``None`` where the model has nothing the
+        family is built on."""
+        axis = next(a for a in COMPUTE if a.key == key)
+        structure = axis.family.structure(self.work.model)
+        if structure is None:
+            return None
+
+        def saved_bytes(value: Any) -> int:
+            return self._activations(_with(saved, axis.field, value), 1)
+
+        reference = _storage_at_defaults(saved)
+        if saved != reference:
+            return axis.family.carry(self.family_costs(key, reference), saved_bytes)
+        compute = {f: v for f, v in saved if f in _COMPUTE_FIELDS and f != axis.field}
+        return axis.family.measure(
+            structure,
+            saved_bytes,
+            lambda value: self.flops(Plan(**compute, **axis.plan_fields(value))),
         )
 
-    def schedules(self, factorize) -> list[tuple[float, str]]:
-        """(FLOPs, remat) of the per-block schedules the dynamic program keeps (fp32 costs),
-        those with one policy throughout left out (they are the named classes)."""
-        if not hasattr(self.work.model, "block_stacks"):
-            return []  # a model without scanned stacks has no per-block schedule
-        front = remat_schedule.pareto_schedules(
-            self.block_costs(settings(Plan(), "activations"), factorize)
-        )
-        return [(s.flops, s.name) for s in front if len(set(s.policies)) > 1]
+    def family_classes(self, key: str, point: dict[str, Any]) -> list[tuple[float, dict]]:
+        """(FLOPs, compute point) of the members of the family of the compute axis ``key``
+        worth a class each, the other compute axes at ``point``'s values (reference costs:
+        every storage setting at its default)."""
+        axis = next(a for a in COMPUTE if a.key == key)
+        others = plan_of({k: v for k, v in point.items() if k != key})
+        saved = _with(settings(others, "activations"), axis.field, None)
+        costs = self.family_costs(key, saved)
+        if costs is None:
+            return []  # e.g. remat's per-block schedules on a model without scanned stacks
+        return [(flops, {**point, key: value}) for flops, value in axis.family.members(costs)]
 
     @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
-    def _stored(self, stored: tuple, factorize, accumulates) -> int:
-        plan = Plan(**dict(stored), factorize=factorize, microbatches=2 if accumulates else 1)
+    def _stored(self, stored: tuple, accumulates: bool) -> int:
+        plan = Plan(**dict(stored), microbatches=2 if accumulates else 1)
         setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
             state=setup.abstract_state(), batch=self.work.batch,
@@ -141,8 +149,8 @@ class Search:
         return analytic["total_bytes"] - analytic["dense_weight_bytes"]
 
     @functools.cache  # noqa: B019
-    def _activations(self, saved: tuple, remat, factorize, microbatches) -> int:
-        plan = Plan(**dict(saved), remat=remat, factorize=factorize, microbatches=microbatches)
+    def _activations(self, saved: tuple, microbatches: int) -> int:
+        plan = Plan(**dict(saved), microbatches=microbatches)
         setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
             state=setup.abstract_state(), batch=self.work.batch,
@@ -197,17 +205,37 @@ class Search:
 
 #: The registered techniques' planner axes, in the registry's order.
 AXES = [t.axis for t in TECHNIQUES if t.axis is not None]
+#: The axes whose values make the planner's compute classes (:attr:`Axis.compute`).
+COMPUTE = [axis for axis in AXES if axis.compute]
+_COMPUTE_FIELDS = {axis.field for axis in COMPUTE}
 
 
 def settings(plan: Plan, part: str) -> tuple[tuple[str, Any], ...]:
-    """The plan's fields set by the storage axes that change ``part`` of the analytic count
-    (:attr:`Axis.parts`: ``"stored"`` or ``"activations"``), as ``(field, value)`` pairs."""
+    """The plan's fields set by the axes with candidates (storage and compute; not the
+    microbatch count) that change ``part`` of the analytic count (:attr:`Axis.parts`:
+    ``"stored"`` or ``"activations"``), as ``(field, value)`` pairs in the registry's order."""
     return tuple(
-        (name, getattr(plan, name))
+        (axis.field, getattr(plan, axis.field))
         for axis in AXES
-        if axis.storage and part in axis.parts
-        for name in axis.plan_fields(axis.values[0])
+        if axis.values is not None and part in axis.parts
     )
+
+
+def _with(saved: tuple, field: str, value: Any) -> tuple:
+    """``saved`` (:func:`settings`) with ``field`` at ``value``."""
+    return tuple((f, value if f == field else v) for f, v in saved)
+
+
+def _storage_at_defaults(saved: tuple) -> tuple:
+    """``saved`` with every storage axis' field at the plan's default (compute fields kept)."""
+    default = Plan()
+    return tuple((f, v if f in _COMPUTE_FIELDS else getattr(default, f)) for f, v in saved)
+
+
+def _family_axis(plan: Plan):
+    """The compute axis at one of its family's members in ``plan`` (:class:`Family`), or
+    ``None``."""
+    return next((a for a in COMPUTE if a.family and a.value(plan) == a.family.value), None)
 
 
 def calibration_key(plan: Plan) -> tuple[tuple[str, Any], ...]:

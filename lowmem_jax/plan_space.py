@@ -74,15 +74,16 @@ def storage_axes(axes: dict[str, tuple]) -> list[Axis]:
     return [axis for axis in AXES if axis.key in axes and axis.storage]
 
 
-def class_corners(axes: dict[str, tuple], remat, factorize, micro: int) -> list[Plan]:
-    """The least-memory plans of a class at ``micro`` microbatches: each storage axis at its
-    last value, or at each value where fewer stored bytes can cost temporaries
-    (:attr:`Axis.corner`; e.g. the most sparsity, each precision and optimizer-state format)."""
+def class_corners(axes: dict[str, tuple], point: dict[str, Any], micro: int) -> list[Plan]:
+    """The least-memory plans of the compute class ``point`` (``{compute axis: value}``) at
+    ``micro`` microbatches: each storage axis at its last value, or at each value where fewer
+    stored bytes can cost temporaries (:attr:`Axis.corner`; e.g. the most sparsity, each
+    precision and optimizer-state format)."""
     storage = storage_axes(axes)
     values = [axes[a.key] if a.corner == "each" else axes[a.key][-1:] for a in storage]
-    fixed = {"remat": remat, "factorize": factorize, "microbatches": micro}
+    split = next(a.key for a in AXES if a.values is None)  # the microbatch count
     return [
-        plan_of({**fixed, **{a.key: v for a, v in zip(storage, combo, strict=True)}})
+        plan_of({**point, split: micro, **{a.key: v for a, v in zip(storage, combo, strict=True)}})
         for combo in itertools.product(*values)
     ]
 

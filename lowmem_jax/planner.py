@@ -58,10 +58,9 @@ from lowmem_jax.envelope import ENVELOPES, Envelope
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_descent import descend
 from lowmem_jax.plan_flags import analyze_argv
-from lowmem_jax.plan_search import MIB, Search, calibration_key, plan_name, plan_of
+from lowmem_jax.plan_search import AXES, COMPUTE, MIB, Search, calibration_key, plan_name, plan_of
 from lowmem_jax.plan_space import applicable, axes_in, class_corners, mildest_first
 from lowmem_jax.recipes import Recipe
-from lowmem_jax.remat import parse_policy
 from lowmem_jax.techniques import TECHNIQUES
 from lowmem_jax.workloads import Workload, build, workload
 
@@ -164,13 +163,7 @@ def plan_for_budget(
         axes = applicable(search, axes)
     _refuse_below_the_least_state(search, axes)
     reference = search.flops(Plan())
-    classes = []
-    for remat, factorize in itertools.product(axes["remat"], axes["factorize"]):
-        if remat == "blocks":
-            classes += [(flops, name, factorize) for flops, name in search.schedules(factorize)]
-        else:
-            classes.append((search.flops(Plan(remat=remat, factorize=factorize)), remat, factorize))
-    classes.sort(key=lambda c: c[0])
+    classes = _classes(search, axes)
     fitting = _first_fit_per_class(search, axes, classes, reference)
     if objective == "flops":
         found = next(fitting, (None,))[0]
@@ -183,20 +176,35 @@ def plan_for_budget(
     return _answer(search, found, reference, start)
 
 
+def _classes(search: Search, axes: dict[str, tuple]) -> list[tuple[float, dict[str, Any]]]:
+    """``(FLOPs, point)`` of every compute class, cheapest first: a point of the compute axes
+    (:attr:`Axis.compute`), a family's value expanded into its members
+    (:meth:`Search.family_classes`)."""
+    classes = []
+    # The last registered compute axis outermost (remat, then factorize): ties keep this order.
+    keys = [axis.key for axis in reversed(COMPUTE) if axis.key in axes]
+    for values in itertools.product(*(axes[key] for key in keys)):
+        point = dict(zip(keys, values, strict=True))
+        family = next((a for a in COMPUTE if a.key in point and point[a.key] in a.families), None)
+        if family is not None:
+            classes += search.family_classes(family.key, point)
+        else:
+            classes.append((search.flops(plan_of(point)), point))
+    return sorted(classes, key=lambda c: c[0])
+
+
 def _refuse_below_the_least_state(search: Search, axes: dict[str, tuple]) -> None:
     """Refuses, before anything compiles, a budget under what the step's arguments alone take
-    at their smallest: the stored parameters, optimizer state and batch of each precision at
-    the most sparsity, the last state format and factorization the search allows. XLA's total
-    (argument + output + temp - alias) is never below its arguments.
+    at their smallest (:func:`_least_stored`: e.g. each precision at the most sparsity, the
+    last state format and factorization the search allows): the stored parameters,
+    optimizer state and batch. XLA's total (argument + output + temp - alias) is never below
+    its arguments.
 
     Raises:
       NoPlanFits: naming the least argument bytes and the plan that has them.
     """
     least, smallest = None, None
-    for precision in axes["precision"]:
-        plan = plan_of({"precision": precision, "sparsity": max(axes["sparsity"]),
-                        "optimizer_state": axes["optimizer_state"][-1],
-                        "factorize": axes["factorize"][-1]})  # fmt: skip
+    for plan in _least_stored(axes):
         setup = build(search.work, plan, recipe=search.recipe)
         total = memory.tree_bytes(setup.abstract_state()) + memory.tree_bytes(search.work.batch)
         if least is None or total < least:
@@ -211,6 +219,16 @@ def _refuse_below_the_least_state(search: Search, axes: dict[str, tuple]) -> Non
         )
 
 
+def _least_stored(axes: dict[str, tuple]) -> list[Plan]:
+    """The plans among which the step's arguments are the least: each axis that changes the
+    stored bytes at its last value where later values store no more
+    (:attr:`Axis.stored_falls`), else at each of its values."""
+    stored = [a for a in AXES if a.key in axes and a.values is not None and "stored" in a.parts]
+    choices = [axes[a.key][-1:] if a.stored_falls else axes[a.key] for a in stored]
+    keys = [a.key for a in stored]
+    return [plan_of(dict(zip(keys, c, strict=True))) for c in itertools.product(*choices)]
+
+
 def _first_fit_per_class(
     search: Search, axes: dict[str, tuple], classes: list[tuple], reference: float
 ) -> Iterator[tuple[Plan, float]]:
@@ -221,19 +239,20 @@ def _first_fit_per_class(
     than :data:`_PROBE_GAIN` of the FLOPs, and at the end. After a plan is given, classes
     within :data:`_PROBE_GAIN` of its FLOPs are passed over (for ``objective="time"``: the
     next candidate recomputes measurably more, where a near-copy would time the same)."""
-    most = max(axes["microbatches"])  # the least-memory count: its corners decide a class
+    most = _most_microbatches(axes)  # the least-memory count: its corners decide a class
     deferred: list[tuple] = []
     floor = 0.0
-    for flops, remat, factorize in classes:
+    for flops, point in classes:
         if flops < floor:
             continue
-        named = not parse_policy(remat).schedule  # schedules are many: logged when compiled
+        named = _named(point)  # family members are many: logged when compiled
         if search.log and named:
-            search.log(f"class remat {remat}, factorize {factorize and factorize.method}: "
-                       f"FLOPs {flops / reference:.3f} of the fp32 step")  # fmt: skip
-        corners = class_corners(axes, remat, factorize, most)
+            search.log(
+                f"class {_class_name(point)}: FLOPs {flops / reference:.3f} of the fp32 step"
+            )
+        corners = class_corners(axes, point, most)
         if _class_may_fit(search, corners, flops, probes=0):
-            found = next(_fits_in_class(search, axes, remat, factorize, flops), None)
+            found = next(_fits_in_class(search, axes, point, flops), None)
             if found is not None:
                 yield from _probe_deferred(search, axes, deferred, most, flops / (1 + _PROBE_GAIN))
                 yield found
@@ -244,7 +263,7 @@ def _first_fit_per_class(
         search.note(least, flops, "the class's least-memory plan is predicted over budget",
                     logged=named)  # fmt: skip
         if _borrowed(search, corners):
-            deferred.append((flops, remat, factorize))
+            deferred.append((flops, point))
     yield from _probe_deferred(search, axes, deferred, most, math.inf)
 
 
@@ -255,20 +274,41 @@ def _probe_deferred(
     ``deferred``; ``most``: the most microbatches, whose corners decide a class): the first
     fit of each class a probe admits."""
     while deferred and deferred[0][0] < below:
-        flops, remat, factorize = deferred.pop(0)
-        if _class_may_fit(search, class_corners(axes, remat, factorize, most), flops, _PROBES):
-            yield from itertools.islice(_fits_in_class(search, axes, remat, factorize, flops), 1)
+        flops, point = deferred.pop(0)
+        if _class_may_fit(search, class_corners(axes, point, most), flops, _PROBES):
+            yield from itertools.islice(_fits_in_class(search, axes, point, flops), 1)
 
 
-def _fits_in_class(search: Search, axes, remat, factorize, flops) -> Iterator[tuple[Plan, float]]:
-    for micro in axes["microbatches"]:
-        corners = class_corners(axes, remat, factorize, micro)
+def _fits_in_class(search: Search, axes, point, flops) -> Iterator[tuple[Plan, float]]:
+    key = _split_axis().key
+    for micro in axes[key]:
+        corners = class_corners(axes, point, micro)
         if all(search.predict(c, bound=True) > search.budget for c in corners):
             continue
-        for point in mildest_first(axes):
-            plan = plan_of({"remat": remat, "factorize": factorize, "microbatches": micro, **point})
+        for storage in mildest_first(axes):
+            plan = plan_of({**point, key: micro, **storage})
             if _fits_verified(search, plan, flops):
                 yield plan, flops
+
+
+def _split_axis():
+    """The axis whose candidates come from the batch size (the microbatch count)."""
+    return next(a for a in AXES if a.values is None)
+
+
+def _most_microbatches(axes: dict[str, tuple]) -> int:
+    return max(axes[_split_axis().key])
+
+
+def _named(point: dict[str, Any]) -> bool:
+    """No compute axis of the class is at a family's member (:class:`Family`)."""
+    return not any(a.family and a.key in point and point[a.key] not in a.values for a in COMPUTE)
+
+
+def _class_name(point: dict[str, Any]) -> str:
+    """``"remat none, factorize None"``: each compute axis' key and value (a factorization by
+    its method)."""
+    return ", ".join(f"{k} {getattr(v, 'method', v)}" for k, v in point.items())
 
 
 def _fastest(search: Search, fits: list[tuple[Plan, float]], repeats: int):

@@ -25,6 +25,9 @@ recomputation for some activation budget: :func:`least_recompute` reads one off.
 (Beaumont et al. 2019) solves a finer problem (which block inputs to keep across the backward
 pass, with the recomputation's own transient peak); this program sees only what the analytic
 count sees, and the planner compiles its answers to check them.
+
+**In the planner** the schedules are the remat axis' ``blocks`` family (:data:`BLOCKS`, a
+:class:`~lowmem_jax.technique.Family`): each schedule the program keeps is a compute class.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
-from lowmem_jax.remat import SCHEDULE_POLICIES, schedule_name
+from lowmem_jax.remat import SCHEDULE_POLICIES, parse_policy, schedule_name
+from lowmem_jax.technique import Family
 
 __all__ = [
     "BlockCosts",
@@ -43,6 +47,7 @@ __all__ = [
     "rescale",
     "pareto_schedules",
     "least_recompute",
+    "BLOCKS",
 ]
 
 
@@ -184,3 +189,57 @@ def least_recompute(schedules: Sequence[Schedule], activation_bytes: float) -> S
     activations fit ``activation_bytes``; ``None`` when none does."""
     fits = [s for s in schedules if s.bytes <= activation_bytes]
     return min(fits, key=lambda s: (s.flops, s.bytes), default=None)
+
+
+def _stacks(model) -> tuple[int, ...] | None:
+    stacks = getattr(model, "block_stacks", None)
+    return None if stacks is None else tuple(stacks())
+
+
+def _carry(costs: BlockCosts, saved: Callable[[str], float]) -> BlockCosts:
+    return rescale(costs, saved("none"), {p: saved(p) for p in ("dots", "full")})
+
+
+def _members(costs: BlockCosts) -> list[tuple[float, str]]:
+    """The schedules the program keeps, those with one policy throughout left out (they are
+    the remat axis' named values)."""
+    return [(s.flops, s.name) for s in pareto_schedules(costs) if len(set(s.policies)) > 1]
+
+
+def _saved_change(costs: BlockCosts, remat: str) -> float:
+    return predict(costs, parse_policy(remat).schedule).bytes - costs.base_bytes
+
+
+_ORDER = ("full", "dots", "none")  # within a stack, as pareto_schedules orders a stack's blocks
+
+
+def _neighbours(stacks: tuple[int, ...], remat: str) -> list[str]:
+    """The schedules one block away from ``remat`` (a schedule, or a policy every block
+    takes): one block of a stack moved to another of ``none`` / ``dots`` / ``full``, the
+    stack's blocks ordered ``full``, ``dots``, ``none``."""
+    policies = parse_policy(remat).schedule or (remat,) * sum(stacks)
+    if not set(policies) <= set(_ORDER):
+        return []
+    names = []
+    starts = list(itertools.accumulate(stacks, initial=0))
+    for a, b in itertools.pairwise(starts):
+        for block, other in itertools.product(range(a, b), _ORDER):
+            if other == policies[block]:
+                continue
+            moved = list(policies)
+            moved[block] = other
+            moved[a:b] = sorted(moved[a:b], key=_ORDER.index)
+            names.append(moved[0] if len(set(moved)) == 1 else schedule_name(moved))
+    return names
+
+
+#: The remat axis' ``blocks`` family: a policy per block of the model's scanned stacks.
+BLOCKS = Family(
+    "blocks",
+    structure=_stacks,
+    measure=measure_block_costs,
+    carry=_carry,
+    members=_members,
+    saved_change=_saved_change,
+    neighbours=_neighbours,
+)

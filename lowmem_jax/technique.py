@@ -26,6 +26,7 @@ __all__ = [
     "Flags",
     "EnvelopeRule",
     "Axis",
+    "Family",
     "ReportRow",
     "GridContext",
     "Evidence",
@@ -105,6 +106,40 @@ class EnvelopeRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class Family:
+    """A value of a compute axis that stands for a family of settings the planner expands
+    from the model (remat's ``blocks``: a policy per block, :mod:`lowmem_jax.remat_schedule`),
+    each member a compute class of its own.
+
+    The planner measures the family's costs on the model through two functions of the axis'
+    value it gives: ``saved(value)``, the analytic bytes one microbatch's forward pass saves
+    for the backward pass with the axis at ``value`` and the plan's other settings fixed, and
+    ``flops(value)``, the step's FLOPs.
+
+    Attributes:
+      value: the family's name among the axis' values (``"blocks"``).
+      structure: ``structure(model) -> s | None``: what the members are built on (remat: the
+        model's block stacks); ``None`` where the model has none (no member).
+      measure: ``measure(s, saved, flops) -> costs`` at the search's reference settings.
+      carry: ``carry(costs, saved) -> costs``: the costs carried to other settings of the
+        other axes by a few counts of ``saved`` (the FLOPs do not change).
+      members: ``members(costs) -> [(flops, value), ...]``: the members worth a class each.
+      saved_change: ``saved_change(costs, value) -> bytes``: a member's saved bytes minus
+        those with the axis at its first value, at one microbatch.
+      neighbours: ``neighbours(s, value) -> [value, ...]``: the members one change away from
+        ``value`` (a member or another value of the axis), for the planner's descent.
+    """
+
+    value: Any
+    structure: Callable[[Any], Any]
+    measure: Callable[[Any, Callable[[Any], float], Callable[[Any], float]], Any]
+    carry: Callable[[Any, Callable[[Any], float]], Any]
+    members: Callable[[Any], list[tuple[float, Any]]]
+    saved_change: Callable[[Any, Any], float]
+    neighbours: Callable[[Any, Any], list[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
 class Axis:
     """A technique's axis in the planner's search (:mod:`lowmem_jax.planner`).
 
@@ -121,12 +156,13 @@ class Axis:
         whose limit (:class:`EnvelopeRule`) is ``limit``.
       compute: the axis sets the step's FLOPs (a compute class), else only where bytes live.
       candidates: ``candidates(batch_size) -> values`` where ``values`` is ``None``.
-      families: values that stand for a family of settings the planner expands itself, not a
-        plan (remat's ``"blocks"``: the per-block schedules of :mod:`lowmem_jax.remat_schedule`).
+      family: a value of a compute axis that stands for a family of settings the planner
+        expands itself, not a plan (:class:`Family`; remat's ``"blocks"``).
       value_of: ``value_of(plan) -> value``: the plan's point on the axis (``plan_fields``'
-        inverse); ``None``: the plan field named ``key``.
-      parts: a storage axis' parts of the analytic count: ``"stored"`` (parameters, optimizer
-        state, batch) and/or ``"activations"`` (the saved residuals).
+        inverse; a family's member gives the family's value); ``None``: the plan field named
+        ``key``.
+      parts: the parts of the analytic count the axis changes: ``"stored"`` (parameters,
+        optimizer state, batch) and/or ``"activations"`` (the saved residuals).
       own_ratio: XLA's total over the analytic count depends on the value in a way of its own
         (XLA:CPU computes bf16 convolutions in float32; a quantized format decodes into
         temporaries), so the planner borrows a calibration only from the same value.
@@ -135,6 +171,9 @@ class Axis:
         temporaries, so every value is a corner).
       in_default_space: searched by default (:data:`lowmem_jax.planner.SPACE`); else only
         where a search's ``space`` names it.
+      stored_falls: later values store no more parameter, optimizer-state and batch bytes
+        (the planner's least arguments are at the last value); ``False``: values in another
+        order (precision: mixed precisions keep float32 weights), each one is tried.
     """
 
     key: str
@@ -143,12 +182,24 @@ class Axis:
     within: Callable[[Any, Any, int], bool]
     compute: bool = False
     candidates: Callable[[int], tuple] | None = None
-    families: tuple = ()
+    family: Family | None = None
     value_of: Callable[[Any], Any] | None = None
     parts: tuple[str, ...] = ("stored",)
     own_ratio: bool = False
     corner: str = "each"
     in_default_space: bool = True
+    stored_falls: bool = True
+
+    @property
+    def families(self) -> tuple:
+        """The values that stand for a family (:attr:`family`), not a plan."""
+        return () if self.family is None else (self.family.value,)
+
+    @property
+    def field(self) -> str:
+        """The plan field the axis sets (its only one)."""
+        (name,) = self.plan_fields(self.space(2)[0])
+        return name
 
     @property
     def storage(self) -> bool:

@@ -341,7 +341,7 @@ def test_the_storage_axes_are_the_registry_s():
     assert points[0] == {a.key: axes[a.key][0] for a in storage}
     changed = [sum(p[a.key] != axes[a.key][0] for a in storage) for p in points]
     assert changed == sorted(changed) and changed[1] == 1
-    corners = class_corners(axes, "full", None, 2)
+    corners = class_corners(axes, {"remat": "full", "factorize": None}, 2)
     for axis in storage:
         seen = {axis.value(plan) for plan in corners}
         assert seen == (set(axes[axis.key]) if axis.corner == "each" else {axes[axis.key][-1]})

@@ -73,14 +73,15 @@ def test_a_schedules_predicted_costs_match_the_whole_step_count():
     schedule's analytic activation bytes and FLOPs, each traced whole, closely."""
     work = workload("wrn-10-2", 4, image_size=8)
     search = Search(work, 1, ENVELOPES["any"], None, None)
-    fp32 = plan_search.settings(lm.Plan(), "activations")  # fp32, no compression
-    costs = search.block_costs(fp32, None)
+    fp32 = plan_search.settings(lm.Plan(), "activations")  # fp32, no compression, remat none
+    costs = search.family_costs("remat", plan_search._with(fp32, "remat", None))
     assert costs.stacks == (1, 1, 1)
     assert all(d < 0 for d in costs.dbytes["full"]) and all(f > 0 for f in costs.dflops["full"])
     policies = ("full", "none", "dots")
     predicted = rs.predict(costs, policies)
     name = lm.remat.schedule_name(policies)
-    assert predicted.bytes == pytest.approx(search._activations(fp32, name, None, 1), rel=0.02)
+    traced = search._activations(plan_search._with(fp32, "remat", name), 1)
+    assert predicted.bytes == pytest.approx(traced, rel=0.02)
     assert predicted.flops == pytest.approx(search.flops(lm.Plan(remat=name)), rel=1e-3)
-    front = search.schedules(None)
-    assert front and all(n.startswith("blocks:") for _, n in front)
+    front = search.family_classes("remat", {"factorize": None})
+    assert front and all(point["remat"].startswith("blocks:") for _, point in front)

@@ -156,6 +156,7 @@ TECHNIQUE = Technique(
         plan_fields=lambda value: {"factorize": value},
         within=lambda value, limit, batch_size: value is None or limit,
         compute=True,
+        parts=("stored", "activations"),
     ),
     report_rows=rows_of(
         "factorization",

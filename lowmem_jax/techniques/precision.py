@@ -76,6 +76,7 @@ TECHNIQUE = Technique(
         within=lambda value, limit, batch_size: value in limit,
         parts=("stored", "activations"),
         own_ratio=True,
+        stored_falls=False,
     ),
     report_rows=rows_of(
         "precision",

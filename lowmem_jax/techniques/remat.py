@@ -4,6 +4,7 @@ from flax import nnx
 
 from lowmem_jax import remat as remat_lib
 from lowmem_jax.blocks import AUTO_BLOCKS
+from lowmem_jax.remat_schedule import BLOCKS
 from lowmem_jax.technique import Axis, PlanField, Technique, Verdict, rows_of
 
 
@@ -102,8 +103,9 @@ TECHNIQUE = Technique(
         plan_fields=lambda value: {"remat": value},
         within=lambda value, limit, batch_size: True,
         compute=True,
-        families=("blocks",),
+        family=BLOCKS,
         value_of=_axis_value,
+        parts=("activations",),
     ),
     report_rows=rows_of(
         "remat",
