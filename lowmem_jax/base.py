@@ -38,6 +38,7 @@ __all__ = [
     "as_optimizer",
     "differentiated_loss",
     "cast_floating",
+    "choose",
     "PyTree",
     "LossFn",
 ]
@@ -181,6 +182,17 @@ class Wrapper(Optimizer):
 
     def describe(self, state: Any = None, params: PyTree | None = None) -> dict:
         return self.inner.describe(None if state is None else state.inner_state, params)
+
+
+def choose(table: dict[str, Any], name: str, parameter: str) -> Any:
+    """``table[name]``.
+
+    Raises:
+      ValueError: an unknown ``name``, in one line naming ``parameter`` and the allowed values.
+    """
+    if name not in table:
+        raise ValueError(f"Unknown {parameter}={name!r}; allowed values: {list(table)}")
+    return table[name]
 
 
 def as_optimizer(tx: optax.GradientTransformation | Optimizer) -> Optimizer:

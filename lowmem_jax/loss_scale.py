@@ -35,7 +35,6 @@ __all__ = [
     "DynamicLossScale",
     "LossScale",
     "make_loss_scale",
-    "check_settings",
     "LOSS_SCALES",
     "all_finite",
     "select_tree",
@@ -140,36 +139,6 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 LOSS_SCALES = ("none", "static", "dynamic")
 
 
-def check_settings(
-    kind: str,
-    *,
-    initial_scale: float = 2.0**15,
-    period: int = 2000,
-    factor: float = 2.0,
-    min_loss_scale: float = 1.0,
-) -> None:
-    """Validates :func:`make_loss_scale`'s arguments without building arrays (so a
-    :class:`~lowmem_jax.Plan` can be made before JAX starts its backends).
-
-    Raises:
-      ValueError: naming the offending parameter and its allowed values.
-    """
-    if kind not in LOSS_SCALES:
-        raise ValueError(f"Unknown loss_scale={kind!r}; allowed values: {list(LOSS_SCALES)}")
-    if not initial_scale > 0:
-        raise ValueError(f"initial_scale must be > 0, got {initial_scale}")
-    if kind != "dynamic":
-        return
-    if int(period) < 1:
-        raise ValueError(f"period must be an integer >= 1, got {period}")
-    if not factor > 1:
-        raise ValueError(f"factor must be > 1, got {factor}")
-    if not 0 < min_loss_scale <= initial_scale:
-        raise ValueError(
-            f"min_loss_scale must be in (0, initial_scale={initial_scale}], got {min_loss_scale}"
-        )
-
-
 def make_loss_scale(
     kind: str,
     *,
@@ -181,20 +150,24 @@ def make_loss_scale(
     """Builds a loss-scale state by name: ``"none"``, ``"static"`` or ``"dynamic"``.
 
     Raises:
-      ValueError: naming the offending parameter and its allowed values
-        (:func:`check_settings`).
+      ValueError: naming the offending parameter and its allowed values.
     """
-    check_settings(
-        kind,
-        initial_scale=initial_scale,
-        period=period,
-        factor=factor,
-        min_loss_scale=min_loss_scale,
-    )
+    if kind not in LOSS_SCALES:
+        raise ValueError(f"Unknown loss_scale={kind!r}; allowed values: {list(LOSS_SCALES)}")
+    if not initial_scale > 0:
+        raise ValueError(f"initial_scale must be > 0, got {initial_scale}")
     if kind == "none":
         return NoOpLossScale()
     if kind == "static":
         return StaticLossScale(jnp.asarray(initial_scale, jnp.float32))
+    if int(period) < 1:
+        raise ValueError(f"period must be an integer >= 1, got {period}")
+    if not factor > 1:
+        raise ValueError(f"factor must be > 1, got {factor}")
+    if not 0 < min_loss_scale <= initial_scale:
+        raise ValueError(
+            f"min_loss_scale must be in (0, initial_scale={initial_scale}], got {min_loss_scale}"
+        )
     return DynamicLossScale(
         loss_scale=jnp.asarray(initial_scale, jnp.float32),
         period=int(period),

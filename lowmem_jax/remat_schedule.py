@@ -235,11 +235,5 @@ def _neighbours(stacks: tuple[int, ...], remat: str) -> list[str]:
 
 #: The remat axis' ``blocks`` family: a policy per block of the model's scanned stacks.
 BLOCKS = Family(
-    "blocks",
-    structure=_stacks,
-    measure=measure_block_costs,
-    carry=_carry,
-    members=_members,
-    saved_change=_saved_change,
-    neighbours=_neighbours,
+    "blocks", _stacks, measure_block_costs, _carry, _members, _saved_change, _neighbours
 )

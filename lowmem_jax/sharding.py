@@ -41,6 +41,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lowmem_jax.base import choose
+
 __all__ = [
     "STAGES",
     "AXIS",
@@ -96,9 +98,7 @@ def stage(name: str) -> Stage:
     Raises:
       ValueError: naming ``shard`` and the allowed values.
     """
-    if name not in _STAGES:
-        raise ValueError(f"Unknown shard={name!r}; allowed values: {list(STAGES)}")
-    return _STAGES[name]
+    return choose(_STAGES, name, "shard")
 
 
 def set_cpu_devices(count: int, *, require: bool = True) -> None:

@@ -9,6 +9,7 @@ A task module has ``KIND``, ``DATASETS``, ``DEFAULT_MODEL``, ``MODELS`` (for mes
 
 from types import ModuleType
 
+from lowmem_jax.base import choose
 from lowmem_jax.tasks import classification, translation
 
 __all__ = ["classification", "translation", "DATASETS", "task_of", "make_task"]
@@ -25,9 +26,7 @@ def task_of(dataset: str) -> ModuleType:
     Raises:
       ValueError: naming ``dataset`` and the allowed values.
     """
-    if dataset not in DATASETS:
-        raise ValueError(f"Unknown dataset={dataset!r}; allowed values: {list(DATASETS)}")
-    return DATASETS[dataset]
+    return choose(DATASETS, dataset, "dataset")
 
 
 def make_task(config):

@@ -46,6 +46,10 @@ def _nbytes(aval) -> int:
     return aval.size * aval.dtype.itemsize
 
 
+# Its rows in `lowmem report`: (name, plan fields).
+_ROWS = [(f"act {f}", {"activations": f}) for f in ("bf16", "int8", "int2")]
+
+
 TECHNIQUE = Technique(
     name="activations",
     order=45,
@@ -93,11 +97,6 @@ TECHNIQUE = Technique(
         own_ratio=True,
         in_default_space=False,
     ),
-    report_rows=rows_of(
-        "activations",
-        70,
-        "act int8",
-        [(f"act {f}", {"activations": f}) for f in ("bf16", "int8", "int2")],
-    ),
+    report_rows=rows_of("activations", 70, "act int8", _ROWS),
     took_effect=_took_effect,
 )

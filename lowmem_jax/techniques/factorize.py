@@ -116,6 +116,10 @@ def _took_effect(evidence, plan):
     return Verdict("factorize", n > 0, f"{n} layers factorized ({plan.factorize.method})")
 
 
+# Its rows in `lowmem report`: (name, plan fields).
+_ROWS = [("factorize tucker 25%", {"factorize": FactorConfig("tucker", 0.25)})]
+
+
 TECHNIQUE = Technique(
     name="factorize",
     order=5,
@@ -158,11 +162,6 @@ TECHNIQUE = Technique(
         compute=True,
         parts=("stored", "activations"),
     ),
-    report_rows=rows_of(
-        "factorization",
-        80,
-        "factorize tucker 25%",
-        [("factorize tucker 25%", {"factorize": FactorConfig("tucker", 0.25)})],
-    ),
+    report_rows=rows_of("factorization", 80, "factorize tucker 25%", _ROWS),
     took_effect=_took_effect,
 )

@@ -31,6 +31,11 @@ def _took_effect(evidence, plan):
     )
 
 
+def _rows(context):
+    """Its rows in `lowmem report`: (name, plan fields); none where the batch has no images."""
+    return [("uint8 input", {"input_dtype": "uint8"})] if context.images else []
+
+
 TECHNIQUE = Technique(
     name="input_dtype",
     order=90,
@@ -55,11 +60,6 @@ TECHNIQUE = Technique(
     envelope=None,
     # Not searched: the planner's workloads are not all image batches.
     axis=None,
-    report_rows=rows_of(
-        "input",
-        60,
-        "uint8 input",
-        lambda context: [("uint8 input", {"input_dtype": "uint8"})] if context.images else [],
-    ),
+    report_rows=rows_of("input", 60, "uint8 input", _rows),
     took_effect=_took_effect,
 )

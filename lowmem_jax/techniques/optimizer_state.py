@@ -92,6 +92,10 @@ def _took_effect(evidence, plan):
     )
 
 
+# Its rows in `lowmem report`: (name, plan fields).
+_ROWS = [(f"state {f}", {"optimizer_state": f}) for f in ("bf16", "int8", "int4")]
+
+
 TECHNIQUE = Technique(
     name="optimizer_state",
     order=60,
@@ -128,11 +132,6 @@ TECHNIQUE = Technique(
         within=lambda value, limit, batch_size: value in limit,
         own_ratio=True,
     ),
-    report_rows=rows_of(
-        "optimizer state",
-        50,
-        "state int8",
-        [(f"state {f}", {"optimizer_state": f}) for f in ("bf16", "int8", "int4")],
-    ),
+    report_rows=rows_of("optimizer state", 50, "state int8", _ROWS),
     took_effect=_took_effect,
 )

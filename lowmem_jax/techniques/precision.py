@@ -41,6 +41,10 @@ def _took_effect(evidence, plan):
     )
 
 
+# Its rows in `lowmem report`: (name, plan fields).
+_ROWS = [(p, {"precision": p}) for p in ("mixed_bf16", "mixed_fp16", "bf16", "fp16")]
+
+
 TECHNIQUE = Technique(
     name="precision",
     order=10,
@@ -78,11 +82,6 @@ TECHNIQUE = Technique(
         own_ratio=True,
         stored_falls=False,
     ),
-    report_rows=rows_of(
-        "precision",
-        10,
-        "mixed_fp16",
-        [(p, {"precision": p}) for p in ("mixed_bf16", "mixed_fp16", "bf16", "fp16")],
-    ),
+    report_rows=rows_of("precision", 10, "mixed_fp16", _ROWS),
     took_effect=_took_effect,
 )

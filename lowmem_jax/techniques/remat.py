@@ -63,6 +63,12 @@ def _axis_value(plan) -> str:
     return "blocks" if remat_lib.parse_policy(plan.remat).schedule else plan.remat
 
 
+def _rows(context):
+    """Its rows in `lowmem report`: (name, plan fields); ``save:`` keeps the model's tag."""
+    policies = ("dots", f"save:{context.saved_name}", "full", "every:2", "sqrt")
+    return [(f"remat {p}", {"remat": p}) for p in policies]
+
+
 TECHNIQUE = Technique(
     name="remat",
     order=40,
@@ -107,14 +113,6 @@ TECHNIQUE = Technique(
         value_of=_axis_value,
         parts=("activations",),
     ),
-    report_rows=rows_of(
-        "remat",
-        30,
-        "remat full",
-        lambda context: [
-            (f"remat {p}", {"remat": p})
-            for p in ("dots", f"save:{context.saved_name}", "full", "every:2", "sqrt")
-        ],
-    ),
+    report_rows=rows_of("remat", 30, "remat full", _rows),
     took_effect=_took_effect,
 )

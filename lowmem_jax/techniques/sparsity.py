@@ -164,6 +164,10 @@ def _took_effect(evidence, plan):
     return Verdict("sparsity", bool(leaves), text)
 
 
+# Its rows in `lowmem report`: (name, plan fields).
+_ROWS = [(f"sparse {s:.0%} dsr", {"sparsity": report_sparsity(s)}) for s in (0.5, 0.7, 0.9)]
+
+
 TECHNIQUE = Technique(
     name="sparsity",
     order=50,
@@ -198,12 +202,7 @@ TECHNIQUE = Technique(
         value_of=lambda plan: 0.0 if plan.sparsity is None else 1 - plan.sparsity.density,
         corner="last",
     ),
-    report_rows=rows_of(
-        "sparsity",
-        40,
-        "sparse 70% dsr",
-        [(f"sparse {s:.0%} dsr", {"sparsity": report_sparsity(s)}) for s in (0.5, 0.7, 0.9)],
-    ),
+    report_rows=rows_of("sparsity", 40, "sparse 70% dsr", _ROWS),
     took_effect=_took_effect,
     # The rewiring compiles per sparse layer: WRN-28-2's dynamic-sparse report rows took 39-52 s
     # to analyse cold, the others 10-25 (benchmarks/results/report_time.md).
