@@ -25,8 +25,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         report, found = setup.analyze(), setup.verdicts()
     result = {"model": args.model, "batch_size": report.config["batch_size"], **report.to_dict()}
     result["verdicts"] = [dataclasses.asdict(v) for v in found]
-    if plan is not None and plan.shard != "none":  # the one-device step, for comparison
-        one = dataclasses.replace(plan, shard="none", devices=0, grad_compression="none")
+    one = None if plan is None else plan.on_one_device()
+    if one is not None and one != plan:  # the one-device step, for comparison
         single = analyze_model(args.model, args.batch_size, one, seq_len=args.seq_len).xla
         result["single_device"] = {"xla": single}
         result["xla_vs_single_device"] = {
@@ -48,7 +48,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if "single_device" in result:
         one, ratio = result["single_device"]["xla"], result["xla_vs_single_device"]
         print(
-            f"  per device of {result['config']['devices']} ({result['config']['shard']}); one "
+            f"  per device of {result['config']['devices']}; one "
             f"device: argument {one['argument_bytes'] / MIB:.2f} MiB, total "
             f"{one['total_bytes'] / MIB:.2f} MiB (x{ratio['argument_bytes']:.3f}, "
             f"x{ratio['total_bytes']:.3f})"

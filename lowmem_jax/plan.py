@@ -161,14 +161,32 @@ class _PlanMethods:
         return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
     def mesh(self) -> sharding_lib.Mesh | None:
-        """The device mesh the step's layouts refer to: ``shard``'s data-parallel mesh over
-        ``devices`` (:func:`lowmem_jax.sharding.data_mesh`); with ``shard="none"``, one device
-        when ``optimizer_memory`` needs a sharding to name its memory, else ``None``."""
-        if self.shard != "none":
-            return sharding_lib.data_mesh(self.devices)
-        if self.optimizer_memory != "device":
-            return sharding_lib.data_mesh(1)
+        """The device mesh the step's layouts refer to, from the first registered technique
+        that gives one (``shard``'s data-parallel mesh over ``devices``); ``None``: one
+        device and no layout."""
+        for technique in TECHNIQUES:
+            if technique.mesh is not None and (mesh := technique.mesh(self)) is not None:
+                return mesh
         return None
+
+    def state_shardings(self, state: Any) -> Any:
+        """Where the train state's leaves live (a tree of shardings matching ``state``), from
+        the first registered technique that lays it out; ``None``: as placed by default."""
+        for technique in TECHNIQUES:
+            if technique.state_shardings is not None:
+                shardings = technique.state_shardings(state, self)
+                if shardings is not None:
+                    return shardings
+        return None
+
+    def on_one_device(self) -> Plan:
+        """The plan with every setting that needs several devices off (for a comparison): this
+        plan where its step runs on one device."""
+        fields: dict[str, Any] = {}
+        for technique in TECHNIQUES:
+            if technique.one_device is not None:
+                fields.update(technique.one_device(self))
+        return dataclasses.replace(self, **fields) if fields else self
 
     def compiler_options(self) -> dict[str, str]:
         """XLA options the jitted step needs for this plan: every registered technique's

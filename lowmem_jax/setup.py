@@ -18,7 +18,6 @@ from lowmem_jax.base import LossFn, Optimizer, PyTree
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.technique import Verdict
-from lowmem_jax.techniques.shard import state_shardings
 from lowmem_jax.train import TrainState
 from lowmem_jax.verdicts import verdicts
 
@@ -73,12 +72,12 @@ class Setup:
         rng = jax.random.PRNGKey(0) if rng is None else rng
         if not jit:
             state = self._init_state(batch, rng, variables)
-            shardings = state_shardings(state, self.plan)
+            shardings = self.plan.state_shardings(state)
             return state if shardings is None else jax.device_put(state, shardings)
         if self.plan.mesh() is None:  # no shardings to place: one trace, not two
             return jax.jit(self._init_state)(batch, rng, variables)
         shapes = jax.eval_shape(self._init_state, batch, rng, variables)
-        init = jax.jit(self._init_state, out_shardings=state_shardings(shapes, self.plan))
+        init = jax.jit(self._init_state, out_shardings=self.plan.state_shardings(shapes))
         return init(batch, rng, variables)
 
     def abstract_variables(self) -> PyTree:
@@ -106,11 +105,11 @@ class Setup:
 
     def abstract_state(self) -> TrainState:
         """The state's shapes and dtypes (nothing is computed), with the plan's shardings
-        when it has a mesh (``plan.shard``)."""
+        where it lays the state out (:meth:`Plan.state_shardings`)."""
         shapes = jax.eval_shape(
             self._init_state, self.workload.batch, jax.random.PRNGKey(0), self.abstract_variables()
         )
-        shardings = state_shardings(shapes, self.plan)
+        shardings = self.plan.state_shardings(shapes)
         if shardings is None:
             return shapes
         return jax.tree.map(
@@ -164,10 +163,11 @@ class Setup:
     def analyze(self) -> memory.MemoryReport:
         """Compile-only memory analysis of the step at the workload's batch shapes.
 
-        With a mesh (``plan.shard``), XLA's figures are per device (the partitioned program
-        one device runs) and ``config["devices"]`` is the mesh's size; the analytic figures
-        stay those of one device running the whole batch."""
-        mesh = self.plan.mesh() if self.plan.shard != "none" else None
+        Over several devices (a plan that is not :meth:`Plan.on_one_device`), XLA's figures
+        are per device (the partitioned program one device runs) and ``config["devices"]`` is
+        the mesh's size; the analytic figures stay those of one device running the whole
+        batch."""
+        mesh = self.plan.mesh() if self.plan.on_one_device() != self.plan else None
         config = self.config if mesh is None else {**self.config, "devices": mesh.size}
         report = memory.analyze(
             self.step,
@@ -180,7 +180,7 @@ class Setup:
         )
         if mesh is not None:
             report.notes.append(
-                f"xla: per device, shard={self.plan.shard!r} over {mesh.size} devices; "
+                f"xla: per device, the plan's layout over {mesh.size} devices; "
                 "analytic: one device, the whole batch"
             )
         return report

@@ -362,6 +362,12 @@ class Technique:
       wrap_step: ``step(state, batch) -> (state, metrics)``, traced inside ``jit`` (e.g. the
         state's layout over a mesh on the way in and out).
       compiler_options: XLA options the jitted step needs.
+      mesh: ``mesh(plan) -> Mesh | None``: the device mesh the step's layouts refer to
+        (:meth:`Plan.mesh`: the first technique that gives one).
+      state_shardings: ``state_shardings(state, plan) -> shardings | None``: where the train
+        state's leaves live (arrays or shapes in, a matching tree of shardings out).
+      one_device: ``one_device(plan) -> {field: value}``: the settings that put the plan's
+        step on one device, for a comparison (``{}`` where it runs on one).
       took_effect: ``took_effect(evidence, plan) -> Verdict | None``: whether the setting
         changed the step (``None`` where the technique is off); :func:`lowmem_jax.verdicts`.
       report_rows: ``report_rows(context) -> (ReportRow, ...)``: the technique alone at the
@@ -387,6 +393,9 @@ class Technique:
     wrap_grad_fn: Callable[[Callable, Any], Callable] | None = None
     wrap_step: Callable[[Callable, Any], Callable] | None = None
     compiler_options: Callable[[Any], dict[str, str]] | None = None
+    mesh: Callable[[Any], Any] | None = None
+    state_shardings: Callable[[Any, Any], Any] | None = None
+    one_device: Callable[[Any], dict[str, Any]] | None = None
     took_effect: Callable[[Evidence, Any], Verdict | None] | None = None
     report_rows: Callable[[GridContext], tuple[ReportRow, ...]] | None = None
     compile_cost: Callable[[Any], float] | None = None

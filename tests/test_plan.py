@@ -92,3 +92,12 @@ def test_loss_scale_settings_are_refused_on_construction_at_any_precision(field,
     for precision in ("fp32", "fp16"):
         with pytest.raises(ValueError, match=why):
             lm.Plan(precision=precision, **{field: value})
+
+
+def test_on_one_device_turns_off_what_needs_several_devices_and_nothing_else():
+    """The comparison `lowmem analyze` makes for a sharded plan: the same plan on one device."""
+    plan = lm.Plan(shard="zero1", devices=2, grad_compression="int8", remat="full")
+    assert plan.on_one_device() == lm.Plan(remat="full")
+    one = lm.Plan(remat="full", optimizer_memory="pinned_host")
+    assert one.on_one_device() is one
+    assert lm.Plan().mesh() is None and lm.Plan().state_shardings({"x": jnp.zeros(2)}) is None

@@ -112,6 +112,22 @@ def state_shardings(state: Any, plan: Any) -> Any:
     )
 
 
+def _mesh(plan):
+    """``shard``'s data-parallel mesh over ``devices``; with ``shard="none"``, one device when
+    ``optimizer_memory`` needs a sharding to name its memory, else ``None``."""
+    if plan.shard != "none":
+        return sharding_lib.data_mesh(plan.devices)
+    if plan.optimizer_memory != "device":
+        return sharding_lib.data_mesh(1)
+    return None
+
+
+def _one_device(plan):
+    if plan.shard == "none":
+        return {}
+    return {"shard": "none", "devices": 0, "grad_compression": "none"}
+
+
 def _configure_model(model, plan):
     """zero3: a model with a ``param_layout`` field (the bundled ones) gathers each scanned
     block's partitioned parameters inside its loop, so one block's, not the whole model's, are
@@ -369,5 +385,8 @@ TECHNIQUE = Technique(
     wrap_grad_fn=_partitioned_grads,
     wrap_optimizer=_compressed,
     wrap_step=_laid_out,
+    mesh=_mesh,
+    state_shardings=state_shardings,
+    one_device=_one_device,
     took_effect=_took_effect,
 )
