@@ -26,9 +26,8 @@ from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer
 from lowmem_jax.remat import ModuleT
 from lowmem_jax.techniques import TECHNIQUES
-from lowmem_jax.techniques.input_dtype import INPUT_DTYPES
 
-__all__ = ["Plan", "INPUT_DTYPES"]
+__all__ = ["Plan"]
 
 
 class _PlanMethods:
