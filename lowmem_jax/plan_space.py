@@ -9,11 +9,23 @@ from typing import Any
 
 from lowmem_jax.envelope import Envelope
 from lowmem_jax.plan import Plan
-from lowmem_jax.plan_search import AXES, Search, plan_of
+from lowmem_jax.plan_search import AXES, COMPUTE, Search, plan_of
 from lowmem_jax.technique import Axis
 from lowmem_jax.techniques import TECHNIQUES
 
-__all__ = ["applicable", "axes_in", "class_corners", "mildest_first", "storage_axes"]
+__all__ = [
+    "applicable",
+    "axes_in",
+    "class_corners",
+    "class_name",
+    "compute_classes",
+    "least_stored",
+    "mildest_first",
+    "most_microbatches",
+    "named_class",
+    "split_axis",
+    "storage_axes",
+]
 
 
 def axes_in(envelope: Envelope, batch_size: int, space: dict[str, tuple]) -> dict[str, tuple]:
@@ -81,7 +93,7 @@ def class_corners(axes: dict[str, tuple], point: dict[str, Any], micro: int) -> 
     precision and optimizer-state format)."""
     storage = storage_axes(axes)
     values = [axes[a.key] if a.corner == "each" else axes[a.key][-1:] for a in storage]
-    split = next(a.key for a in AXES if a.values is None)  # the microbatch count
+    split = split_axis().key  # the microbatch count
     return [
         plan_of({**point, split: micro, **{a.key: v for a, v in zip(storage, combo, strict=True)}})
         for combo in itertools.product(*values)
@@ -95,3 +107,50 @@ def mildest_first(axes: dict[str, tuple]) -> list[dict[str, Any]]:
     combos = itertools.product(*(range(len(axes[k])) for k in keys))
     ordered = sorted(combos, key=lambda idx: (sum(i > 0 for i in idx), sum(idx), idx))
     return [{k: axes[k][i] for k, i in zip(keys, idx, strict=True)} for idx in ordered]
+
+
+def compute_classes(search: Search, axes: dict[str, tuple]) -> list[tuple[float, dict[str, Any]]]:
+    """``(FLOPs, point)`` of every compute class, cheapest first: a point of the compute axes
+    (:attr:`Axis.compute`), a family's value expanded into its members
+    (:meth:`Search.family_classes`)."""
+    classes = []
+    # The last registered compute axis outermost (remat, then factorize): ties keep this order.
+    keys = [axis.key for axis in reversed(COMPUTE) if axis.key in axes]
+    for values in itertools.product(*(axes[key] for key in keys)):
+        point = dict(zip(keys, values, strict=True))
+        family = next((a for a in COMPUTE if a.key in point and point[a.key] in a.families), None)
+        if family is not None:
+            classes += search.family_classes(family.key, point)
+        else:
+            classes.append((search.flops(plan_of(point)), point))
+    return sorted(classes, key=lambda c: c[0])
+
+
+def least_stored(axes: dict[str, tuple]) -> list[Plan]:
+    """The plans among which the step's arguments are the least: each axis that changes the
+    stored bytes at its last value where later values store no more
+    (:attr:`Axis.stored_falls`), else at each of its values."""
+    stored = [a for a in AXES if a.key in axes and a.values is not None and "stored" in a.parts]
+    choices = [axes[a.key][-1:] if a.stored_falls else axes[a.key] for a in stored]
+    keys = [a.key for a in stored]
+    return [plan_of(dict(zip(keys, c, strict=True))) for c in itertools.product(*choices)]
+
+
+def split_axis():
+    """The axis whose candidates come from the batch size (the microbatch count)."""
+    return next(a for a in AXES if a.values is None)
+
+
+def most_microbatches(axes: dict[str, tuple]) -> int:
+    return max(axes[split_axis().key])
+
+
+def named_class(point: dict[str, Any]) -> bool:
+    """No compute axis of the class is at a family's member (:class:`Family`)."""
+    return not any(a.family and a.key in point and point[a.key] not in a.values for a in COMPUTE)
+
+
+def class_name(point: dict[str, Any]) -> str:
+    """``"remat none, factorize None"``: each compute axis' key and value (a factorization by
+    its method)."""
+    return ", ".join(f"{k} {getattr(v, 'method', v)}" for k, v in point.items())

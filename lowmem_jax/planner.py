@@ -58,8 +58,19 @@ from lowmem_jax.envelope import ENVELOPES, Envelope
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_descent import descend
 from lowmem_jax.plan_flags import analyze_argv
-from lowmem_jax.plan_search import AXES, COMPUTE, MIB, Search, calibration_key, plan_name, plan_of
-from lowmem_jax.plan_space import applicable, axes_in, class_corners, mildest_first
+from lowmem_jax.plan_search import MIB, Search, calibration_key, plan_name, plan_of
+from lowmem_jax.plan_space import (
+    applicable,
+    axes_in,
+    class_corners,
+    class_name,
+    compute_classes,
+    least_stored,
+    mildest_first,
+    most_microbatches,
+    named_class,
+    split_axis,
+)
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.techniques import TECHNIQUES
 from lowmem_jax.workloads import Workload, build, workload
@@ -163,7 +174,7 @@ def plan_for_budget(
         axes = applicable(search, axes)
     _refuse_below_the_least_state(search, axes)
     reference = search.flops(Plan())
-    classes = _classes(search, axes)
+    classes = compute_classes(search, axes)
     fitting = _first_fit_per_class(search, axes, classes, reference)
     if objective == "flops":
         found = next(fitting, (None,))[0]
@@ -176,35 +187,18 @@ def plan_for_budget(
     return _answer(search, found, reference, start)
 
 
-def _classes(search: Search, axes: dict[str, tuple]) -> list[tuple[float, dict[str, Any]]]:
-    """``(FLOPs, point)`` of every compute class, cheapest first: a point of the compute axes
-    (:attr:`Axis.compute`), a family's value expanded into its members
-    (:meth:`Search.family_classes`)."""
-    classes = []
-    # The last registered compute axis outermost (remat, then factorize): ties keep this order.
-    keys = [axis.key for axis in reversed(COMPUTE) if axis.key in axes]
-    for values in itertools.product(*(axes[key] for key in keys)):
-        point = dict(zip(keys, values, strict=True))
-        family = next((a for a in COMPUTE if a.key in point and point[a.key] in a.families), None)
-        if family is not None:
-            classes += search.family_classes(family.key, point)
-        else:
-            classes.append((search.flops(plan_of(point)), point))
-    return sorted(classes, key=lambda c: c[0])
-
-
 def _refuse_below_the_least_state(search: Search, axes: dict[str, tuple]) -> None:
     """Refuses, before anything compiles, a budget under what the step's arguments alone take
-    at their smallest (:func:`_least_stored`: e.g. each precision at the most sparsity, the
-    last state format and factorization the search allows): the stored parameters,
-    optimizer state and batch. XLA's total (argument + output + temp - alias) is never below
-    its arguments.
+    at their smallest (:func:`~lowmem_jax.plan_space.least_stored`: e.g. each precision at
+    the most sparsity, the last state format and factorization the search allows): the
+    stored parameters, optimizer state and batch. XLA's total (argument + output + temp -
+    alias) is never below its arguments.
 
     Raises:
       NoPlanFits: naming the least argument bytes and the plan that has them.
     """
     least, smallest = None, None
-    for plan in _least_stored(axes):
+    for plan in least_stored(axes):
         setup = build(search.work, plan, recipe=search.recipe)
         total = memory.tree_bytes(setup.abstract_state()) + memory.tree_bytes(search.work.batch)
         if least is None or total < least:
@@ -219,16 +213,6 @@ def _refuse_below_the_least_state(search: Search, axes: dict[str, tuple]) -> Non
         )
 
 
-def _least_stored(axes: dict[str, tuple]) -> list[Plan]:
-    """The plans among which the step's arguments are the least: each axis that changes the
-    stored bytes at its last value where later values store no more
-    (:attr:`Axis.stored_falls`), else at each of its values."""
-    stored = [a for a in AXES if a.key in axes and a.values is not None and "stored" in a.parts]
-    choices = [axes[a.key][-1:] if a.stored_falls else axes[a.key] for a in stored]
-    keys = [a.key for a in stored]
-    return [plan_of(dict(zip(keys, c, strict=True))) for c in itertools.product(*choices)]
-
-
 def _first_fit_per_class(
     search: Search, axes: dict[str, tuple], classes: list[tuple], reference: float
 ) -> Iterator[tuple[Plan, float]]:
@@ -239,17 +223,15 @@ def _first_fit_per_class(
     than :data:`_PROBE_GAIN` of the FLOPs, and at the end. After a plan is given, classes
     within :data:`_PROBE_GAIN` of its FLOPs are passed over (for ``objective="time"``: the
     next candidate recomputes measurably more, where a near-copy would time the same)."""
-    most = _most_microbatches(axes)  # the least-memory count: its corners decide a class
+    most = most_microbatches(axes)  # the least-memory count: its corners decide a class
     deferred: list[tuple] = []
     floor = 0.0
     for flops, point in classes:
         if flops < floor:
             continue
-        named = _named(point)  # family members are many: logged when compiled
+        named = named_class(point)  # family members are many: logged when compiled
         if search.log and named:
-            search.log(
-                f"class {_class_name(point)}: FLOPs {flops / reference:.3f} of the fp32 step"
-            )
+            search.log(f"class {class_name(point)}: FLOPs {flops / reference:.3f} of the fp32 step")
         corners = class_corners(axes, point, most)
         if _class_may_fit(search, corners, flops, probes=0):
             found = next(_fits_in_class(search, axes, point, flops), None)
@@ -280,7 +262,7 @@ def _probe_deferred(
 
 
 def _fits_in_class(search: Search, axes, point, flops) -> Iterator[tuple[Plan, float]]:
-    key = _split_axis().key
+    key = split_axis().key
     for micro in axes[key]:
         corners = class_corners(axes, point, micro)
         if all(search.predict(c, bound=True) > search.budget for c in corners):
@@ -289,26 +271,6 @@ def _fits_in_class(search: Search, axes, point, flops) -> Iterator[tuple[Plan, f
             plan = plan_of({**point, key: micro, **storage})
             if _fits_verified(search, plan, flops):
                 yield plan, flops
-
-
-def _split_axis():
-    """The axis whose candidates come from the batch size (the microbatch count)."""
-    return next(a for a in AXES if a.values is None)
-
-
-def _most_microbatches(axes: dict[str, tuple]) -> int:
-    return max(axes[_split_axis().key])
-
-
-def _named(point: dict[str, Any]) -> bool:
-    """No compute axis of the class is at a family's member (:class:`Family`)."""
-    return not any(a.family and a.key in point and point[a.key] not in a.values for a in COMPUTE)
-
-
-def _class_name(point: dict[str, Any]) -> str:
-    """``"remat none, factorize None"``: each compute axis' key and value (a factorization by
-    its method)."""
-    return ", ".join(f"{k} {getattr(v, 'method', v)}" for k, v in point.items())
 
 
 def _fastest(search: Search, fits: list[tuple[Plan, float]], repeats: int):

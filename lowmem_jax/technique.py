@@ -271,9 +271,8 @@ def rows_of(
     quick: str,
     settings: list[tuple[str, dict[str, Any]]] | Callable[[GridContext], list],
 ) -> Callable[[GridContext], tuple[ReportRow, ...]]:
-    """A technique's ``report_rows``: a :class:`ReportRow` for each ``(name, fields)`` of
-    ``settings`` (a list, or a function of the :class:`GridContext` giving one), in ``group``
-    at ``position``; the one named ``quick`` in the default grid."""
+    """A technique's ``report_rows``: a :class:`ReportRow` per ``(name, fields)`` of ``settings``
+    (a list, or a function of the :class:`GridContext`) at ``position``; ``quick`` by name."""
 
     def report_rows(context: GridContext) -> tuple[ReportRow, ...]:
         given = settings(context) if callable(settings) else settings
