@@ -53,8 +53,8 @@ def load_or_run_report(model: str, refresh: bool | list[str] = False) -> dict:
             return previous
         reuse = {r["name"]: r for r in previous["configs"] if r["name"] not in refresh}
         sharding = None if "sharding" in refresh else previous.get("sharding")
-    shard_devices = () if sharding is not None else devices
-    result = run_report(model, batch, seq_len=seq_len, reuse=reuse, shard_devices=shard_devices)
+    sections = {"sharding": () if sharding is not None else devices}
+    result = run_report(model, batch, seq_len=seq_len, reuse=reuse, sections=sections)
     if sharding is not None:
         result["sharding"] = sharding
     write_report(result, os.path.dirname(path), command=command(model))

@@ -37,6 +37,7 @@ from lowmem_jax.plan_flags import (
     add_workload_flags,
 )
 from lowmem_jax.report_grid import GRIDS
+from lowmem_jax.techniques import TECHNIQUES, report_sections
 
 MIB = 2.0**20
 
@@ -78,45 +79,12 @@ def _use_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-# lowmem report --shard-devices auto: those of these that divide the batch.
-_AUTO_SHARD_DEVICES = (2, 4, 8)
-
-
-def _device_counts(text: str) -> tuple[int, ...] | str | None:
-    """``--shard-devices``: ``auto`` (``None``), ``none`` or comma-separated counts; left out,
-    ``"grid"`` (auto with ``--grid full``, none with ``--grid quick``: :func:`_use_devices`)."""
-    if text in ("auto", "none", "grid"):
-        return {"auto": None, "none": (), "grid": "grid"}[text]
-    try:
-        counts = tuple(sorted({int(n) for n in text.split(",")}))
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 2:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give auto, none or comma-separated device counts >= 2, e.g. 2,4,8"
-        )
-    return counts
-
-
-def _use_devices(args: argparse.Namespace) -> None:
-    """``--devices N`` with ``--shard`` (or ``lowmem report --shard-devices``): host devices on
-    CPU, asked for before JAX starts."""
-    from lowmem_jax.sharding import set_cpu_devices  # imports no JAX backend
-
-    if getattr(args, "shard_devices", ()) == "grid":  # left out: the grid decides
-        args.shard_devices = None if args.grid == "full" else ()
-    if getattr(args, "shard_devices", ()) != ():
-        # auto takes what the backend then has (e.g. one GPU: no section); counts are required
-        auto = args.shard_devices is None
-        set_cpu_devices(max(args.shard_devices or _AUTO_SHARD_DEVICES), require=not auto)
-    devices, shard = getattr(args, "devices", None), getattr(args, "shard", None)
-    if devices and shard in (None, "none"):
-        raise ValueError(
-            f"--devices {devices} needs --shard (dp, zero1, zero2 or zero3): without it the "
-            "step runs on one device"
-        )
-    if devices and shard not in (None, "none"):
-        set_cpu_devices(devices)
+def _use_host_devices(args: argparse.Namespace) -> None:
+    """The host devices the techniques' flags ask for (e.g. ``--devices N`` with ``--shard``,
+    ``lowmem report --shard-devices``), asked of XLA:CPU before JAX starts."""
+    for technique in TECHNIQUES:
+        if technique.host_devices is not None:
+            technique.host_devices(args)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -129,27 +97,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
     batch_size = workload(args.model, args.batch_size, seq_len=args.seq_len).batch_size
     paths.ensure_directory(args.out_dir, "--out-dir")
     print(f"lowmem report: {args.model}, batch {batch_size} (compile-only, no step runs)")
-    shard_devices = args.shard_devices
-    if shard_devices is None:
-        import jax
-
-        visible = len(jax.devices())
-        shard_devices = tuple(
-            n for n in _AUTO_SHARD_DEVICES if batch_size % n == 0 and n <= visible
-        )
+    sections = {key: s.setting(args, batch_size) for key, s in report_sections().items()}
     grid = model_grid(args.model, batch_size, args.grid)
     result = run_report(
         args.model,
         batch_size,
         grid,
         seq_len=args.seq_len,
-        shard_devices=shard_devices,
+        sections=sections,
         jobs=args.jobs,
     )
     command = "lowmem report " + " ".join(
         [f"--model {args.model}", f"--batch-size {batch_size}", f"--out-dir {args.out_dir}"]
         + ([f"--seq-len {args.seq_len}"] if args.model.startswith("dynamicconv") else [])
-        + [f"--shard-devices {','.join(map(str, shard_devices)) or 'none'}"]
+        + [" ".join(s.argv(sections[key])) for key, s in report_sections().items()]
         + [f"--grid {args.grid}"]
     )
     written = write_report(result, args.out_dir, command=command)
@@ -274,15 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         "took 2m18s: XLA:CPU's compiler already uses the cores; more may pay on a larger "
         "machine). Default: %(default)s",
     )
-    report.add_argument(
-        "--shard-devices",
-        type=_device_counts,
-        default="grid",
-        help="device counts for the sharding section (per-device bytes of the baseline under "
-        "each ZeRO stage; host devices on CPU), e.g. 2,4,8; auto: those of 2, 4, 8 that divide "
-        "the batch and the backend has (host devices on CPU); none: no section. Default: auto "
-        "with --grid full, none with --grid quick",
-    )
+    for section in report_sections().values():
+        section.add_flag(report)
     report.set_defaults(func=_cmd_report)
 
     plan = commands["plan"]
@@ -366,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         _use_compilation_cache(args.cache_dir)
-        _use_devices(args)
+        _use_host_devices(args)
         return args.func(args)
     except NoProgressError as err:
         if args.debug:

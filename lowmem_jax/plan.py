@@ -22,7 +22,6 @@ from flax import nnx
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import precision as precision_lib
 from lowmem_jax import scanned_blocks
-from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer
 from lowmem_jax.remat import ModuleT
 from lowmem_jax.techniques import TECHNIQUES
@@ -159,7 +158,7 @@ class _PlanMethods:
         """The fields ``lowmem`` exposes as flags (those declared with a help text)."""
         return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
-    def mesh(self) -> sharding_lib.Mesh | None:
+    def mesh(self) -> jax.sharding.Mesh | None:
         """The device mesh the step's layouts refer to, from the first registered technique
         that gives one (``shard``'s data-parallel mesh over ``devices``); ``None``: one
         device and no layout."""

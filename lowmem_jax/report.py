@@ -10,10 +10,10 @@ Writes ``report.json``, ``report.md`` and two plots: the model / optimizer / act
 per configuration (the report's breakdown figure) and memory reduction against FLOPs overhead
 (the trade-off figure). Every figure names its source: ``analytic`` or ``XLA:<BACKEND>``.
 
-With ``shard_devices`` (``lowmem report --shard-devices``) the report also has a sharding
-section (:mod:`lowmem_jax.report_sharding`): XLA's per-device figures of the baseline plan under
-each ZeRO stage for each device count, next to the one-device step, and a plot of them
-(``sharding.png``).
+A technique may add a section of its own after the grid, with its own flag
+(:class:`lowmem_jax.technique_report.ReportSection`; ``run_report``'s ``sections``): the
+sharding technique's per-device bytes by ZeRO stage and device count (``--shard-devices``,
+``sharding.png``).
 """
 
 from __future__ import annotations
@@ -32,11 +32,7 @@ from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
 from lowmem_jax.report_grid import GridRow, model_grid
 from lowmem_jax.report_plot import plot_report
-from lowmem_jax.report_sharding import (
-    check_shard_devices,
-    sharding_markdown,
-    sharding_rows,
-)
+from lowmem_jax.techniques import report_sections
 from lowmem_jax.workloads import analyze_model
 
 __all__ = [
@@ -69,7 +65,7 @@ def run_report(
     progress: Callable[[str], None] | None = print,
     seq_len: int = 40,
     reuse: dict[str, dict[str, Any]] | None = None,
-    shard_devices: tuple[int, ...] = (),
+    sections: dict[str, Any] | None = None,
     jobs: int = 1,
 ) -> dict[str, Any]:
     """Analyses every configuration of ``grid``; returns the report as a JSON-able dict.
@@ -77,13 +73,19 @@ def run_report(
     Sparse rows store their sparse weights compressed, so their model and optimizer bytes are
     the non-zeros and indices, as the technical report counted them. ``reuse``: rows of an
     earlier report by name, taken as they are instead of analysed again (to refresh some rows
-    of a report after a change that affects only them). ``shard_devices``: device counts for
-    the sharding section (:func:`sharding_rows` of the baseline at each count and of
-    ``remat="full"`` at the largest; JAX must see that many devices); ``()``: none.
+    of a report after a change that affects only them). ``sections``: ``{key: setting}`` of
+    the techniques' report sections (:func:`lowmem_jax.techniques.report_sections`; e.g.
+    ``{"sharding": (2, 4, 8)}``: per-device bytes at each count, JAX must see that many
+    devices); a section left out or with an empty setting is not run.
     ``jobs``: configurations analysed at once, in threads (XLA's compiles release the GIL; the
     rows and figures are the same, in grid order, whatever ``jobs``).
     """
-    check_shard_devices(batch_size, shard_devices)
+    known = report_sections()
+    sections = {key: setting for key, setting in (sections or {}).items() if setting}
+    for key, setting in sections.items():
+        if key not in known:
+            raise ValueError(f"Unknown report section {key!r}; allowed values: {list(known)}")
+        known[key].check(batch_size, setting)
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if grid is None:
@@ -159,19 +161,11 @@ def run_report(
         },
         "configs": rows,
     }
-    if shard_devices:
-        # The baseline at every count; remat full at the largest, where zero3's per-block
-        # gathering shows (without remat the backward pass keeps every gathered block).
-        result["sharding"] = sharding_rows(
-            model, batch_size, shard_devices, seq_len=seq_len, progress=progress
-        ) + sharding_rows(
-            model,
-            batch_size,
-            (max(shard_devices),),
-            plan=Plan(remat="full"),
-            label="remat full",
-            seq_len=seq_len,
-            progress=progress,
+    for key, setting in sections.items():
+        result[key] = known[key].rows(
+            lambda fields: analyze_model(model, batch_size, Plan(**fields), seq_len=seq_len).xla,
+            setting,
+            progress,
         )
     return result
 
@@ -239,8 +233,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         )
     notes = next(r for r in result["configs"] if r["name"] == "baseline")["notes"]
     lines += ["", "Notes:", *[f"- {n}" for n in notes]]
-    if result.get("sharding"):
-        lines += ["", *sharding_markdown(result["sharding"])]
+    for key, section in report_sections().items():
+        if result.get(key):
+            lines += ["", *section.markdown(result[key])]
     return "\n".join(lines) + "\n"
 
 
@@ -275,8 +270,8 @@ def summary_table(result: dict[str, Any], names: list[str]) -> str:
 
 
 def write_report(result: dict[str, Any], out_dir: str, command: str | None = None) -> list[str]:
-    """Writes report.json, report.md, breakdown.png, tradeoff.png and (with a sharding
-    section) sharding.png; returns their paths."""
+    """Writes report.json, report.md, breakdown.png, tradeoff.png and a plot per section
+    (``<key>.png``, e.g. sharding.png); returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     if command:
         result = {**result, "command": command}

@@ -9,7 +9,7 @@ import dataclasses
 
 from lowmem_jax.factorization import FactorConfig
 from lowmem_jax.sparsity import report_sparsity
-from lowmem_jax.technique import GridContext, ReportRow
+from lowmem_jax.technique_report import GridContext, ReportRow
 
 __all__ = ["combined_rows"]
 

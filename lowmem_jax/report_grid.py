@@ -11,7 +11,7 @@ from __future__ import annotations
 from lowmem_jax.plan import Plan
 from lowmem_jax.remat import CONV_OUT, DOT_OUT
 from lowmem_jax.report_combined import combined_rows
-from lowmem_jax.technique import GridContext, divisor_at_most
+from lowmem_jax.technique_report import GridContext, divisor_at_most
 from lowmem_jax.techniques import TECHNIQUES
 
 __all__ = ["GridRow", "GRIDS", "divisor_at_most", "standard_grid", "model_grid"]

@@ -1,12 +1,12 @@
 """The plots of a ``lowmem report``: the memory breakdown per configuration and the memory
-reduction against FLOPs (and, with a sharding section, per-device bytes by stage)."""
+reduction against FLOPs (and a plot per technique's section, e.g. per-device bytes by stage)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from lowmem_jax.report_sharding import sharding_plot
+from lowmem_jax.techniques import report_sections
 
 __all__ = ["plot_report"]
 
@@ -129,7 +129,8 @@ def plot_report(result: dict[str, Any], out_dir: str) -> list[str]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    if result.get("sharding"):
-        paths.append(os.path.join(out_dir, "sharding.png"))
-        sharding_plot(result["sharding"], f"{title}: per-device bytes by stage", paths[-1])
+    for key, section in report_sections().items():
+        if result.get(key):
+            paths.append(os.path.join(out_dir, f"{key}.png"))
+            section.plot(result[key], title, paths[-1])
     return paths

@@ -27,12 +27,8 @@ __all__ = [
     "EnvelopeRule",
     "Axis",
     "Family",
-    "ReportRow",
-    "GridContext",
     "Evidence",
     "Verdict",
-    "divisor_at_most",
-    "rows_of",
 ]
 
 
@@ -215,72 +211,6 @@ class Axis:
         return self.values if self.values is not None else self.candidates(batch_size)
 
 
-def divisor_at_most(batch_size: int, target: float) -> int:
-    """The largest divisor of ``batch_size`` that is <= ``target`` (at least 1)."""
-    return max(d for d in range(1, batch_size + 1) if batch_size % d == 0 and d <= max(target, 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class GridContext:
-    """What a memory report's rows depend on (:mod:`lowmem_jax.report_grid`).
-
-    Attributes:
-      batch_size: the examples in a step's batch.
-      saved_name: the ``checkpoint_name`` the model tags its main outputs with (``conv_out``
-        in the WideResNet, ``dot_out`` in the DynamicConv Transformer).
-      images: the batch holds images (their stored dtype can change).
-    """
-
-    batch_size: int
-    saved_name: str
-    images: bool
-
-    def examples(self, target: float) -> int | None:
-        """Examples per microbatch nearest below ``target`` that split the batch into more
-        than one microbatch (:func:`divisor_at_most`), or ``None`` where none does."""
-        size = divisor_at_most(self.batch_size, target)
-        return size if 1 < size < self.batch_size else None
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportRow:
-    """One row of a memory report (``lowmem report``).
-
-    Attributes:
-      name: the row's label (``"state int8"``).
-      group: the report's group it belongs to (``"optimizer state"``).
-      fields: ``{plan field: value}`` of its plan (the rest at their defaults).
-      position: where the row sits: a report lists rows by it (``plain`` and ``baseline``
-        first, then precision 10, microbatching 20, remat 30, sparsity 40, optimizer state 50,
-        input 60, activations 70, factorization 80, the combined rows 100), ties in the
-        order given.
-      quick: in ``lowmem report``'s default grid (``--grid quick``): a technique's setting
-        there is the one the report's study uses.
-    """
-
-    name: str
-    group: str
-    fields: dict[str, Any]
-    position: int
-    quick: bool = False
-
-
-def rows_of(
-    group: str,
-    position: int,
-    quick: str,
-    settings: list[tuple[str, dict[str, Any]]] | Callable[[GridContext], list],
-) -> Callable[[GridContext], tuple[ReportRow, ...]]:
-    """A technique's ``report_rows``: a :class:`ReportRow` per ``(name, fields)`` of ``settings``
-    (a list, or a function of the :class:`GridContext`) at ``position``; ``quick`` by name."""
-
-    def report_rows(context: GridContext) -> tuple[ReportRow, ...]:
-        given = settings(context) if callable(settings) else settings
-        return tuple(ReportRow(n, group, f, position, quick=n == quick) for n, f in given)
-
-    return report_rows
-
-
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """Whether a technique the plan turns on changed the step, and the evidence.
@@ -370,7 +300,12 @@ class Technique:
       took_effect: ``took_effect(evidence, plan) -> Verdict | None``: whether the setting
         changed the step (``None`` where the technique is off); :func:`lowmem_jax.verdicts`.
       report_rows: ``report_rows(context) -> (ReportRow, ...)``: the technique alone at the
-        settings a memory report shows (:class:`GridContext`); ``None``: no rows.
+        settings a memory report shows (:mod:`lowmem_jax.technique_report`); ``None``: no
+        rows.
+      report_section: a section of ``lowmem report`` of its own, after the grid, with its
+        own flag (:class:`lowmem_jax.technique_report.ReportSection`).
+      host_devices: ``host_devices(args)`` asks XLA:CPU for the host devices the technique's
+        command-line flags need; the CLI calls it before JAX starts.
       compile_cost: ``compile_cost(plan) -> factor``: about how many times longer the step
         takes to trace and compile with the setting than without it (measured on XLA:CPU);
         ``lowmem report``'s estimate of the time left weighs its rows by the product.
@@ -396,5 +331,7 @@ class Technique:
     state_shardings: Callable[[Any, Any], Any] | None = None
     one_device: Callable[[Any], dict[str, Any]] | None = None
     took_effect: Callable[[Evidence, Any], Verdict | None] | None = None
-    report_rows: Callable[[GridContext], tuple[ReportRow, ...]] | None = None
+    report_rows: Callable[[Any], tuple[Any, ...]] | None = None
+    report_section: Any = None
+    host_devices: Callable[[argparse.Namespace], None] | None = None
     compile_cost: Callable[[Any], float] | None = None

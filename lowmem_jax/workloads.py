@@ -260,7 +260,7 @@ def build(
     if mesh is not None and work.batch_size % (plan.microbatches * mesh.size):
         raise ValueError(
             f"batch_size={work.batch_size} is not divisible by microbatches={plan.microbatches}"
-            f" x devices={mesh.size} (shard={plan.shard!r}: each device takes its share of "
+            f" x devices={mesh.size} (the plan's device mesh: each device takes its share of "
             "every microbatch)"
         )
     work = work.with_input_dtype(plan.input_dtype)

@@ -345,7 +345,7 @@ def test_inspect_lists_one_device_s_buffers_of_a_sharded_step(capsys):
 
 def test_the_report_has_per_device_bytes_for_every_stage(tmp_path, capsys):
     grid = [("baseline", "baseline", lm.Plan())]
-    result = run_report("wrn-10-1", 16, grid=grid, progress=None, shard_devices=(8,))
+    result = run_report("wrn-10-1", 16, grid=grid, progress=None, sections={"sharding": (8,)})
     stages = [(1, "none"), *((8, s) for s in ("dp", "zero1", "zero2", "zero3"))]
     assert [(r["plan"], r["devices"], r["shard"]) for r in result["sharding"]] == [
         (plan, *stage) for plan in ("baseline", "remat full") for stage in stages
@@ -375,7 +375,7 @@ def test_the_report_has_per_device_bytes_for_every_stage(tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--devices", "8"], "--devices 8 needs --shard"),
+        (["--devices", "8"], "devices=8 needs shard (dp, zero1, zero2 or zero3)"),
         (["--devices", "8", "--shard", "dp", "--microbatches", "4"],
          "batch_size=16 is not divisible by microbatches=4 x devices=8"),
     ],

@@ -18,7 +18,7 @@ from lowmem_jax.plan_flags import add_plan_flags, add_workload_flags, analyze_ar
 from lowmem_jax.plan_search import plan_name, plan_of
 from lowmem_jax.plan_space import axes_in
 from lowmem_jax.report_grid import model_grid, standard_grid
-from lowmem_jax.technique import GridContext, ReportRow
+from lowmem_jax.technique_report import GridContext, ReportRow
 from lowmem_jax.techniques import TECHNIQUES, technique
 
 PLAN_FIELDS = [f.name for f in dataclasses.fields(lm.Plan)]
@@ -136,6 +136,51 @@ def test_a_technique_s_rows_land_in_the_report_without_editing_the_grid(monkeypa
     monkeypatch.setattr(report_grid, "TECHNIQUES", registry)
     names = [name for name, _, _ in model_grid("wrn-28-2", BATCH, "quick")]
     assert names.index("bf16 again") == names.index("mixed_fp16") + 1
+
+
+def test_a_technique_s_report_section_lands_in_the_report_without_editing_it(monkeypatch, tmp_path):
+    """A section of its own (flag, rows, markdown, plot) reaches ``lowmem report`` from the
+    technique's declaration: here a copy of the precision technique with a section that
+    compiles the baseline at the precisions its flag names."""
+    import lowmem_jax.techniques as registry_module
+    from lowmem_jax import cli
+    from lowmem_jax.report import run_report, write_report
+    from lowmem_jax.technique_report import ReportSection
+
+    def rows(analyze, precisions, progress):
+        return [{"precision": p, "total": analyze({"precision": p})["total_bytes"]}
+                for p in precisions]  # fmt: skip
+
+    def plot(rows, title, path):
+        pathlib.Path(path).write_text(title)
+
+    section = ReportSection(
+        key="sweep",
+        add_flag=lambda parser: parser.add_argument("--sweep", type=lambda t: tuple(t.split(","))),
+        setting=lambda args, batch_size: args.sweep,
+        argv=lambda precisions: ["--sweep", ",".join(precisions)],
+        check=lambda batch_size, precisions: None,
+        rows=rows,
+        markdown=lambda rows: [f"sweep {r['precision']}: {r['total']}" for r in rows],
+        plot=plot,
+    )
+    old = technique("precision")
+    new = dataclasses.replace(old, report_section=section)
+    monkeypatch.setattr(
+        registry_module, "TECHNIQUES", tuple(new if t is old else t for t in TECHNIQUES)
+    )
+    args = cli.build_parser().parse_args(["report", "--sweep", "bf16"])
+    assert section.setting(args, 8) == ("bf16",)
+    grid = [("baseline", "baseline", lm.Plan())]
+    result = run_report("wrn-10-1", 8, grid=grid, progress=None, sections={"sweep": ("fp32",)})
+    assert result["sweep"] == [
+        {"precision": "fp32", "total": result["configs"][0]["xla"]["total_bytes"]}
+    ]
+    written = write_report(result, str(tmp_path))
+    assert str(tmp_path / "sweep.png") in written
+    assert f"sweep fp32: {result['sweep'][0]['total']}" in (tmp_path / "report.md").read_text()
+    with pytest.raises(ValueError, match="Unknown report section 'sweeps'; allowed values"):
+        run_report("wrn-10-1", 8, grid=grid, progress=None, sections={"sweeps": ("fp32",)})
 
 
 def test_the_planner_searches_every_registered_axis():

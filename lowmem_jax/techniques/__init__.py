@@ -35,7 +35,7 @@ import pkgutil
 
 from lowmem_jax.technique import Technique
 
-__all__ = ["TECHNIQUES", "technique"]
+__all__ = ["TECHNIQUES", "technique", "report_sections"]
 
 
 def _discover() -> tuple[Technique, ...]:
@@ -62,3 +62,9 @@ def technique(name: str) -> Technique:
         if t.name == name:
             return t
     raise ValueError(f"Unknown technique {name!r}; registered: {[t.name for t in TECHNIQUES]}")
+
+
+def report_sections() -> dict:
+    """The ``lowmem report`` sections the techniques declare
+    (:class:`~lowmem_jax.technique_report.ReportSection`), by key, in the registry's order."""
+    return {t.report_section.key: t.report_section for t in TECHNIQUES if t.report_section}

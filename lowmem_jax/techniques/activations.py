@@ -1,7 +1,8 @@
 """Compressed activations (:mod:`lowmem_jax.activation_compression`): ``activations``."""
 
 from lowmem_jax import activation_compression as compression_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict, rows_of
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique_report import rows_of
 
 
 def _wrap_loss(loss_fn, plan):

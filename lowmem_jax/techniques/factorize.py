@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowmem_jax.factorization import METHODS, RANK_RULES, FactorConfig, factorize_module
-from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict, rows_of
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict
+from lowmem_jax.technique_report import rows_of
 
 
 def _validate(plan) -> None:

@@ -4,7 +4,8 @@ step by the model (:func:`lowmem_jax.workloads.build` honours it)."""
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax.technique import PlanField, Technique, Verdict, rows_of
+from lowmem_jax.technique import PlanField, Technique, Verdict
+from lowmem_jax.technique_report import rows_of
 
 #: How a batch may store its images (``Plan.input_dtype``).
 INPUT_DTYPES = ("float32", "uint8")

@@ -4,7 +4,8 @@ import jax
 
 from lowmem_jax import microbatch as microbatch_lib
 from lowmem_jax import sharding as sharding_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, ReportRow, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique_report import ReportRow
 
 
 def _outside(config, limit):

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 
 from lowmem_jax import optimizer_state as optimizer_state_lib
 from lowmem_jax.quantization import Quantized, quantized_nbytes
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict, rows_of
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique_report import rows_of
 
 
 def _outside(config, limit):

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowmem_jax import precision as precision_lib
-from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict, rows_of
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique_report import rows_of
 
 
 def _configure_model(model, plan):

@@ -5,7 +5,8 @@ from flax import nnx
 from lowmem_jax import remat as remat_lib
 from lowmem_jax.blocks import AUTO_BLOCKS
 from lowmem_jax.remat_schedule import BLOCKS
-from lowmem_jax.technique import Axis, PlanField, Technique, Verdict, rows_of
+from lowmem_jax.technique import Axis, PlanField, Technique, Verdict
+from lowmem_jax.technique_report import rows_of
 
 
 def _validate(plan) -> None:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from lowmem_jax import base, scanned_blocks
+from lowmem_jax import base, scanned_blocks, sharding_report
 from lowmem_jax import grad_compression as compression_lib
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.technique import PlanField, Technique, Verdict
@@ -49,6 +49,11 @@ def _validate(plan) -> None:
     devices = plan.devices
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 0:
         raise ValueError(f"devices must be an int >= 0 (0: all visible), got {devices!r}")
+    if devices and plan.shard == "none":
+        raise ValueError(
+            f"devices={devices} needs shard (dp, zero1, zero2 or zero3): without it the step "
+            "runs on one device"
+        )
     sharding_lib.check_memory_kind(plan.optimizer_memory, "optimizer_memory")
     if plan.grad_compression not in compression_lib.FORMATS:
         raise ValueError(
@@ -389,4 +394,6 @@ TECHNIQUE = Technique(
     state_shardings=state_shardings,
     one_device=_one_device,
     took_effect=_took_effect,
+    report_section=sharding_report.SECTION,
+    host_devices=sharding_report.use_host_devices,
 )

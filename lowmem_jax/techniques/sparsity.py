@@ -18,7 +18,8 @@ from lowmem_jax.sparsity import (
     sparse_training,
 )
 from lowmem_jax.sparsity.transform import SparseTraining
-from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict, rows_of
+from lowmem_jax.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict
+from lowmem_jax.technique_report import rows_of
 
 
 def _validate(plan) -> None:

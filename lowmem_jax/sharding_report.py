@@ -1,26 +1,30 @@
-"""The sharding section of ``lowmem report``: per-device bytes of a step under each ZeRO stage.
+"""The sharding technique's section of ``lowmem report`` (:data:`SECTION`, flag
+``--shard-devices``): per-device bytes of a step under each ZeRO stage.
 
 :func:`sharding_rows` compiles (never runs) a plan's step on one device and under every stage of
 :data:`SHARD_STAGES` (:mod:`lowmem_jax.sharding`) for each device count, and keeps XLA's figures
 for the program one device runs; :func:`sharding_markdown` and :func:`sharding_plot` render
-them. JAX must see the devices (on CPU: host devices, set before it starts).
+them. JAX must see the devices (on CPU: host devices, asked for before it starts:
+:func:`use_host_devices`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from lowmem_jax.plan import Plan
-from lowmem_jax.workloads import analyze_model
+from lowmem_jax.sharding import set_cpu_devices
+from lowmem_jax.technique_report import ReportSection
 
 __all__ = [
+    "SECTION",
     "SHARD_STAGES",
     "check_shard_devices",
+    "use_host_devices",
     "sharding_rows",
     "sharding_markdown",
     "sharding_plot",
@@ -29,6 +33,69 @@ __all__ = [
 MIB = 2.0**20
 SHARD_STAGES = ("dp", "zero1", "zero2", "zero3")
 _SHARD_FIGURES = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "total_bytes")
+# --shard-devices auto: those of these that divide the batch (and the backend has).
+_AUTO_DEVICES = (2, 4, 8)
+
+
+def _device_counts(text: str) -> tuple[int, ...] | str | None:
+    """``--shard-devices``: ``auto`` (``None``), ``none`` or comma-separated counts; left out,
+    ``"grid"`` (auto with ``--grid full``, none with ``--grid quick``: :func:`_requested`)."""
+    if text in ("auto", "none", "grid"):
+        return {"auto": None, "none": (), "grid": "grid"}[text]
+    try:
+        counts = tuple(sorted({int(n) for n in text.split(",")}))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give auto, none or comma-separated device counts >= 2, e.g. 2,4,8"
+        )
+    return counts
+
+
+def _add_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shard-devices",
+        type=_device_counts,
+        default="grid",
+        help="device counts for the sharding section (per-device bytes of the baseline under "
+        "each ZeRO stage; host devices on CPU), e.g. 2,4,8; auto: those of 2, 4, 8 that divide "
+        "the batch and the backend has (host devices on CPU); none: no section. Default: auto "
+        "with --grid full, none with --grid quick",
+    )
+
+
+def _requested(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """``--shard-devices`` as given: counts, ``()`` (none) or ``None`` (auto)."""
+    counts = getattr(args, "shard_devices", ())
+    if counts == "grid":  # left out: the grid decides
+        return None if getattr(args, "grid", "quick") == "full" else ()
+    return counts
+
+
+def use_host_devices(args: argparse.Namespace) -> None:
+    """Asks XLA:CPU for the devices the sharding flags need, before JAX starts
+    (:func:`lowmem_jax.sharding.set_cpu_devices`): ``--devices N`` with ``--shard``, N;
+    ``lowmem report --shard-devices``, the most it names, or with ``auto`` 8, taking what the
+    backend then has.
+
+    Raises:
+      ValueError: JAX already runs with fewer devices than a count the flags name.
+    """
+    counts = _requested(args)
+    if counts != ():
+        set_cpu_devices(max(counts or _AUTO_DEVICES), require=counts is not None)
+    devices, stage = getattr(args, "devices", 0), getattr(args, "shard", None)
+    if devices and stage not in (None, "none"):
+        set_cpu_devices(devices)
+
+
+def _setting(args: argparse.Namespace, batch_size: int) -> tuple[int, ...]:
+    counts = _requested(args)
+    if counts is None:  # auto: what the backend has (e.g. one GPU: no section)
+        visible = len(jax.devices())
+        counts = tuple(n for n in _AUTO_DEVICES if batch_size % n == 0 and n <= visible)
+    return counts
 
 
 def check_shard_devices(batch_size: int, devices: tuple[int, ...]) -> None:
@@ -49,32 +116,26 @@ def check_shard_devices(batch_size: int, devices: tuple[int, ...]) -> None:
 
 
 def sharding_rows(
-    model: str,
-    batch_size: int,
+    analyze: Callable[[dict[str, Any]], dict[str, Any]],
     devices: tuple[int, ...] = (2, 4, 8),
     *,
-    plan: Plan | None = None,
+    fields: dict[str, Any] | None = None,
     label: str = "baseline",
-    seq_len: int = 40,
     progress: Callable[[str], None] | None = print,
 ) -> list[dict[str, Any]]:
-    """XLA's per-device bytes of ``plan``'s step (default: no technique) under every stage of
+    """XLA's per-device bytes of a step (``analyze(fields)``: XLA's figures of the report's
+    workload under ``Plan(**fields)``; ``fields`` default: no technique) under every stage of
     :data:`SHARD_STAGES` on each count of ``devices``, after the one-device step (the first
     row, ``shard="none"``). Compile-only. Each row: ``plan`` (``label``), ``devices``,
     ``shard``, the :func:`lowmem_jax.memory.xla_memory` byte figures, ``source``,
     ``compile_seconds``, ``argument_vs_one`` and ``total_vs_one`` (ratios to the first row).
-
-    Raises:
-      ValueError: see :func:`check_shard_devices`.
     """
-    plan = plan or Plan()
-    check_shard_devices(batch_size, devices)
     runs = [(1, "none")] + [(n, stage) for n in sorted(set(devices)) for stage in SHARD_STAGES]
     rows = []
     for count, stage in runs:
-        sharded = dataclasses.replace(plan, shard=stage, devices=0 if stage == "none" else count)
         start = time.perf_counter()
-        xla = analyze_model(model, batch_size, sharded, seq_len=seq_len).xla
+        sharded = {**(fields or {}), "shard": stage, "devices": 0 if stage == "none" else count}
+        xla = analyze(sharded)
         rows.append({
             "plan": label,
             "devices": count,
@@ -92,6 +153,14 @@ def sharding_rows(
         row["argument_vs_one"] = row["argument_bytes"] / rows[0]["argument_bytes"]
         row["total_vs_one"] = row["total_bytes"] / rows[0]["total_bytes"]
     return rows
+
+
+def _section_rows(analyze, devices, progress):
+    """The baseline at every count; remat full at the largest, where zero3's per-block
+    gathering shows (without remat the backward pass keeps every gathered block)."""
+    return sharding_rows(analyze, devices, progress=progress) + sharding_rows(
+        analyze, (max(devices),), fields={"remat": "full"}, label="remat full", progress=progress
+    )
 
 
 def sharding_markdown(rows: list[dict[str, Any]]) -> list[str]:
@@ -149,3 +218,16 @@ def sharding_plot(rows: list[dict[str, Any]], title: str, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+#: The sharding technique's section of ``lowmem report`` (``--shard-devices``).
+SECTION = ReportSection(
+    key="sharding",
+    add_flag=_add_flag,
+    setting=_setting,
+    argv=lambda counts: ["--shard-devices", ",".join(map(str, counts)) or "none"],
+    check=check_shard_devices,
+    rows=_section_rows,
+    markdown=sharding_markdown,
+    plot=lambda rows, title, path: sharding_plot(rows, f"{title}: per-device bytes by stage", path),
+)
