@@ -8,11 +8,14 @@ registered technique alone at the settings it declares
 
 from __future__ import annotations
 
+import optax
+
 from lowmem_jax.plan import Plan
 from lowmem_jax.remat import CONV_OUT, DOT_OUT
 from lowmem_jax.report_combined import combined_rows
 from lowmem_jax.technique_report import GridContext, divisor_at_most
 from lowmem_jax.techniques import TECHNIQUES
+from lowmem_jax.workloads import workload
 
 __all__ = ["GridRow", "GRIDS", "divisor_at_most", "standard_grid", "model_grid"]
 
@@ -26,7 +29,12 @@ GRIDS = ("quick", "full")
 
 
 def standard_grid(
-    batch_size: int, saved_name: str = CONV_OUT, *, images: bool = True, quick: bool = False
+    batch_size: int,
+    saved_name: str = CONV_OUT,
+    *,
+    images: bool = True,
+    quick: bool = False,
+    optimizer: optax.GradientTransformation | None = None,
 ) -> list[GridRow]:
     """``(name, group, plan)`` for ``plain`` (plan ``None``), the baseline, each technique
     alone and the combinations, in the order of their :attr:`ReportRow.position`; ``quick``:
@@ -37,8 +45,10 @@ def standard_grid(
     at most the examples it names). ``saved_name``: the ``checkpoint_name`` the ``save:``
     remat row keeps (``conv_out`` in the WideResNet, ``dot_out`` in the DynamicConv
     Transformer). ``images``: the batch holds images, so the ``uint8 input`` rows apply.
+    ``optimizer``: the workload's, for the rows that apply to some optimizers only (``None``:
+    unknown, those rows left out).
     """
-    context = GridContext(batch_size, saved_name, images)
+    context = GridContext(batch_size, saved_name, images, optimizer)
     rows = [row for t in TECHNIQUES if t.report_rows for row in t.report_rows(context)]
     rows = sorted(rows + combined_rows(context), key=lambda row: row.position)
     grid: list[GridRow] = [("plain", "plain", None), ("baseline", "baseline", Plan())]
@@ -57,4 +67,7 @@ def model_grid(model: str, batch_size: int, grid: str = "full") -> list[GridRow]
         raise ValueError(f"Unknown grid={grid!r}; allowed values: {list(GRIDS)}")
     images = not model.startswith("dynamicconv")
     saved = CONV_OUT if images else DOT_OUT
-    return standard_grid(batch_size, saved, images=images, quick=grid == "quick")
+    optimizer = workload(model, batch_size).recipe.optimizer_for(1)
+    return standard_grid(
+        batch_size, saved, images=images, quick=grid == "quick", optimizer=optimizer
+    )

@@ -35,11 +35,14 @@ class GridContext:
       saved_name: the ``checkpoint_name`` the model tags its main outputs with (``conv_out``
         in the WideResNet, ``dot_out`` in the DynamicConv Transformer).
       images: the batch holds images (their stored dtype can change).
+      optimizer: the workload's optax transformation (its recipe's), for rows that apply to
+        some optimizers only; ``None`` where unknown (such rows are left out).
     """
 
     batch_size: int
     saved_name: str
     images: bool
+    optimizer: Any = None
 
     def examples(self, target: float) -> int | None:
         """Examples per microbatch nearest below ``target`` that split the batch into more

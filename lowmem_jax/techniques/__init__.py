@@ -9,23 +9,8 @@ optimizer-state format; ``Plan``'s fields, a plan's label, the envelope's limits
 flags read in this order. Generic code (``Plan``, the step, the CLI flags, the envelopes, the
 planner's axes) iterates :data:`TECHNIQUES`; adding a technique is adding a module here.
 
-=====  =================  ====================================================================
-order  technique          acts on
-=====  =================  ====================================================================
-5      factorize          the model's layers (first: the hooks after it copy an NNX model, and
-                          a copy loses the order its layers were assigned in, which says
-                          which are the first and last)
-10     precision          the model's compute dtype; the loss (casts in, float32 out)
-20     loss_scale         the gradient (scale, unscale, skip, adjust): the step's core
-30     microbatches       the gradient (``lax.scan`` accumulation)
-40     remat              the model, per block
-45     activations        the loss: the residuals its backward pass reads, stored compressed
-                          (around remat's checkpoints: a block's saved input is compressed too)
-50     sparsity           the optimizer and the parameters' storage
-60     optimizer_state    the optimizer state's stored format
-80     shard              the step's layouts over a device mesh; zero3's gathering
-90     input_dtype        the batch's stored images (the data pipeline and the model)
-=====  =================  ====================================================================
+Each declaration's ``order`` line says what its technique acts on;
+``[(t.order, t.name) for t in TECHNIQUES]`` lists them.
 """
 
 from __future__ import annotations

@@ -53,6 +53,8 @@ _ROWS = [(f"act {f}", {"activations": f}) for f in ("bf16", "int8", "int2")]
 
 TECHNIQUE = Technique(
     name="activations",
+    # Order: acts on the loss: the residuals its backward pass reads, stored compressed; around
+    # remat's checkpoints (a block's saved input is compressed too)
     order=45,
     fields=(
         PlanField(

@@ -123,6 +123,8 @@ _ROWS = [("factorize tucker 25%", {"factorize": FactorConfig("tucker", 0.25)})]
 
 TECHNIQUE = Technique(
     name="factorize",
+    # Order: acts on the model's layers; first: the hooks after it copy an NNX model, and a copy
+    # loses the order its layers were assigned in (which are the first and last)
     order=5,
     fields=(
         PlanField(

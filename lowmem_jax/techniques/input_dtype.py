@@ -39,6 +39,7 @@ def _rows(context):
 
 TECHNIQUE = Technique(
     name="input_dtype",
+    # Order: acts on the batch's stored images (the data pipeline and the model)
     order=90,
     fields=(
         PlanField(

@@ -40,6 +40,7 @@ def _took_effect(evidence, plan):
 
 TECHNIQUE = Technique(
     name="loss_scale",
+    # Order: acts on the gradient (scale, unscale, skip, adjust): the step's core
     order=20,
     fields=(
         PlanField(

@@ -60,6 +60,7 @@ def _report_rows(context):
 
 TECHNIQUE = Technique(
     name="microbatches",
+    # Order: acts on the gradient (lax.scan accumulation)
     order=30,
     fields=(
         PlanField(

@@ -99,6 +99,7 @@ _ROWS = [(f"state {f}", {"optimizer_state": f}) for f in ("bf16", "int8", "int4"
 
 TECHNIQUE = Technique(
     name="optimizer_state",
+    # Order: acts on the optimizer state's stored format (around sparse training)
     order=60,
     fields=(
         PlanField(

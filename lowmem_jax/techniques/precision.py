@@ -48,6 +48,7 @@ _ROWS = [(p, {"precision": p}) for p in ("mixed_bf16", "mixed_fp16", "bf16", "fp
 
 TECHNIQUE = Technique(
     name="precision",
+    # Order: acts on the model's compute dtype; the loss (casts in, float32 out)
     order=10,
     fields=(
         PlanField(

@@ -72,6 +72,7 @@ def _rows(context):
 
 TECHNIQUE = Technique(
     name="remat",
+    # Order: acts on the model, per block
     order=40,
     fields=(
         PlanField(

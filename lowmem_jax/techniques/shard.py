@@ -317,6 +317,7 @@ def _took_effect(evidence, plan):
 
 TECHNIQUE = Technique(
     name="shard",
+    # Order: acts on the step's layouts over a device mesh; zero3's gathering
     order=80,
     fields=(
         PlanField(

@@ -171,6 +171,7 @@ _ROWS = [(f"sparse {s:.0%} dsr", {"sparsity": report_sparsity(s)}) for s in (0.5
 
 TECHNIQUE = Technique(
     name="sparsity",
+    # Order: acts on the optimizer and the parameters' storage
     order=50,
     fields=(
         PlanField(
