@@ -20,7 +20,7 @@ from typing import Any
 
 from lowmem_jax.techniques import TECHNIQUES
 
-__all__ = ["Envelope", "ENVELOPES"]
+__all__ = ["Envelope", "ENVELOPES", "in_words"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,18 @@ class Envelope:
             if technique.envelope is not None:
                 out[technique.envelope.key] = self.limits[technique.name]
         return out
+
+
+def in_words(limits: dict[str, Any]) -> str:
+    """An envelope's limits (:meth:`Envelope.describe`, or the same read back from JSON) in a
+    few words, each rule's (:attr:`EnvelopeRule.describe`) in the registry's order; a limit
+    the dict lacks (an older report's) is left out."""
+    words = (
+        t.envelope.describe(limits[t.envelope.key])
+        for t in TECHNIQUES
+        if t.envelope is not None and t.envelope.key in limits
+    )
+    return ", ".join(w for w in words if w)
 
 
 def _envelope(name: str) -> Envelope:

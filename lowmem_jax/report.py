@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from lowmem_jax.envelope import ENVELOPES
+from lowmem_jax.envelope import ENVELOPES, in_words
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_flags import analyze_argv
 from lowmem_jax.report_grid import GridRow, model_grid
@@ -204,11 +204,9 @@ def to_markdown(result: dict[str, Any]) -> str:
             "",
         ]
     if inside and inside.get("reduction_xla_vs_plain") is not None:
-        limits = inside["envelope"]
         lines += [
-            "Best inside the technical report's envelope (fp32 master weights, microbatches of "
-            f"at least {limits['min_microbatch_examples']} examples, at most "
-            f"{limits['max_sparsity']:.0%} sparsity): **{inside['reduction_xla_vs_plain']:.1f}x "
+            f"Best inside the technical report's envelope ({in_words(inside['envelope'])}): "
+            f"**{inside['reduction_xla_vs_plain']:.1f}x "
             f"({src})**, {inside['reduction_analytic_vs_plain']:.1f}x (analytic), by "
             f"`{inside['name']}`: `lowmem analyze {' '.join(inside['argv'])}`.",
             "",

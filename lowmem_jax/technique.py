@@ -94,11 +94,15 @@ class EnvelopeRule:
       key: the limit's name in :meth:`Envelope.describe` (e.g. ``"max_sparsity"``).
       limits: ``{envelope name: limit}``; every envelope has one.
       outside: ``outside(config, limit) -> reason | None``: why a step is outside, or ``None``.
+      describe: ``describe(limit) -> words``: the limit in a few words (``lowmem report``'s
+        sentence on its envelope: "at most 70% sparsity"); ``""`` where it allows everything.
+        ``limit`` may come back from JSON (a list for a tuple).
     """
 
     key: str
     limits: dict[str, Any]
     outside: Callable[[dict[str, Any], Any], str | None]
+    describe: Callable[[Any], str]
 
 
 @dataclasses.dataclass(frozen=True)

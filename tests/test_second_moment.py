@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +125,19 @@ def test_an_optimizer_without_a_second_moment_is_refused_in_one_line(capsys):
         lm.Plan(second_moment="factored", sparsity=lm.sparsity.report_sparsity(0.7))
     with pytest.raises(ValueError, match="Unknown second_moment='adafactor'; allowed values"):
         lm.Plan(second_moment="adafactor")
+
+
+def test_the_readme_quotes_the_committed_report_s_row():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    report = json.loads(
+        (root / "experiments/results/memory_report_dynamicconv/report.json").read_text()
+    )
+    rows = {r["name"]: r for r in report["configs"]}
+    base, factored = rows["baseline"], rows["second moment factored"]
+    mib = 2.0**20
+    quoted = (
+        f"optimizer state {base['analytic']['optimizer_bytes'] / mib:.1f} -> "
+        f"{factored['analytic']['optimizer_bytes'] / mib:.1f} MiB (analytic), total "
+        f"{base['xla']['total_bytes'] / mib:.1f} -> {factored['xla']['total_bytes'] / mib:.1f} MiB"
+    )
+    assert quoted in (root / "README.md").read_text()

@@ -83,6 +83,7 @@ TECHNIQUE = Technique(
         "activations",
         {"report": ("none",), "any": compression_lib.FORMATS},
         _outside,
+        lambda limit: "activations stored whole" if list(limit) == ["none"] else "",
     ),
     # Outside the report's envelope only (above). Each format decodes into temporaries of its
     # own, so each is a corner (at a class's least-memory plans, int2 everywhere made all five

@@ -156,6 +156,7 @@ TECHNIQUE = Technique(
         lambda config, limit: (
             "factorized layers" if config.get("factorize") and not limit else None
         ),
+        lambda limit: "" if limit else "no factorized layers",
     ),
     axis=Axis(
         "factorize",

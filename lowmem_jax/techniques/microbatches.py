@@ -78,7 +78,12 @@ TECHNIQUE = Technique(
     wrap_grad_fn=_accumulate,
     # The report kept accuracy down to microbatches of about 8 examples (BatchNorm statistics
     # per microbatch); applied to every model, which is conservative for those without it.
-    envelope=EnvelopeRule("min_microbatch_examples", {"report": 8, "any": 1}, _outside),
+    envelope=EnvelopeRule(
+        "min_microbatch_examples",
+        {"report": 8, "any": 1},
+        _outside,
+        lambda limit: f"microbatches of at least {limit} examples" if limit > 1 else "",
+    ),
     axis=Axis(
         "microbatches",
         None,

@@ -126,6 +126,7 @@ TECHNIQUE = Technique(
         "optimizer_states",
         {"report": ("auto", "fp32", "bf16", "int8"), "any": optimizer_state_lib.FORMATS},
         _outside,
+        lambda limit: f"optimizer states down to {limit[-1]}",
     ),
     axis=Axis(
         "optimizer_state",

@@ -74,6 +74,11 @@ TECHNIQUE = Technique(
             "any": tuple(sorted(precision_lib.POLICIES)),
         },
         _outside,
+        lambda limit: (
+            "fp32 master weights"
+            if all(p == "fp32" or p.startswith("mixed") for p in limit)
+            else "any precision"
+        ),
     ),
     axis=Axis(
         "precision",

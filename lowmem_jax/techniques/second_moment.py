@@ -202,6 +202,7 @@ TECHNIQUE = Technique(
             if config.get("second_moment", "none") in limit
             else f"second moment {config['second_moment']}"
         ),
+        lambda limit: "second moments whole" if list(limit) == ["none"] else "",
     ),
     # A storage axis outside the default space: only searched where a search names it.
     axis=Axis(

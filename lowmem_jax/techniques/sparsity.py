@@ -194,7 +194,12 @@ TECHNIQUE = Technique(
     wrap_optimizer=_sparse_training,
     compiler_options=_compiler_options,
     # DSR kept WRN-28-2 within 0.3 points of dense up to 70-80% sparsity (Mostafa & Wang).
-    envelope=EnvelopeRule("max_sparsity", {"report": 0.7, "any": 0.99}, _outside),
+    envelope=EnvelopeRule(
+        "max_sparsity",
+        {"report": 0.7, "any": 0.99},
+        _outside,
+        lambda limit: f"at most {limit:.0%} sparsity",
+    ),
     # A fraction of zeros: 0 is dense, else the report's sparse training (DSR, compressed).
     axis=Axis(
         "sparsity",
