@@ -64,7 +64,7 @@ class Search:
         stored bytes, nor sparse storage or the optimizer state the activations: a sparse
         model's materialized weights have the dense shapes)."""
         if plan not in self.predicted:
-            stored = self._stored(settings(plan, "stored"), plan.microbatches > 1)
+            stored = self._stored(settings(plan, "stored"), _split(plan) > 1)
             self.predicted[plan] = stored + self._activation_bytes(plan)
         return int(self.predicted[plan] * self.ratio(plan, bound))
 
@@ -93,11 +93,11 @@ class Search:
         saved = settings(plan, "activations")
         axis = _family_axis(plan)
         if axis is None:
-            return self._activations(saved, plan.microbatches)
-        base = self._activations(_with(saved, axis.field, axis.values[0]), plan.microbatches)
+            return self._activations(saved, _split(plan))
+        base = self._activations(_with(saved, axis.field, axis.values[0]), _split(plan))
         costs = self.family_costs(axis.key, _with(saved, axis.field, None))
         change = axis.family.saved_change(costs, getattr(plan, axis.field))
-        return int(base + change / plan.microbatches)
+        return int(base + change / _split(plan))
 
     @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
     def family_costs(self, key: str, saved: tuple) -> Any:
@@ -138,11 +138,11 @@ class Search:
 
     @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
     def _stored(self, stored: tuple, accumulates: bool) -> int:
-        plan = Plan(**dict(stored), microbatches=2 if accumulates else 1)
+        plan = Plan(**dict(stored), **SPLIT.plan_fields(2 if accumulates else 1))
         setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
             state=setup.abstract_state(), batch=self.work.batch,
-            microbatches=plan.microbatches, tx=setup.tx,
+            microbatches=_split(plan), tx=setup.tx,
         )  # fmt: skip
         # The transient dense weights depend on the remat (one block's, or all): left to the
         # calibration, as before the analytic count included them.
@@ -150,7 +150,7 @@ class Search:
 
     @functools.cache  # noqa: B019
     def _activations(self, saved: tuple, microbatches: int) -> int:
-        plan = Plan(**dict(saved), microbatches=microbatches)
+        plan = Plan(**dict(saved), **SPLIT.plan_fields(microbatches))
         setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
             state=setup.abstract_state(), batch=self.work.batch,
@@ -207,6 +207,8 @@ class Search:
 AXES = [t.axis for t in TECHNIQUES if t.axis is not None]
 #: The axes whose values make the planner's compute classes (:attr:`Axis.compute`).
 COMPUTE = [axis for axis in AXES if axis.compute]
+#: The axis whose candidates come from the batch size: the count of microbatches it splits into.
+SPLIT = next(axis for axis in AXES if axis.values is None)
 _COMPUTE_FIELDS = {axis.field for axis in COMPUTE}
 
 
@@ -265,3 +267,8 @@ def plan_name(plan: Plan) -> str:
     """A plan's short name: each technique's label in the registry's order
     (``"fp16 + microbatches 4 + remat full"``)."""
     return " + ".join(label for t in TECHNIQUES if (label := t.label(plan)) is not None)
+
+
+def _split(plan: Plan) -> int:
+    """How many microbatches the plan splits its batch into (:data:`SPLIT`)."""
+    return SPLIT.value(plan)

@@ -9,7 +9,7 @@ from typing import Any
 
 from lowmem_jax.envelope import Envelope
 from lowmem_jax.plan import Plan
-from lowmem_jax.plan_search import AXES, COMPUTE, Search, plan_of
+from lowmem_jax.plan_search import AXES, COMPUTE, SPLIT, Search, plan_of
 from lowmem_jax.technique import Axis
 from lowmem_jax.techniques import TECHNIQUES
 
@@ -23,7 +23,6 @@ __all__ = [
     "mildest_first",
     "most_microbatches",
     "named_class",
-    "split_axis",
     "storage_axes",
 ]
 
@@ -93,7 +92,7 @@ def class_corners(axes: dict[str, tuple], point: dict[str, Any], micro: int) -> 
     precision and optimizer-state format)."""
     storage = storage_axes(axes)
     values = [axes[a.key] if a.corner == "each" else axes[a.key][-1:] for a in storage]
-    split = split_axis().key  # the microbatch count
+    split = SPLIT.key  # the microbatch count
     return [
         plan_of({**point, split: micro, **{a.key: v for a, v in zip(storage, combo, strict=True)}})
         for combo in itertools.product(*values)
@@ -136,13 +135,8 @@ def least_stored(axes: dict[str, tuple]) -> list[Plan]:
     return [plan_of(dict(zip(keys, c, strict=True))) for c in itertools.product(*choices)]
 
 
-def split_axis():
-    """The axis whose candidates come from the batch size (the microbatch count)."""
-    return next(a for a in AXES if a.values is None)
-
-
 def most_microbatches(axes: dict[str, tuple]) -> int:
-    return max(axes[split_axis().key])
+    return max(axes[SPLIT.key])
 
 
 def named_class(point: dict[str, Any]) -> bool:

@@ -58,7 +58,7 @@ from lowmem_jax.envelope import ENVELOPES, Envelope
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_descent import descend
 from lowmem_jax.plan_flags import analyze_argv
-from lowmem_jax.plan_search import MIB, Search, calibration_key, plan_name, plan_of
+from lowmem_jax.plan_search import MIB, SPLIT, Search, calibration_key, plan_name, plan_of
 from lowmem_jax.plan_space import (
     applicable,
     axes_in,
@@ -69,7 +69,6 @@ from lowmem_jax.plan_space import (
     mildest_first,
     most_microbatches,
     named_class,
-    split_axis,
 )
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.techniques import TECHNIQUES
@@ -262,7 +261,7 @@ def _probe_deferred(
 
 
 def _fits_in_class(search: Search, axes, point, flops) -> Iterator[tuple[Plan, float]]:
-    key = split_axis().key
+    key = SPLIT.key
     for micro in axes[key]:
         corners = class_corners(axes, point, micro)
         if all(search.predict(c, bound=True) > search.budget for c in corners):
