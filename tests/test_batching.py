@@ -3,7 +3,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowmem_jax.data.token_batching import TokenBatcher, batch_by_tokens, pad_batch, round_up
+from lowmem_jax.data.token_batching import (
+    TokenBatcher,
+    TokenBudget,
+    batch_by_tokens,
+    pad_batch,
+    round_up,
+)
 from lowmem_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -44,21 +50,21 @@ def test_pad_batch_layout_and_bucketing():
 
 def test_batches_follow_length_order_and_fill_the_budget():
     lengths = [3, 10, 5, 3, 7, 10, 2]
-    batches = batch_by_tokens(lengths, lengths, max_tokens=20, seed=None)
+    batches = batch_by_tokens(lengths, lengths, TokenBudget(20), seed=None)
     assert [b.tolist() for b in batches] == [[6, 0, 3, 2], [4, 1], [5]]
     # [2, 3, 3, 5]: 4 * 5 = 20; then 7 and 10: 2 * 10 = 20; the last 10 alone
     with pytest.raises(ValueError, match="max_tokens=20"):
-        batch_by_tokens([21], [1], max_tokens=20)
-    assert batch_by_tokens([21, 3], [1, 3], max_tokens=20, skip_oversized=True)[0].tolist() == [1]
-    capped = batch_by_tokens(lengths, lengths, max_tokens=1000, seed=None, max_batch_size=3)
+        batch_by_tokens([21], [1], TokenBudget(20))
+    assert batch_by_tokens([21, 3], [1, 3], TokenBudget(20, skip_oversized=True))[0].tolist() == [1]
+    capped = batch_by_tokens(lengths, lengths, TokenBudget(1000, max_batch_size=3), seed=None)
     assert [len(b) for b in capped] == [3, 3, 1]
 
 
 def test_errors_name_the_parameter():
     with pytest.raises(ValueError, match="max_tokens"):
-        batch_by_tokens([1], [1], max_tokens=0)
+        TokenBudget(max_tokens=0)
     with pytest.raises(ValueError, match="length_multiple"):
-        batch_by_tokens([1], [1], length_multiple=0)
+        TokenBudget(length_multiple=0)
     with pytest.raises(ValueError, match="src_lengths"):
         batch_by_tokens([1, 2], [1])
     with pytest.raises(ValueError, match="src and tgt"):
@@ -67,8 +73,8 @@ def test_errors_name_the_parameter():
 
 def test_epochs_reshuffle_batch_order_deterministically():
     src, tgt = _corpus(200, 30, seed=0)
-    a = TokenBatcher(src, tgt, max_tokens=128, seed=3)
-    b = TokenBatcher(src, tgt, max_tokens=128, seed=3)
+    a = TokenBatcher(src, tgt, TokenBudget(128), seed=3)
+    b = TokenBatcher(src, tgt, TokenBudget(128), seed=3)
     assert len(a) > 5
     assert [x.tolist() for x in a.batches] == [x.tolist() for x in b.batches]
     assert a.batch_order(0).tolist() == b.batch_order(0).tolist()
@@ -98,11 +104,9 @@ def test_every_example_once_within_budget_correctly_padded(
     src, tgt = _corpus(n, max_len, seed)
     width = round_up(max_len + 1, length_multiple) * batch_multiple
     max_tokens = max(max_tokens, width)  # the longest possible example fits alone
-    options = dict(
-        seed=seed, length_multiple=length_multiple, batch_multiple=batch_multiple,
-        equal_lengths=equal_lengths, pad_to_budget=pad_to_budget,
-    )  # fmt: skip
-    batcher = TokenBatcher(src, tgt, max_tokens, **options)
+    budget = TokenBudget(max_tokens, length_multiple, batch_multiple)
+    options = dict(seed=seed, equal_lengths=equal_lengths, pad_to_budget=pad_to_budget)
+    batcher = TokenBatcher(src, tgt, budget, **options)
     order = batcher.batch_order(epoch)
     seen = np.concatenate([batcher.batches[b] for b in order])
     assert sorted(seen.tolist()) == list(range(n)) and batcher.num_examples == n
@@ -127,17 +131,15 @@ def test_every_example_once_within_budget_correctly_padded(
             _check_row(batch, r, src[i], tgt[i])
         for key in batch:
             assert (batch[key][len(idx) :] == PAD_ID).all()
-    again = TokenBatcher(src, tgt, max_tokens, **options)
+    again = TokenBatcher(src, tgt, budget, **options)
     assert [x.tolist() for x in again.batches] == [x.tolist() for x in batcher.batches]
     assert again.batch_order(epoch).tolist() == order.tolist()
 
 
 def test_padding_to_budget_bounds_the_number_of_shapes():
     src, tgt = _corpus(500, 60, seed=1)
-    batcher = TokenBatcher(
-        src, tgt, 512, seed=0, length_multiple=16, batch_multiple=2, equal_lengths=True,
-        pad_to_budget=True,
-    )  # fmt: skip
+    budget = TokenBudget(512, length_multiple=16, batch_multiple=2)
+    batcher = TokenBatcher(src, tgt, budget, seed=0, equal_lengths=True, pad_to_budget=True)
     shapes = {batch["src"].shape for batch in batcher.epoch(0)}
     assert all(batch["tgt_in"].shape == batch["src"].shape for batch in batcher.epoch(0))
     assert 1 < len(shapes) and shapes <= {(512 // w // 2 * 2, w) for w in (16, 32, 48, 64)}

@@ -175,7 +175,7 @@ def test_load_works_with_tfds_mock_data():
 
 
 def test_pipeline_prepare_tokenize_batch(release_tgz, tmp_path):
-    from lowmem_jax.data.token_batching import TokenBatcher
+    from lowmem_jax.data.token_batching import TokenBatcher, TokenBudget
     from lowmem_jax.data.tokenizer import Tokenizer, train_tokenizer
 
     data_dir = str(tmp_path / "tfds")
@@ -185,7 +185,7 @@ def test_pipeline_prepare_tokenize_batch(release_tgz, tmp_path):
     tok = Tokenizer.load(model)
     src = tok.encode_batch([de for de, _ in train])
     tgt = tok.encode_batch([en for _, en in train])
-    batcher = TokenBatcher(src, tgt, max_tokens=64, seed=0, length_multiple=8)
+    batcher = TokenBatcher(src, tgt, TokenBudget(64, length_multiple=8), seed=0)
     batches = list(batcher.epoch(0))
     assert sum(int((b["tgt_out"] == 2).sum()) for b in batches) == len(train)
     assert all(b["src"].size <= 64 and b["tgt_in"].shape == b["tgt_out"].shape for b in batches)

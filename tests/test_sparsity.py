@@ -20,6 +20,7 @@ from lowmem_jax import sparsity
 from lowmem_jax.base import OptaxOptimizer
 from lowmem_jax.sparsity import algorithms, slots
 from lowmem_jax.sparsity import masks as masks_lib
+from lowmem_jax.sparsity.algorithms import Rewiring
 from lowmem_jax.sparsity.layout import layer_densities, leaves_by_key, make_layout
 
 # --- configuration and layout ------------------------------------------------------------
@@ -115,9 +116,8 @@ def test_rigl_grows_where_the_gradient_is_largest_and_drops_the_smallest():
     w = _layers([0.0, 5.0, 0.1, 0.0, 3.0, 0.0, 0.0, 0.0])
     m = [w[0] != 0]
     g = _layers([9.0, 0.0, 0.0, 1.0, 0.0, 7.0, 0.0, 2.0])
-    out = algorithms.rewire(
-        "rigl", weights=w, masks=m, caps=(8,), rng=jax.random.key(0), fraction=0.67, grads=g
-    )
+    how = Rewiring("rigl", rng=jax.random.key(0), fraction=0.67, grads=g)
+    out = algorithms.rewire(how, weights=w, masks=m, caps=(8,))
     # floor(0.67 * 3) = 2 dropped (|w| = 0.1 and 3.0), 2 grown (g = 9 and 7 among the zeros).
     np.testing.assert_array_equal(out.survivors[0], [0, 1, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(out.masks[0], [1, 1, 0, 0, 0, 1, 0, 0])
@@ -132,14 +132,12 @@ def test_rigl_as_published_may_regrow_a_connection_it_just_dropped(regrow_pool, 
     zeros_first option (a departure) takes old zeros first. Both storages agree."""
     w = _layers([0.0, 5.0, 0.1, 0.0, 3.0, 0.0, 0.0, 0.0])
     g = _layers([1.0, 0.0, 9.0, 0.0, 0.0, 7.0, 0.0, 0.0])  # largest at position 2, dropped now
-    common = dict(rng=jax.random.key(0), fraction=0.67, grads=g, regrow_pool=regrow_pool)
-    out = algorithms.rewire("rigl", weights=w, masks=[w[0] != 0], caps=(8,), **common)
+    how = Rewiring("rigl", jax.random.key(0), 0.67, grads=g, regrow_pool=regrow_pool)
+    out = algorithms.rewire(how, weights=w, masks=[w[0] != 0], caps=(8,))
     np.testing.assert_array_equal(out.survivors[0], [0, 1, 0, 0, 0, 0, 0, 0])  # 0.1, 3.0 dropped
     np.testing.assert_array_equal(out.masks[0], expected)
     idx = jnp.asarray([4, 1, 2], jnp.int32)  # compressed: slots in scrambled order
-    comp = algorithms.rewire_compressed(
-        "rigl", values=[w[0][idx]], indices=[idx], sizes=(8,), **common
-    )
+    comp = algorithms.rewire_compressed(how, values=[w[0][idx]], indices=[idx], sizes=(8,))
     regrown = np.flatnonzero(np.asarray(out.masks[0]) & ~np.asarray(out.survivors[0]))
     np.testing.assert_array_equal(np.asarray(comp.grown[0])[:2], regrown)
 
@@ -161,32 +159,16 @@ def test_dsr_prunes_below_threshold_regrows_by_survivors_and_adapts_threshold():
     small = jnp.zeros(40).at[:10].set(0.01).at[10:20].set(1.5)
     weights = [big[0].at[20:].set(0), small, big[1].at[10:].set(0)]
     masks = [w != 0 for w in weights]
-    out = algorithms.rewire(
-        "dsr",
-        weights=weights,
-        masks=masks,
-        caps=(40, 40, 40),
-        rng=jax.random.key(0),
-        fraction=0.0,
-        threshold=jnp.float32(0.1),
-        target_pruned=100,
-    )
+    how = Rewiring("dsr", jax.random.key(0), 0.0, threshold=jnp.float32(0.1), target_pruned=100)
+    out = algorithms.rewire(how, weights=weights, masks=masks, caps=(40, 40, 40))
     assert int(out.num_pruned) == 10  # the ten 0.01 weights of layer 1
     kept = [int(s.sum()) for s in out.survivors]
     grown = [int(m.sum()) - k for m, k in zip(out.masks, kept, strict=True)]
     assert kept == [20, 10, 10] and sum(grown) == 10
     assert grown == [5, 2, 3]  # proportional to 20:10:10, cumulative flooring
     assert float(out.threshold) == np.float32(0.2)  # K = 10 < 0.9 * 100: doubled
-    out = algorithms.rewire(
-        "dsr",
-        weights=weights,
-        masks=masks,
-        caps=(40, 40, 40),
-        rng=jax.random.key(0),
-        fraction=0.0,
-        threshold=jnp.float32(0.1),
-        target_pruned=5,
-    )
+    how = how._replace(target_pruned=5)
+    out = algorithms.rewire(how, weights=weights, masks=masks, caps=(40, 40, 40))
     assert float(out.threshold) == np.float32(0.05)  # K = 10 > 1.1 * 5: halved
 
 
@@ -194,15 +176,8 @@ def test_snfs_shares_regrowth_by_mean_momentum():
     w = _layers(np.r_[np.arange(1, 11), np.zeros(30)], np.r_[np.arange(1, 11), np.zeros(30)])
     masks = [x != 0 for x in w]
     mom = [jnp.where(masks[0], 10.0, 0.0).at[30].set(1.0), jnp.where(masks[1], 1.0, 0.0)]
-    out = algorithms.rewire(
-        "snfs",
-        weights=w,
-        masks=masks,
-        caps=(40, 40),
-        rng=jax.random.key(0),
-        fraction=0.5,
-        momentum=mom,
-    )
+    how = Rewiring("snfs", jax.random.key(0), 0.5, momentum=mom)
+    out = algorithms.rewire(how, weights=w, masks=masks, caps=(40, 40))
     counts = [int(m.sum()) for m in out.masks]
     assert sum(counts) == 20 and counts[0] > counts[1]
     assert bool(out.masks[0][30])  # grown where |momentum| is largest
@@ -236,7 +211,8 @@ def test_compressed_rewire_selects_what_the_dense_rewire_selects(
         moms_c.append(jnp.asarray(mom))
         indices.append(jnp.asarray(idx))
         grads.append(jnp.asarray(rng.integers(0, 4, n), jnp.float32))
-    common = dict(
+    how = Rewiring(
+        algorithm,
         rng=jax.random.key(5),
         fraction=jnp.float32(0.5),
         grads=grads,
@@ -246,13 +222,13 @@ def test_compressed_rewire_selects_what_the_dense_rewire_selects(
     )
     dense = jax.jit(
         lambda: algorithms.rewire(
-            algorithm, weights=weights, masks=masks, caps=caps, momentum=moms, **common
+            how._replace(momentum=moms), weights=weights, masks=masks, caps=caps
         ),
         compiler_options=FAST_COMPILE,
     )()
     comp = jax.jit(
         lambda: algorithms.rewire_compressed(
-            algorithm, values=values, indices=indices, sizes=sizes, momentum=moms_c, **common
+            how._replace(momentum=moms_c), values=values, indices=indices, sizes=sizes
         ),
         compiler_options=FAST_COMPILE,
     )()
@@ -272,14 +248,13 @@ def test_compressed_rewire_selects_what_the_dense_rewire_selects(
 
 def test_rewire_rejects_bad_input():
     w = _layers([1.0, 0.0])
+    layers = dict(weights=w, masks=[w[0] != 0], caps=(2,))
     with pytest.raises(ValueError, match="algorithm"):
-        algorithms.rewire("magic", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
-    with pytest.raises(ValueError, match="grads"):
-        algorithms.rewire("rigl", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1)
+        algorithms.rewire(Rewiring("magic", None, 0.1), **layers)
+    with pytest.raises(ValueError, match="algorithm='rigl' needs grads"):
+        algorithms.rewire(Rewiring("rigl", None, 0.1), **layers)
     with pytest.raises(ValueError, match="regrow_pool"):
-        algorithms.rewire(
-            "set", weights=w, masks=[w[0] != 0], caps=(2,), rng=None, fraction=0.1, regrow_pool="x"
-        )
+        algorithms.rewire(Rewiring("set", None, 0.1, regrow_pool="x"), **layers)
 
 
 def test_initial_masks_random_magnitude_and_snip():
@@ -584,10 +559,8 @@ def test_compressed_rewiring_of_a_large_layer_needs_about_one_byte_per_dense_wei
     n, cap = 1 << 20, 1 << 15
 
     def rewire(values, indices, rng):
-        return algorithms.rewire_compressed(
-            "dsr", values=[values], indices=[indices], sizes=(n,), rng=rng,
-            fraction=jnp.float32(0.3), threshold=jnp.float32(1e-3),
-        )  # fmt: skip
+        how = Rewiring("dsr", rng, jnp.float32(0.3), threshold=jnp.float32(1e-3))
+        return algorithms.rewire_compressed(how, values=[values], indices=[indices], sizes=(n,))
 
     abstract = (
         jax.ShapeDtypeStruct((cap,), jnp.float32),
@@ -641,10 +614,10 @@ def test_compressed_rewiring_of_many_layers_holds_one_layer_s_temporaries():
 
     def temp_bytes(layers):
         def rewire(values, indices, rng):
+            how = Rewiring("dsr", rng, jnp.float32(0.3), threshold=jnp.float32(1e-3))
             return algorithms.rewire_compressed(
-                "dsr", values=list(values), indices=list(indices), sizes=(n,) * layers,
-                rng=rng, fraction=jnp.float32(0.3), threshold=jnp.float32(1e-3),
-            )  # fmt: skip
+                how, values=list(values), indices=list(indices), sizes=(n,) * layers
+            )
 
         abstract = (
             [jax.ShapeDtypeStruct((cap,), jnp.float32)] * layers,

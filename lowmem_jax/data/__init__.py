@@ -12,7 +12,7 @@ from typing import Any
 from lowmem_jax.data.digits import iterate_batches, load_digits
 from lowmem_jax.data.fashion_mnist import load_fashion_mnist
 from lowmem_jax.data.synthetic import make_translation_task
-from lowmem_jax.data.token_batching import TokenBatcher, batch_by_tokens, pad_batch
+from lowmem_jax.data.token_batching import TokenBatcher, TokenBudget, batch_by_tokens, pad_batch
 from lowmem_jax.data.tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -38,6 +38,7 @@ __all__ = [
     "EOS_ID",
     "UNK_ID",
     "TokenBatcher",
+    "TokenBudget",
     "batch_by_tokens",
     "pad_batch",
 ]

@@ -29,13 +29,14 @@ at most ``ceil(longest / m)``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from lowmem_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-__all__ = ["TokenBatcher", "batch_by_tokens", "pad_batch", "round_up"]
+__all__ = ["TokenBatcher", "TokenBudget", "batch_by_tokens", "pad_batch", "round_up"]
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -49,32 +50,55 @@ def _check_positive(**kwargs: int | None) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenBudget:
+    """How examples group into batches (module docstring); checked on construction.
+
+    Attributes:
+      max_tokens: padded tokens per batch, ``B * max(S, T)``, at most.
+      length_multiple: ``S`` and ``T`` rounded up to a multiple of it.
+      batch_multiple: ``B`` padded up to a multiple of it (the microbatch count).
+      max_batch_size: examples per batch, at most (``None``: no limit).
+      skip_oversized: drop an example that alone exceeds ``max_tokens`` (else an error).
+
+    Raises:
+      ValueError: a count below 1, naming it.
+    """
+
+    max_tokens: int = 4000
+    length_multiple: int = 1
+    batch_multiple: int = 1
+    max_batch_size: int | None = None
+    skip_oversized: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            max_tokens=self.max_tokens,
+            length_multiple=self.length_multiple,
+            batch_multiple=self.batch_multiple,
+            max_batch_size=self.max_batch_size,
+        )
+
+
 def batch_by_tokens(
     src_lengths: Sequence[int] | np.ndarray,
     tgt_lengths: Sequence[int] | np.ndarray,
-    max_tokens: int = 4000,
+    budget: TokenBudget = TokenBudget(),
     *,
     seed: int | None = 0,
-    length_multiple: int = 1,
-    batch_multiple: int = 1,
-    max_batch_size: int | None = None,
-    skip_oversized: bool = False,
 ) -> list[np.ndarray]:
-    """Groups example indices into batches within the token budget (see module docstring).
+    """Groups example indices into batches within ``budget`` (see module docstring).
 
     ``src_lengths`` / ``tgt_lengths`` are the padded-array lengths of each example (EOS / BOS
     included). Returns int64 index arrays in length order; ``seed=None`` breaks length ties by
     index instead of at random.
 
     Raises:
-      ValueError: for mismatched lengths, a parameter < 1, or an example that alone exceeds
-        ``max_tokens`` (unless ``skip_oversized``, which drops such examples).
+      ValueError: for mismatched lengths, or an example that alone exceeds ``max_tokens``
+        (unless ``budget.skip_oversized``, which drops such examples).
     """
-    _check_positive(
-        max_tokens=max_tokens,
-        length_multiple=length_multiple,
-        batch_multiple=batch_multiple,
-        max_batch_size=max_batch_size,
+    max_tokens, length_multiple, batch_multiple, max_batch_size, skip_oversized = (
+        dataclasses.astuple(budget)
     )
     src_len = np.asarray(src_lengths, np.int64)
     tgt_len = np.asarray(tgt_lengths, np.int64)
@@ -162,8 +186,9 @@ class TokenBatcher:
 
     ``src[i]`` / ``tgt[i]``: token ids of example ``i`` without BOS/EOS (``Tokenizer.encode``).
     ``batches`` holds the index arrays (length order); iterate an epoch with :meth:`epoch`.
-    Arguments are those of :func:`batch_by_tokens` and :func:`pad_batch`; ``pad_to_budget=True``
-    pads every batch's ``B`` up to what ``max_tokens`` allows for its width.
+    ``budget`` and ``seed`` as :func:`batch_by_tokens`, ``equal_lengths`` as :func:`pad_batch`;
+    ``pad_to_budget=True`` pads every batch's ``B`` up to what ``max_tokens`` allows for its
+    width.
 
     Raises:
       ValueError: if ``src`` and ``tgt`` differ in size or :func:`batch_by_tokens` rejects them.
@@ -173,32 +198,18 @@ class TokenBatcher:
         self,
         src: Sequence[Sequence[int]],
         tgt: Sequence[Sequence[int]],
-        max_tokens: int = 4000,
+        budget: TokenBudget = TokenBudget(),
         *,
         seed: int | None = 0,
-        length_multiple: int = 1,
-        batch_multiple: int = 1,
-        max_batch_size: int | None = None,
-        skip_oversized: bool = False,
         equal_lengths: bool = False,
         pad_to_budget: bool = False,
     ) -> None:
         if len(src) != len(tgt):
             raise ValueError(f"src and tgt must have equal sizes, got {len(src)} and {len(tgt)}")
-        self.src, self.tgt = src, tgt
-        self.seed = seed
-        self.length_multiple, self.batch_multiple = length_multiple, batch_multiple
-        self.equal_lengths = equal_lengths
-        self.max_tokens, self.pad_to_budget = max_tokens, pad_to_budget
+        self.src, self.tgt, self.budget = src, tgt, budget
+        self.seed, self.equal_lengths, self.pad_to_budget = seed, equal_lengths, pad_to_budget
         self.batches = batch_by_tokens(
-            [len(x) + 1 for x in src],
-            [len(y) + 1 for y in tgt],
-            max_tokens,
-            seed=seed,
-            length_multiple=length_multiple,
-            batch_multiple=batch_multiple,
-            max_batch_size=max_batch_size,
-            skip_oversized=skip_oversized,
+            [len(x) + 1 for x in src], [len(y) + 1 for y in tgt], budget, seed=seed
         )
         self.num_examples = sum(len(b) for b in self.batches)
 
@@ -215,12 +226,16 @@ class TokenBatcher:
     def epoch(self, epoch: int = 0, shuffle: bool = True) -> Iterator[dict[str, np.ndarray]]:
         """Yields the padded batches of one epoch (see :func:`pad_batch` for the arrays)."""
         for b in self.batch_order(epoch, shuffle):
-            yield pad_batch(
-                self.src,
-                self.tgt,
-                self.batches[b],
-                length_multiple=self.length_multiple,
-                batch_multiple=self.batch_multiple,
-                equal_lengths=self.equal_lengths,
-                max_tokens=self.max_tokens if self.pad_to_budget else None,
-            )
+            yield self.padded(self.batches[b])
+
+    def padded(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """The examples ``indices`` as one padded batch (:func:`pad_batch`)."""
+        return pad_batch(
+            self.src,
+            self.tgt,
+            indices,
+            length_multiple=self.budget.length_multiple,
+            batch_multiple=self.budget.batch_multiple,
+            equal_lengths=self.equal_lengths,
+            max_tokens=self.budget.max_tokens if self.pad_to_budget else None,
+        )

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from lowmem_jax.sparsity import masks as masks_lib
 
-__all__ = ["Rewired", "RewiredSlots", "rewire", "rewire_compressed", "drop_fraction"]
+__all__ = ["Rewiring", "Rewired", "RewiredSlots", "rewire", "rewire_compressed", "drop_fraction"]
 
 
 class Rewired(NamedTuple):
@@ -61,27 +61,66 @@ def drop_fraction(
     return jnp.float32(initial) * 0.5 * (1.0 + jnp.cos(jnp.pi * t / end_step))
 
 
+class Rewiring(NamedTuple):
+    """One update's algorithm and inputs, whatever the layers' storage (:func:`rewire`,
+    :func:`rewire_compressed`).
+
+    Attributes:
+      algorithm: ``set``, ``rigl``, ``snfs`` or ``dsr``.
+      rng: the random positions' key (SET, DSR).
+      fraction: the drop fraction ``f`` (SET, RigL, SNFS).
+      grads: RigL's dense flat gradients per layer.
+      momentum: SNFS's momentum per layer, laid out as the layers are.
+      threshold: DSR's ``H``.
+      target_pruned: DSR's ``N_p``.
+      regrow_pool: ``not_kept`` or ``zeros_first`` (module docstring).
+    """
+
+    algorithm: str
+    rng: jax.Array | None
+    fraction: jax.Array | float
+    grads: list[jax.Array] | None = None
+    momentum: list[jax.Array] | None = None
+    threshold: jax.Array | None = None
+    target_pruned: int = 20_000
+    regrow_pool: str = "not_kept"
+
+    def check(self) -> None:
+        """Raises ``ValueError``: unknown ``algorithm`` or ``regrow_pool``, or a needed input
+        (``grads`` for RigL, ``momentum`` for SNFS, ``threshold`` for DSR) missing."""
+        if self.regrow_pool not in ("not_kept", "zeros_first"):
+            raise ValueError(
+                f"Unknown regrow_pool={self.regrow_pool!r} for rewire; allowed values: "
+                "['not_kept', 'zeros_first']"
+            )
+        if self.algorithm not in ("set", "rigl", "snfs", "dsr"):
+            raise ValueError(
+                f"Unknown algorithm={self.algorithm!r} for rewire; allowed values: "
+                "['set', 'rigl', 'snfs', 'dsr']"
+            )
+        for algorithm, field, what in (
+            ("rigl", "grads", ""),
+            ("snfs", "momentum", " (an optimizer slot mirroring params)"),
+            ("dsr", "threshold", ""),
+        ):
+            if self.algorithm == algorithm and getattr(self, field) is None:
+                raise ValueError(f"algorithm={algorithm!r} needs {field}{what}")
+
+
 def rewire(
-    algorithm: str,
+    how: Rewiring,
     *,
     weights: list[jax.Array],
     masks: list[jax.Array],
     caps: tuple[int, ...],
-    rng: jax.Array,
-    fraction: jax.Array,
-    grads: list[jax.Array] | None = None,
-    momentum: list[jax.Array] | None = None,
-    threshold: jax.Array | None = None,
-    target_pruned: int = 20_000,
-    regrow_pool: str = "not_kept",
 ) -> Rewired:
-    """One prune-and-regrow update (module docstring). Pure and jit-safe.
+    """One prune-and-regrow update (module docstring) of dense flat layers. Pure and jit-safe.
 
     Raises:
-      ValueError: unknown ``algorithm`` or ``regrow_pool``, or a needed input (``grads`` for
-        RigL, ``momentum`` for SNFS, ``threshold`` for DSR) missing.
+      ValueError: see :meth:`Rewiring.check`.
     """
-    _check(algorithm, grads, momentum, threshold, regrow_pool)
+    how.check()
+    algorithm, rng, fraction, grads, momentum, threshold, target_pruned, regrow_pool = how
     zeros_first = regrow_pool == "zeros_first"
     mags = [jnp.abs(w).astype(jnp.float32) for w in weights]
     active = jnp.stack([m.sum(dtype=jnp.int32) for m in masks])
@@ -114,25 +153,6 @@ def rewire(
         new_masks.append(s | grown)
     threshold = _next_threshold(algorithm, threshold, total, target_pruned)
     return Rewired(new_masks, survivors, threshold, total)
-
-
-def _check(algorithm, grads, momentum, threshold, regrow_pool) -> None:
-    if regrow_pool not in ("not_kept", "zeros_first"):
-        raise ValueError(
-            f"Unknown regrow_pool={regrow_pool!r} for rewire; allowed values: "
-            "['not_kept', 'zeros_first']"
-        )
-    if algorithm not in ("set", "rigl", "snfs", "dsr"):
-        raise ValueError(
-            f"Unknown algorithm={algorithm!r} for rewire; allowed values: "
-            "['set', 'rigl', 'snfs', 'dsr']"
-        )
-    if algorithm == "rigl" and grads is None:
-        raise ValueError("algorithm='rigl' needs grads")
-    if algorithm == "snfs" and momentum is None:
-        raise ValueError("algorithm='snfs' needs momentum (an optimizer slot mirroring params)")
-    if algorithm == "dsr" and threshold is None:
-        raise ValueError("algorithm='dsr' needs threshold")
 
 
 def _mean_abs(mask: jax.Array, v: jax.Array) -> jax.Array:
@@ -179,18 +199,11 @@ class RewiredSlots(NamedTuple):
 
 
 def rewire_compressed(
-    algorithm: str,
+    how: Rewiring,
     *,
     values: list[jax.Array],
     indices: list[jax.Array],
     sizes: tuple[int, ...],
-    rng: jax.Array,
-    fraction: jax.Array,
-    grads: list[jax.Array] | None = None,
-    momentum: list[jax.Array] | None = None,
-    threshold: jax.Array | None = None,
-    target_pruned: int = 20_000,
-    regrow_pool: str = "not_kept",
 ) -> RewiredSlots:
     """:func:`rewire` on compressed layers, selecting the same weights, in small memory.
 
@@ -217,7 +230,8 @@ def rewire_compressed(
     Raises:
       ValueError: as :func:`rewire`.
     """
-    _check(algorithm, grads, momentum, threshold, regrow_pool)
+    how.check()
+    algorithm, rng, fraction, grads, momentum, threshold, target_pruned, regrow_pool = how
     zeros_first = regrow_pool == "zeros_first"
     caps = tuple(int(v.shape[0]) for v in values)
     active = jnp.stack([(i < n).sum(dtype=jnp.int32) for i, n in zip(indices, sizes, strict=True)])

@@ -105,19 +105,16 @@ class Storage:
 
     def rewire(
         self,
-        algorithm: str,
+        how: algorithms.Rewiring,
         *,
         specs: tuple[LeafSpec, ...],
         values: list[jax.Array],
         patterns: list[jax.Array],
         live: list[jax.Array],
-        **common,
     ) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
-        """One update from the flat stored ``values`` after this step's update.
+        """One update (``how``: its ``grads`` dense and flat, its ``momentum`` flat and
+        stored) from the flat stored ``values`` after this step's update.
 
-        ``common``: :func:`~.algorithms.rewire`'s ``rng``, ``fraction``, ``threshold``,
-        ``target_pruned``, ``regrow_pool``, and ``grads`` (dense and flat, RigL) and
-        ``momentum`` (flat and stored, SNFS).
         Returns ``(keep, new patterns, threshold)``: per layer, bool ``[capacity]`` the slots
         whose weights survive with their values and optimizer slots (every other slot is zeroed:
         pruned, or regrown at 0), then the new patterns and DSR's threshold.
@@ -152,9 +149,9 @@ class MaskedStorage(Storage):
     def gather(self, dense, pattern, spec):
         return jnp.where(self.live(pattern, spec), dense, 0)
 
-    def rewire(self, algorithm, *, specs, values, patterns, live, **common):
+    def rewire(self, how, *, specs, values, patterns, live):
         caps = tuple(s.size for s in specs)
-        out = algorithms.rewire(algorithm, weights=values, masks=live, caps=caps, **common)
+        out = algorithms.rewire(how, weights=values, masks=live, caps=caps)
         masks = [m.reshape(s.shape) for m, s in zip(out.masks, specs, strict=True)]
         return out.survivors, masks, out.threshold
 
@@ -194,12 +191,10 @@ class CompressedStorage(Storage):
         # Unused slots hold index `size`: out of range, so they read 0.
         return dense.at[pattern].get(mode="fill", fill_value=0)
 
-    def rewire(self, algorithm, *, specs, values, patterns, live, **common):
+    def rewire(self, how, *, specs, values, patterns, live):
         # Per layer, in the [capacity] slots; dense [n] temporaries one layer at a time.
         sizes = tuple(s.size for s in specs)
-        out = algorithms.rewire_compressed(
-            algorithm, values=values, indices=patterns, sizes=sizes, **common
-        )
+        out = algorithms.rewire_compressed(how, values=values, indices=patterns, sizes=sizes)
         return out.survivors, out.indices, out.threshold
 
 

@@ -320,19 +320,22 @@ class SparseTraining(Optimizer):
                 )
             mom = leaves_by_key(mirrors[0], self.layout.keys)
             momentum = [mom[s.key].reshape(-1) for s in specs]
-        keep, pattern, threshold = self.storage.rewire(
+        how = algorithms.Rewiring(
             cfg.algorithm,
+            rng=jax.random.fold_in(state.rng, count),
+            fraction=algorithms.drop_fraction(cfg.drop_fraction, count, cfg.end_step, cfg.anneal),
+            grads=[g[s.key] for s in specs] if cfg.algorithm == "rigl" else None,
+            momentum=momentum,
+            threshold=state.threshold,
+            target_pruned=self.dsr_target_pruned,
+            regrow_pool=cfg.resolved_regrow_pool,
+        )
+        keep, pattern, threshold = self.storage.rewire(
+            how,
             specs=specs,
             values=[p[s.key] + u[s.key] for s in specs],
             patterns=[state.pattern[s.key] for s in specs],
             live=[live[s.key] for s in specs],
-            grads=[g[s.key] for s in specs] if cfg.algorithm == "rigl" else None,
-            momentum=momentum,
-            rng=jax.random.fold_in(state.rng, count),
-            fraction=algorithms.drop_fraction(cfg.drop_fraction, count, cfg.end_step, cfg.anneal),
-            threshold=state.threshold,
-            target_pruned=self.dsr_target_pruned,
-            regrow_pool=cfg.resolved_regrow_pool,
         )
         keep = {s.key: k for s, k in zip(specs, keep, strict=True)}
         new_u = {s.key: jnp.where(keep[s.key], u[s.key], -p[s.key]) for s in specs}

@@ -37,7 +37,7 @@ import numpy as np
 from lowmem_jax.checkpoint_averaging import average_last_checkpoints
 from lowmem_jax.checkpointing import param_checksum
 from lowmem_jax.data import synthetic
-from lowmem_jax.data.token_batching import TokenBatcher, pad_batch
+from lowmem_jax.data.token_batching import TokenBatcher, TokenBudget
 from lowmem_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from lowmem_jax.models import beam_search, greedy_decode
 from lowmem_jax.workloads import Workload, workload
@@ -192,12 +192,13 @@ class Task:
             if self.tokenizer is None
             else self.tokenizer.vocab_size
         )
-        self.batching = {
-            "length_multiple": config.length_multiple,
-            "batch_multiple": config.plan.microbatches,
-            "equal_lengths": True,
-            "pad_to_budget": True,
-        }
+        # Every batch's shape from its length bucket, B a multiple of the microbatch count.
+        self.budget = TokenBudget(
+            config.max_tokens,
+            length_multiple=config.length_multiple,
+            batch_multiple=config.plan.microbatches,
+            skip_oversized=True,
+        )
         self.batcher = self._batcher(self.train, seed=config.seed)
         self.test_batcher = self._batcher(self.test, seed=None)
         if not len(self.batcher) or not len(self.test_batcher):
@@ -215,8 +216,8 @@ class Task:
 
     def _batcher(self, split: dict[str, list[list[int]]], seed: int | None) -> TokenBatcher:
         return TokenBatcher(
-            split["src"], split["tgt"], self.config.max_tokens, seed=seed, skip_oversized=True,
-            **self.batching,
+            split["src"], split["tgt"], self.budget, seed=seed, equal_lengths=True,
+            pad_to_budget=True,
         )  # fmt: skip
 
     def workload(self, config: TrainConfig) -> Workload:
@@ -306,22 +307,17 @@ class Evaluator:
         self.bleu_set = {k: v[:limit] for k, v in task.test.items()}
         self.bleu_batcher = task._batcher(self.bleu_set, seed=None)
 
-    def _batches(self, batcher: TokenBatcher, split: dict[str, list[list[int]]]):
-        pad_args = {
-            "length_multiple": batcher.length_multiple,
-            "batch_multiple": batcher.batch_multiple,
-            "equal_lengths": batcher.equal_lengths,
-            "max_tokens": batcher.max_tokens if batcher.pad_to_budget else None,
-        }
+    @staticmethod
+    def _batches(batcher: TokenBatcher):
         for indices in batcher.batches:
-            yield indices, pad_batch(split["src"], split["tgt"], indices, **pad_args)
+            yield indices, batcher.padded(indices)
 
     def evaluate(self, params, model_state, decode: bool = False) -> dict[str, float]:
         """Token-weighted ``test_loss``, ``test_nll_loss``, ``test_accuracy``; with ``decode``
         also ``bleu_greedy``, ``bleu_beam``, ``exact_match_*`` and ``bleu_sentences`` (none of
         them when ``eval_sentences`` is 0)."""
         sums, tokens = {"loss": 0.0, "nll_loss": 0.0, "accuracy": 0.0}, 0.0
-        for _, batch in self._batches(self.task.test_batcher, self.task.test):
+        for _, batch in self._batches(self.task.test_batcher):
             metrics = self.metrics(params, model_state, batch)
             n = float(metrics["tokens"])
             tokens += n
@@ -335,7 +331,7 @@ class Evaluator:
     def _bleu(self, params) -> dict[str, float]:
         config, tokenizer = self.task.config, self.task.tokenizer
         references, hypotheses = [], {name: [] for name in self.decoders}
-        for indices, batch in self._batches(self.bleu_batcher, self.bleu_set):
+        for indices, batch in self._batches(self.bleu_batcher):
             max_len = int(config.max_len_a * batch["src"].shape[1] + config.max_len_b)
             references += detokenize([self.bleu_set["tgt"][i] for i in indices], tokenizer)
             for name, decode in self.decoders.items():
