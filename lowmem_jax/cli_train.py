@@ -81,11 +81,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = f"token accuracy {summary['token_accuracy']:.4f}"
     else:
         result = f"test accuracy {summary['test_accuracy']:.4f}"
-    density = summary.get("sparsity", {}).get("density")
+    # what the optimizer's techniques describe of themselves (sparse training: its density)
+    headlines = [v["headline"] for v in summary.values() if isinstance(v, dict) and "headline" in v]
     print(
         f"{result} after {summary['steps']} steps ({summary['train_seconds']:.0f}s, "
         f"{summary['skipped_steps']} skipped steps, {summary['param_count']:,} parameters, "
-        f"backend {summary['backend']})" + (f", density {density:.4f}" if density else "")
+        f"backend {summary['backend']})" + "".join(f", {h}" for h in headlines)
     )
     return 0
 

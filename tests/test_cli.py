@@ -119,7 +119,7 @@ def test_train_accepts_sparsity_for_translation(monkeypatch, capsys):
     seen = _fake_train(
         monkeypatch,
         {"token_accuracy": 0.5, "bleu_greedy": 1.0, "bleu_beam": 1.0, "beam_size": 4,
-         "sparsity": {"density": 0.1}},
+         "sparsity": {"density": 0.1, "headline": "density 0.1000"}},
     )  # fmt: skip
     code = cli.main([
         "train", "--dataset", "synthetic-copy", "--sparsity", "0.9", "--sparse-algorithm", "set",

@@ -515,12 +515,15 @@ def test_plan_wraps_the_optimizer_and_describe_reports_the_pattern():
             "size": size,
             "density": budget / size,
             "sparse_leaves": 3,  # conv, stack/dense and dense kernels; not the classifier
+            "headline": f"density {budget / size:.4f}",
         }
     }
     # Measured on model parameters: the non-zero fraction of the sparse leaves.
     measured = sp.describe(params=lm.model_params(state, sp))
-    assert measured == {"sparsity": {"density": budget / size}}
-    assert sp.describe(params=params) == {"sparsity": {"density": 1.0}}
+    assert measured["sparsity"]["density"] == budget / size
+    assert sp.describe(params=params) == {
+        "sparsity": {"density": 1.0, "headline": "density 1.0000"}
+    }
     assert plan.to_dict()["sparsity"] == cfg.describe()
     assert "sparsity" not in lm.Plan().to_dict()
 

@@ -198,12 +198,14 @@ class SparseTraining(Optimizer):
     def describe(self, state: PyTree | None = None, params: PyTree | None = None) -> dict:
         """``{"sparsity": ...}``: with ``state``, the configuration and the pattern's counts
         (``nnz``, ``budget``, ``size``, ``density``); with dense model ``params``, the measured
-        ``density`` (non-zero fraction) of their sparse leaves."""
+        ``density`` (non-zero fraction) of their sparse leaves. ``headline``: the density in a
+        few words (``lowmem train``'s summary line prints each description's)."""
         cfg = self.config
         if params is not None:
             leaves = leaves_by_key(params, self.layout.keys)
             nnz = sum(int(jnp.count_nonzero(x)) for x in leaves.values())
-            return {"sparsity": {"density": nnz / sum(s.size for s in self.layout.leaves)}}
+            density = nnz / sum(s.size for s in self.layout.leaves)
+            return {"sparsity": {"density": density, "headline": f"density {density:.4f}"}}
         report = density_report(self, state)
         return {
             "sparsity": {
@@ -215,6 +217,7 @@ class SparseTraining(Optimizer):
                 "size": report["size"],
                 "density": report["density"],
                 "sparse_leaves": len(self.layout.leaves),
+                "headline": f"density {report['density']:.4f}",
             }
         }
 
