@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import lowmem_jax as lm
 from lowmem_jax import cli, memory
 from lowmem_jax.data import iterate_batches, load_digits
+from lowmem_jax.memory_analytic import tree_bytes
 from lowmem_jax.optimizer_state_format import is_quantized
 from lowmem_jax.quantization import Quantized
 from lowmem_jax.techniques.second_moment import Factored, factored_leaves, factored_second_moment
@@ -160,3 +161,23 @@ def test_the_readme_quotes_the_committed_report_s_row():
         f"{base['xla']['total_bytes'] / mib:.1f} -> {factored['xla']['total_bytes'] / mib:.1f} MiB"
     )
     assert quoted in (root / "README.md").read_text()
+
+
+def test_a_published_model_s_adam_state_is_factored_and_lion_s_refused():
+    """Hugging Face transformers' Flax GPT-2 (the conformance table's), through the public API:
+    under Adam its kernels' second moments are stored factored and the verdict says so (traced,
+    nothing compiled); Lion keeps a first moment only, so the plan is refused in one line."""
+    from experiments import conformance_models
+
+    make_workload, _, _ = conformance_models.MODELS["gpt2"]
+    plan = lm.Plan(second_moment="factored")
+    subject = conformance_models.subject(make_workload(), plan)
+    tx = plan.wrap_optimizer(optax.adam(1e-3), subject.params)
+    state = lm.TrainState.create(params=subject.params, tx=tx, plan=plan)
+    step = lm.make_train_step(subject.loss_fn, tx, plan)
+    found = {v.technique: v for v in lm.verdicts(step, state, subject.batch, plan=plan, tx=tx)}
+    assert found["second_moment"].took_effect, found
+    dense = optax.adam(1e-3).init(subject.params)
+    assert tree_bytes(state.opt_state) < 0.75 * tree_bytes(dense)
+    with pytest.raises(ValueError, match="no second moment"):
+        plan.wrap_optimizer(optax.lion(1e-4), subject.params)
