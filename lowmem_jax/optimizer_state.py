@@ -50,6 +50,7 @@ from lowmem_jax.optimizer_state_format import (
     DEFAULT_BLOCK,
     FORMATS,
     QUANTIZED_FORMATS,
+    SECOND_MOMENTS,
     check_format,
     encode_like,
     encode_new,
@@ -324,7 +325,7 @@ def quantized_state(
     block_size: int | None = None,
     min_size: int = 4096,
     stochastic_rounding: bool = False,
-    second_moments: tuple[str, ...] = ("nu", "sum_of_squares"),
+    second_moments: tuple[str, ...] = SECOND_MOMENTS,
     seed: int = 0,
     sequential: bool = True,
 ) -> QuantizedStateOptimizer:

@@ -21,6 +21,8 @@ __all__ = [
     "FORMATS",
     "QUANTIZED_FORMATS",
     "DEFAULT_BLOCK",
+    "SECOND_MOMENTS",
+    "names_second_moment",
     "check_format",
     "is_quantized",
     "encode_new",
@@ -46,8 +48,15 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, quantization.Quantized)
 
 
-def _path_names(path) -> set[str]:
-    return {str(getattr(k, "name", None) or getattr(k, "key", "")) for k in path}
+#: State field names whose leaves are non-negative second moments (optax's ``nu``: Adam, AdamW,
+#: RMSProp, Yogi...; Adagrad's ``sum_of_squares``).
+SECOND_MOMENTS = ("nu", "sum_of_squares")
+
+
+def names_second_moment(path, second_moments: tuple[str, ...] = SECOND_MOMENTS) -> bool:
+    """Whether a leaf's key ``path`` in an optimizer state names one of ``second_moments``."""
+    names = {str(getattr(k, "name", None) or getattr(k, "key", "")) for k in path}
+    return bool(names & set(second_moments))
 
 
 def encode_new(
@@ -69,7 +78,7 @@ def encode_new(
     if x.size < min_size or format in _FLOAT_DTYPES:
         dtype = jnp.float32 if x.size < min_size else _FLOAT_DTYPES[format]
         return x.astype(dtype)
-    second = bool(_path_names(path) & set(second_moments))
+    second = names_second_moment(path, second_moments)
     if format == "int8":
         book, rank1 = ("dynamic_unsigned" if second else "dynamic"), False
     else:  # int4: first moments block-wise DE, second moments rank-1 + zero-free linear

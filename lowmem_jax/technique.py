@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lowmem_jax.jaxprs import equations
+from lowmem_jax.technique_report import GridContext, ReportRow, ReportSection
 
 __all__ = [
     "Technique",
@@ -335,7 +336,7 @@ class Technique:
     state_shardings: Callable[[Any, Any], Any] | None = None
     one_device: Callable[[Any], dict[str, Any]] | None = None
     took_effect: Callable[[Evidence, Any], Verdict | None] | None = None
-    report_rows: Callable[[Any], tuple[Any, ...]] | None = None
-    report_section: Any = None
+    report_rows: Callable[[GridContext], tuple[ReportRow, ...]] | None = None
+    report_section: ReportSection | None = None
     host_devices: Callable[[argparse.Namespace], None] | None = None
     compile_cost: Callable[[Any], float] | None = None

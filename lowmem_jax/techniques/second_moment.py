@@ -24,8 +24,9 @@ knows ``beta2``; the two differ by ``(1 - beta2) * (g_t**2 - its rank-one part)`
 square root. Where the second moment is rank one (``g_t = s_t * a b^T``) the step equals the
 inner optimizer's, exactly.
 
-A leaf is a second moment when its path in the state names one of :data:`SECOND_MOMENTS`
-(optax's ``nu``: Adam, AdamW, RMSProp, Yogi...; Adagrad's ``sum_of_squares``); it is factored when
+A leaf is a second moment when its path in the state names one of
+:data:`lowmem_jax.optimizer_state_format.SECOND_MOMENTS` (optax's ``nu``, Adagrad's
+``sum_of_squares``), as the low-bit state reads them; it is factored when
 it has two or more axes and ``n + m < n * m``. An optimizer with none (SGD) is refused in one
 line. Sparse training resets single entries of a regrown weight's slots, which a factored moment
 does not hold: refused too.
@@ -37,14 +38,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lowmem_jax.optimizer_state_format import SECOND_MOMENTS, names_second_moment
 from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 from lowmem_jax.technique_report import rows_of
 
-__all__ = ["TECHNIQUE", "SECOND_MOMENTS", "Factored", "FactoredState", "factored_second_moment"]
+__all__ = ["TECHNIQUE", "Factored", "FactoredState", "factored_second_moment"]
 
 FORMATS = ("none", "factored")
-#: State field names whose leaves are non-negative second moments.
-SECOND_MOMENTS = ("nu", "sum_of_squares")
 
 
 class Factored(NamedTuple):
@@ -68,15 +68,11 @@ class FactoredState(NamedTuple):
     inner_state: Any
 
 
-def _names(path) -> set[str]:
-    return {str(getattr(k, "name", None) or getattr(k, "key", "")) for k in path}
-
-
 def _factors(path, x) -> bool:
     if not (hasattr(x, "ndim") and x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)):
         return False
     n, m = x.shape[-2:]
-    return bool(_names(path) & set(SECOND_MOMENTS)) and n + m < n * m
+    return names_second_moment(path) and n + m < n * m
 
 
 def _encode(state: Any) -> Any:
