@@ -7,6 +7,7 @@ pytest puts ``tests/`` on ``sys.path`` (no package), so test modules import thes
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import os
 import pathlib
@@ -71,6 +72,15 @@ os.environ.setdefault(
 )
 jax.config.update("jax_compilation_cache_dir", os.environ["LOWMEM_CACHE_DIR"] or None)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+# Python's cyclic garbage collector less often, and never over what the imports built: tracing
+# leaves large heaps of jaxprs, tracers and cached closures, and each full collection walks them
+# all. Measured on this 2-core machine, cold caches, 2026-11-28: tests/test_planner.py +
+# test_technique.py in one process 151.2 -> 128.7 s with the same peak RSS (1.09 / 1.10 GB);
+# four trace-heavy files, 2 workers, two pairs: 171/168 -> 134/155 s; three compile- and
+# training-bound files: 170/164 -> 150/166 s.
+gc.freeze()
+gc.set_threshold(50_000, 50, 1_000)
 
 # Property tests draw the same examples on every run (derived from each test's source): a CI
 # result is then reproducible, and an example that aborts XLA's compiler (seen once in CI in
