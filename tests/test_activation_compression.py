@@ -2,6 +2,7 @@
 stored formats' error bounds, exact forward values, gradients near float32's, parameters never
 compressed, bytes that fall, on our WideResNet and on a model written the common Linen way."""
 
+import functools
 import json
 import pathlib
 import re
@@ -22,6 +23,7 @@ from lowmem_jax.activation_formats import MASK
 INT_FORMATS = ["int8", "int4", "int2"]
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one program per shape and format, not per op
 def _roundtrip(x, name):
     spec = ac.parse_spec(name)
     return ac.decompress(ac.compress(x, spec), x.shape, x.dtype, spec)
@@ -148,7 +150,7 @@ def _wrn(depth=10, width=1, batch=16, size=16):
     model = lm.models.WideResNet(depth=depth, width=width, num_classes=10)
     images = jax.random.normal(jax.random.key(0), (batch, size, size, 3))
     labels = jnp.arange(batch) % 10
-    variables = model.init(jax.random.key(1), images, train=False)
+    variables = jax.jit(model.init, static_argnames="train")(jax.random.key(1), images, train=False)
     return model, variables, {"image": images, "label": labels}
 
 

@@ -6,27 +6,41 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from conftest import BENCHMARKS, load_benchmark
 
 
 def test_a_compile_and_its_trace_count_against_the_running_test(monkeypatch, tmp_path):
     probe = load_benchmark("compile_probe")
     monkeypatch.setenv("COMPILE_PROBE_DIR", str(tmp_path))
+    monkeypatch.setattr(probe, "SMALL", 60.0)  # every program here is small, however busy
     jax.monitoring.register_event_duration_secs_listener(probe._listener)
     try:
         probe._CURRENT["test"] = "tests/test_x.py::test_a"
         # A constant of this run's: a program the persistent cache cannot hold from another.
         unique = float(time.time_ns() % 1_000_003)
-        jax.jit(lambda x: jnp.sin(x) * unique)(jnp.arange(7.0))
+        jax.jit(lambda x: jnp.sin(x) * unique)(np.arange(7.0))
     finally:
         jax.monitoring.unregister_event_duration_listener(probe._listener)
     probe.pytest_sessionfinish(None)
     (written,) = tmp_path.glob("probe_*.json")
     stats = json.loads(written.read_text())["tests/test_x.py::test_a"]
-    assert stats["compiles"] >= 1 and stats["compile_s"] > 0 and stats["trace_s"] > 0
-    summary = probe.summarize({"tests/test_x.py::test_a": stats, "tests/test_x.py::test_b": stats})
+    assert stats["compiles"] == stats["small"] == 1
+    assert stats["compile_s"] > 0 and stats["trace_s"] > 0 and stats["lower_s"] > 0
+    # The small program is charged, with its lowering, to the test function that asked for it.
+    (callers,) = tmp_path.glob("callers_*.json")
+    asked = "(the test, flax or jax) <- test_compile_probe.py:" + (
+        "test_a_compile_and_its_trace_count_against_the_running_test"
+    )
+    n, seconds = json.loads(callers.read_text())[asked]
+    assert n == 1 and seconds == pytest.approx(stats["compile_s"] + stats["lower_s"])
+    summary = probe.summarize(
+        {"tests/test_x.py::test_a": stats, "tests/test_x.py::test_b": stats}, {asked: [n, seconds]}
+    )
     assert summary["files"]["tests/test_x.py"]["compiles"] == 2 * stats["compiles"]
-    assert "| tests/test_x.py |" in probe.to_markdown(summary, "note")
+    markdown = probe.to_markdown(summary, "note")
+    assert "| tests/test_x.py |" in markdown and f"| {asked} | 1 |" in markdown
 
 
 def test_no_probe_files_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys):

@@ -237,21 +237,25 @@ def test_factorized_conv_equals_the_conv_of_its_kernel(method, kernel_size, stri
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 9, 8, 6))
     config = fz.FactorConfig(method, 0.5)
     layer = fz.FactorizedConv(5, kernel_size, strides, padding, config=config)
-    variables = layer.init(jax.random.PRNGKey(0), x)
+    variables = layer.init(jax.random.PRNGKey(0), x)  # eager: keeps the factors in their order
     layer_method = fz.layer_method(method, (*kernel_size, 6, 5))
     factors = {n: f["kernel"] for n, f in variables["params"].items()}
     assert tuple(factors) == fz.FACTOR_NAMES[layer_method]
-    kernel = fz.reconstruct_kernel(layer_method, factors)
+    kernel = jax.jit(fz.reconstruct_kernel, static_argnums=0)(layer_method, factors)
 
     def dense(x, kernel):
         return conv2d(x, kernel, strides, padding, impl="xla")
 
-    np.testing.assert_allclose(layer.apply(variables, x), dense(x, kernel), atol=2e-5)
-    dy = jax.random.normal(jax.random.PRNGKey(2), dense(x, kernel).shape)
-    grad_x = jax.grad(lambda x: jnp.vdot(layer.apply(variables, x), dy))(x)
-    np.testing.assert_allclose(
-        grad_x, jax.grad(lambda x: jnp.vdot(dense(x, kernel), dy))(x), atol=2e-5
-    )
+    @jax.jit  # one program per case, not one per primitive and shape
+    def outputs_and_input_grads(variables, kernel, x):
+        got, want = layer.apply(variables, x), dense(x, kernel)
+        dy = jax.random.normal(jax.random.PRNGKey(2), want.shape)
+        grad_got = jax.grad(lambda x: jnp.vdot(layer.apply(variables, x), dy))(x)
+        return got, want, grad_got, jax.grad(lambda x: jnp.vdot(dense(x, kernel), dy))(x)
+
+    got, want, grad_got, grad_want = outputs_and_input_grads(variables, kernel, x)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(grad_got, grad_want, atol=2e-5)
 
 
 def test_depthwise_backward_equals_autodiff_of_the_taps():

@@ -266,7 +266,7 @@ def test_sparse_slot_reset_of_regrown_weights_reaches_the_quantized_slots(fmt):
     )
     sp = sparsity.sparse_training(optax.adam(1e-2), cfg, params)
     opt = lm.quantized_state(sp, fmt, min_size=0, block_size=8)  # quantize even tiny leaves
-    stored, state = opt.store(params)
+    stored, state = jax.jit(opt.store)(params)  # one program, not one per primitive and shape
     assert any(isinstance(x, quantization.Quantized) for x in jax.tree.leaves(
         state, is_leaf=lambda x: isinstance(x, quantization.Quantized)))  # fmt: skip
     update = jax.jit(opt.update, compiler_options=FAST_COMPILE)
@@ -275,7 +275,7 @@ def test_sparse_slot_reset_of_regrown_weights_reaches_the_quantized_slots(fmt):
         old_masks = state.inner_state.pattern
         updates, state = update(grads, state, stored)
         stored = optax.apply_updates(stored, updates)
-    decoded = opt.decode(state.inner_state)
+    decoded = jax.jit(opt.decode)(state.inner_state)
     mu, nu = slots.find_mirrors(decoded.inner_state, stored)
     for k in sp.layout.keys:
         regrown = np.asarray(state.inner_state.pattern[k] & ~old_masks[k])

@@ -23,9 +23,8 @@ def _wrn_grads(remat, depth=28, batch=4, size=8):
     rng = np.random.default_rng(0)
     images = jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-    variables = lm.models.WideResNet(depth=depth, width=1).init(
-        jax.random.key(0), images, train=False
-    )
+    init = jax.jit(lm.models.WideResNet(depth=depth, width=1).init, static_argnames="train")
+    variables = init(jax.random.key(0), images, train=False)
     loss_fn = lm.classifier_loss_fn(model)
     state = {"batch_stats": variables["batch_stats"]}
     grad_fn = jax.jit(
