@@ -17,7 +17,7 @@ import jax
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent
 from jax.extend import core as jex_core
 
-__all__ = ["count_flops", "xla_flops"]
+__all__ = ["count_flops", "jaxpr_flops", "xla_flops"]
 
 _FREE = {
     "reshape",
@@ -120,8 +120,13 @@ def _jaxpr_flops(jaxpr, notes: set[str]) -> float:
 
 def count_flops(fn: Callable, *args) -> tuple[float, list[str]]:
     """FLOPs of one call of ``fn(*args)`` counted from its jaxpr (module docstring)."""
+    return jaxpr_flops(jax.make_jaxpr(fn)(*args))
+
+
+def jaxpr_flops(closed: jax.extend.core.ClosedJaxpr) -> tuple[float, list[str]]:
+    """:func:`count_flops` of a jaxpr already traced (e.g. ``jax.jit(f).trace(*args).jaxpr``)."""
     notes: set[str] = set()
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    jaxpr = closed.jaxpr
     # Dead code is not counted (XLA removes it too), e.g. a custom_vjp's gradient for an
     # input nothing differentiates: a model's first convolution's input gradient.
     jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))

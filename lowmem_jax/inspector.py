@@ -192,14 +192,15 @@ def _short(shape: str) -> str:
 def inspect(step: Any, *args: Any) -> Inspection:
     """The peak of ``step(*args)`` (a jitted function, e.g. :func:`lowmem_jax.make_train_step`'s
     or a hand-written ``jax.jit`` step; ``args`` arrays or ``jax.ShapeDtypeStruct``), compiled
-    here for the default backend with XLA's dumps (module docstring). JAX's persistent
+    here for the default backend with XLA's dumps (module docstring) and
+    :func:`~lowmem_jax.memory.analysis_compiler_options` (never run). JAX's persistent
     compilation cache is set aside for this compile (a cached executable has no dumps).
 
     Raises:
       RuntimeError: XLA wrote no buffer assignment (a backend that does not dump one).
     """
     compiled, (assignment_text, live_text, hlo_text) = xla_dumps.compile_with_dumps(
-        step.lower(*args)
+        step.lower(*args), memory.analysis_compiler_options()
     )
     xla = {k: v for k, v in memory.xla_memory(compiled).items() if isinstance(v, int)}
     return _analyse(assignment_text, live_text, hlo_text, xla, jax.default_backend())

@@ -39,6 +39,7 @@ The analytic half lives in :mod:`lowmem_jax.memory_analytic` (re-exported here).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -49,7 +50,7 @@ import optax
 
 from lowmem_jax import collectives, remat
 from lowmem_jax.base import Optimizer, as_optimizer
-from lowmem_jax.flops import count_flops, xla_flops
+from lowmem_jax.flops import jaxpr_flops, xla_flops
 from lowmem_jax.memory_analytic import (
     _model_params,
     analytic_breakdown,
@@ -67,6 +68,7 @@ __all__ = [
     "MemoryReport",
     "analyze",
     "xla_memory",
+    "analysis_compiler_options",
     "analytic_breakdown",
     "saved_activation_bytes",
     "dense_weight_bytes",
@@ -106,6 +108,20 @@ class MemoryReport:
         return dataclasses.asdict(self)
 
 
+def analysis_compiler_options(backend: str | None = None) -> dict[str, Any]:
+    """XLA options for a compile whose executable never runs (:func:`analyze`, the inspector).
+
+    On XLA:CPU, LLVM at optimisation level 0 (``xla_backend_optimization_level=0``): XLA assigns
+    buffers to the optimised HLO before it generates any code, so every byte figure is the
+    default build's while the compile does less work (only the machine code, never run, is
+    slower). Elsewhere ``{}``: a GPU's analysis compile also fills the persistent cache for the
+    process that then runs and measures the same step. JAX's cache keys include these options,
+    so such an executable is never handed to a run that compiles with the defaults.
+    """
+    cpu = (backend or jax.default_backend()) == "cpu"
+    return {"xla_backend_optimization_level": 0} if cpu else {}
+
+
 def xla_memory(compiled) -> dict[str, Any]:
     """XLA's compiled memory figures in bytes, with ``total_bytes`` and ``source``.
 
@@ -129,7 +145,6 @@ def xla_memory(compiled) -> dict[str, Any]:
     )
     peak = int(getattr(stats, "peak_memory_in_bytes", 0)) if backend != "cpu" else 0
     out["heap_peak_bytes"] = peak or None
-    out["generated_code_bytes"] = int(stats.generated_code_size_in_bytes) or None
     host = {
         k: int(getattr(stats, f"host_{k}_size_in_bytes", 0))
         for k in ("argument", "output", "alias", "temp")
@@ -148,6 +163,7 @@ def analyze(
     plan: Plan | None = None,
     tx: optax.GradientTransformation | Optimizer | None = None,
     config: dict[str, Any] | None = None,
+    compiling: contextlib.AbstractContextManager | None = None,
 ) -> MemoryReport:
     """Compiles ``train_step(state, batch)`` (never runs it) and reports its memory and FLOPs.
 
@@ -168,13 +184,17 @@ def analyze(
       tx: the step's optimizer (``plan.wrap_optimizer(...)`` or any optax transformation): how
         the parameters are stored; ``None``: as they are.
       config: recorded in the report as is.
+      compiling: entered around XLA's compile (e.g. a semaphore: analyses in threads that
+        trace and lower at once but compile one at a time).
     """
     microbatches = 1 if plan is None else plan.microbatches
     if loss_fn is not None and plan is not None:
         loss_fn = plan.model_loss(loss_fn)
-    step = train_step if hasattr(train_step, "lower") else jax.jit(train_step)
-    lowered = step.lower(state, batch)
-    compiled = lowered.compile()
+    step = train_step if hasattr(train_step, "trace") else jax.jit(train_step)
+    traced = step.trace(state, batch)  # one trace for XLA and for the FLOPs count
+    lowered = traced.lower()
+    with compiling or contextlib.nullcontext():
+        compiled = lowered.compile(analysis_compiler_options() or None)
     xla = xla_memory(compiled)
     if jax.device_count() > 1:  # one device has nothing to send
         sent = collectives.collectives(compiled.as_text())
@@ -188,7 +208,7 @@ def analyze(
         tx=tx,
         blocks_rematerialized=plan is not None and remat.parse_policy(plan.remat).enabled,
     )
-    flops, flop_notes = count_flops(getattr(step, "__wrapped__", step), state, batch)
+    flops, flop_notes = jaxpr_flops(traced.jaxpr)
     notes = [
         "xla.total_bytes = argument + output + temp - alias (donated state counted once)",
         "flops: counted from the jaxpr, loop bodies times their trip count; flops_xla: XLA's "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,8 +78,9 @@ def run_report(
     the techniques' report sections (:func:`lowmem_jax.techniques.report_sections`; e.g.
     ``{"sharding": (2, 4, 8)}``: per-device bytes at each count, JAX must see that many
     devices); a section left out or with an empty setting is not run.
-    ``jobs``: configurations analysed at once, in threads (XLA's compiles release the GIL; the
-    rows and figures are the same, in grid order, whatever ``jobs``).
+    ``jobs``: XLA compiles at once, in threads; one more configuration is traced and lowered
+    meanwhile (Python, while a compile has released the GIL). The rows and figures are the
+    same, in grid order, whatever ``jobs``.
     """
     known = report_sections()
     sections = {key: setting for key, setting in (sections or {}).items() if setting}
@@ -91,27 +93,30 @@ def run_report(
     if grid is None:
         grid = model_grid(model, batch_size)
 
+    compiling = threading.Semaphore(jobs)
+
     def analyzed(plan):
-        t0 = time.perf_counter()
-        report = analyze_model(model, batch_size, plan, seq_len=seq_len).to_dict()
-        return report, time.perf_counter() - t0
+        return analyze_model(model, batch_size, plan, seq_len=seq_len, compiling=compiling)
 
     todo = [(name, plan) for name, _, plan in grid if not (reuse and name in reuse)]
     weights = {name: 1.0 if plan is None else plan.compile_cost() for name, plan in todo}
-    rows, done = [], 0.0
+    rows, done, shown = [], 0.0, 0.0
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs + 1) as pool:
         pending = {name: pool.submit(analyzed, plan) for name, plan in todo}
         for i, (name, group, plan) in enumerate(grid, 1):
             argv = analyze_argv(model, batch_size, plan, seq_len)
             if name not in pending:
                 rows.append({**reuse[name], "argv": argv})
                 continue
-            report, took = pending.pop(name).result()
+            report = pending.pop(name).result().to_dict()
             rows.append({"name": name, "group": group, "argv": argv, **report})
             done += weights[name]
             if progress:
+                # Each row's seconds: the wall time since the row before it was done (rows
+                # overlap: one traces while another compiles).
                 elapsed = time.perf_counter() - start
+                took, shown = elapsed - shown, elapsed
                 # At the pace so far, each row weighed by its plan's compile cost.
                 left = sum(weights[n] for n in pending) * elapsed / done
                 progress(

@@ -4,6 +4,7 @@ compile-only analysis; and the shapes of a model's variables."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -160,8 +161,11 @@ class Setup:
             loss_fn=self.loss_fn,
         )
 
-    def analyze(self) -> memory.MemoryReport:
-        """Compile-only memory analysis of the step at the workload's batch shapes.
+    def analyze(
+        self, compiling: contextlib.AbstractContextManager | None = None
+    ) -> memory.MemoryReport:
+        """Compile-only memory analysis of the step at the workload's batch shapes
+        (``compiling``: see :func:`lowmem_jax.memory.analyze`).
 
         Over several devices (a plan that is not :meth:`Plan.on_one_device`), XLA's figures
         are per device (the partitioned program one device runs) and ``config["devices"]`` is
@@ -177,6 +181,7 @@ class Setup:
             plan=self.plan,
             tx=self.tx,
             config=config,
+            compiling=compiling,
         )
         if mesh is not None:
             report.notes.append(

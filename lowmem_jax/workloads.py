@@ -24,6 +24,7 @@ Names (:data:`MODEL_NAMES`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import re
@@ -321,13 +322,15 @@ def analyze_model(
     *,
     seq_len: int = 40,
     image_size: int = 32,
+    compiling: contextlib.AbstractContextManager | None = None,
 ) -> memory.MemoryReport:
     """Memory analysis of one train step of a named model: compile-only, no data, no step run.
 
-    ``plan=None``: the plain baseline (:func:`build_plain`).
+    ``plan=None``: the plain baseline (:func:`build_plain`). ``compiling``: see
+    :func:`lowmem_jax.memory.analyze`.
 
     Raises:
       ValueError: for an unknown model, a bad plan, or a batch size the microbatches don't divide.
     """
     work = workload(model, batch_size, seq_len=seq_len, image_size=image_size)
-    return (build_plain(work) if plan is None else build(work, plan)).analyze()
+    return (build_plain(work) if plan is None else build(work, plan)).analyze(compiling)

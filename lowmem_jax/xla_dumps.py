@@ -21,11 +21,13 @@ from jax.experimental.compilation_cache import compilation_cache
 __all__ = ["Allocation", "allocations", "compile_with_dumps", "live_ranges", "sources"]
 
 
-def compile_with_dumps(lowered: Any) -> tuple[Any, tuple[str, str, str]]:
-    """``lowered.compile()`` with XLA's text dumps, and the three dumps of the module (the
-    largest, where a jit compiled small helpers too): ``(compiled, (buffer assignment, live
-    ranges, optimized HLO))``. JAX's persistent compilation cache is set aside for this compile
-    (a cached executable comes with no dumps) and restored after.
+def compile_with_dumps(
+    lowered: Any, compiler_options: dict[str, Any] | None = None
+) -> tuple[Any, tuple[str, str, str]]:
+    """``lowered.compile(compiler_options)`` with XLA's text dumps, and the three dumps of the
+    module (the largest, where a jit compiled small helpers too): ``(compiled, (buffer
+    assignment, live ranges, optimized HLO))``. JAX's persistent compilation cache is set aside
+    for this compile (a cached executable comes with no dumps) and restored after.
 
     Raises:
       RuntimeError: XLA wrote no buffer assignment (a backend that does not dump one).
@@ -36,7 +38,11 @@ def compile_with_dumps(lowered: Any) -> tuple[Any, tuple[str, str, str]]:
         compilation_cache.reset_cache()
         try:
             compiled = lowered.compile(
-                compiler_options={"xla_dump_to": where, "xla_dump_hlo_as_text": True}
+                compiler_options={
+                    **(compiler_options or {}),
+                    "xla_dump_to": where,
+                    "xla_dump_hlo_as_text": True,
+                }
             )
         finally:
             jax.config.update("jax_enable_compilation_cache", enabled)

@@ -127,6 +127,28 @@ def test_xla_temp_falls_as_remat_saves_less():
     assert reports["full"].flops > reports["none"].flops
 
 
+def test_the_analysis_compile_gives_the_default_builds_bytes():
+    """``analyze`` compiles at LLVM optimisation level 0 on XLA:CPU (never run): the buffers are
+    assigned before code generation, so every figure equals the default build's (level 3,
+    asked for explicitly: the suite's XLA_FLAGS already say 0), on a step with microbatch and
+    remat loops, half precision and DSR's rewiring in conditionals."""
+    from lowmem_jax.sparsity import report_sparsity
+    from lowmem_jax.workloads import build, workload
+
+    assert memory.analysis_compiler_options("cpu") == {"xla_backend_optimization_level": 0}
+    assert memory.analysis_compiler_options("gpu") == {}
+    plan = lm.Plan(
+        precision="mixed_fp16", microbatches=2, remat="full", sparsity=report_sparsity(0.7)
+    )
+    setup = build(workload("wrn-10-1", 8, image_size=8), plan)
+    lowered = setup.step.lower(setup.abstract_state(), setup.abstract_batch())
+    analysis = lowered.compile(memory.analysis_compiler_options())
+    default = lowered.compile({"xla_backend_optimization_level": 3})
+    assert memory.xla_memory(analysis) == memory.xla_memory(default)
+    assert setup.analyze().xla == memory.xla_memory(default)
+    assert analysis.as_text() == default.as_text()  # the same optimised HLO and schedule
+
+
 def test_analyze_cli_prints_exactly_one_json_object(capsys):
     assert (
         cli.main(
@@ -239,7 +261,7 @@ def test_the_time_left_weighs_each_row_by_its_plan_s_compile_cost(monkeypatch):
 
     now, turn = [0.0], threading.Semaphore(1)  # one analysis per line printed, in order
 
-    def analyze(model, batch_size, plan, seq_len):
+    def analyze(model, batch_size, plan, seq_len, compiling):
         turn.acquire()
         now[0] += 1.0 if plan is None else plan.compile_cost()
         config = {"plain": True} if plan is None else plan.to_dict()
