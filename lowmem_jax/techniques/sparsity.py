@@ -211,7 +211,7 @@ TECHNIQUE = Technique(
     ),
     report_rows=rows_of("sparsity", 40, "sparse 70% dsr", _ROWS),
     took_effect=_took_effect,
-    # The rewiring compiles per sparse layer: WRN-28-2's dynamic-sparse report rows took 39-52 s
-    # to analyse cold, the others 10-25 (benchmarks/results/report_time.md).
+    # The rewiring compiles per sparse layer: WRN-28-2's dynamic-sparse report rows take about
+    # 3x the others to analyse cold (benchmarks/results/report_time.md).
     compile_cost=lambda plan: 3.5 if plan.sparsity is not None and plan.sparsity.dynamic else 1.0,
 )
