@@ -34,11 +34,16 @@ MIB = 2.0**20
 
 
 class Search:
-    """The state of one search: the workload, caches of predictions and compiles, the log."""
+    """The state of one search: the workload, caches of predictions and compiles, the log.
+    ``timed``: the steps that fit will be run and timed (``objective="time"``), so they compile
+    with XLA's defaults; otherwise as an analysis (the same bytes, a shorter compile:
+    :func:`~lowmem_jax.memory.analysis_compiler_options`)."""
 
-    def __init__(self, work: Workload, budget: int, envelope: Envelope, log, recipe):
+    def __init__(
+        self, work: Workload, budget: int, envelope: Envelope, log, recipe, timed: bool = False
+    ):
         self.work, self.budget, self.envelope, self.log = work, budget, envelope, log
-        self.recipe = recipe
+        self.recipe, self.timed = recipe, timed
         self.predicted: dict[Plan, int] = {}
         self.compiled: dict[Plan, dict[str, Any]] = {}
         self.calibration: dict[tuple, float] = {}
@@ -163,9 +168,10 @@ class Search:
         if plan not in self.compiled:
             setup = build(self.work, plan, recipe=self.recipe)
             lowered = setup.step.lower(setup.abstract_state(), self.work.batch)
-            executable = lowered.compile()
+            options = None if self.timed else memory.analysis_compiler_options() or None
+            executable = lowered.compile(options)
             self.compiled[plan] = memory.xla_memory(executable)
-            if self.compiled[plan]["total_bytes"] <= self.budget:
+            if self.timed and self.compiled[plan]["total_bytes"] <= self.budget:
                 self.executables[plan] = executable
             self.predict(plan)
             ratio = self.compiled[plan]["total_bytes"] / self.predicted[plan]

@@ -168,7 +168,7 @@ def plan_for_budget(
     start = time.perf_counter()
     env = ENVELOPES[envelope]
     axes = axes_in(env, work.batch_size, SPACE if space is None else space)
-    search = Search(work, budget_bytes, env, log, recipe)
+    search = Search(work, budget_bytes, env, log, recipe, timed=objective == "time")
     if work.task == "custom":
         axes = applicable(search, axes)
     _refuse_below_the_least_state(search, axes)

@@ -131,15 +131,12 @@ def test_the_analysis_compile_gives_the_default_builds_bytes():
     """``analyze`` compiles at LLVM optimisation level 0 on XLA:CPU (never run): the buffers are
     assigned before code generation, so every figure equals the default build's (level 3,
     asked for explicitly: the suite's XLA_FLAGS already say 0), on a step with microbatch and
-    remat loops, half precision and DSR's rewiring in conditionals."""
-    from lowmem_jax.sparsity import report_sparsity
+    remat loops, half precision and the loss scale's conditional skip."""
     from lowmem_jax.workloads import build, workload
 
     assert memory.analysis_compiler_options("cpu") == {"xla_backend_optimization_level": 0}
     assert memory.analysis_compiler_options("gpu") == {}
-    plan = lm.Plan(
-        precision="mixed_fp16", microbatches=2, remat="full", sparsity=report_sparsity(0.7)
-    )
+    plan = lm.Plan(precision="mixed_fp16", microbatches=2, remat="full")
     setup = build(workload("wrn-10-1", 8, image_size=8), plan)
     lowered = setup.step.lower(setup.abstract_state(), setup.abstract_batch())
     analysis = lowered.compile(memory.analysis_compiler_options())
