@@ -192,9 +192,8 @@ def _short(shape: str) -> str:
 def inspect(step: Any, *args: Any) -> Inspection:
     """The peak of ``step(*args)`` (a jitted function, e.g. :func:`lowmem_jax.make_train_step`'s
     or a hand-written ``jax.jit`` step; ``args`` arrays or ``jax.ShapeDtypeStruct``), compiled
-    here for the default backend with XLA's dumps (module docstring) and
-    :func:`~lowmem_jax.memory.analysis_compiler_options` (never run). JAX's persistent
-    compilation cache is set aside for this compile (a cached executable has no dumps).
+    here, as an analysis (:func:`~lowmem_jax.memory.analysis_compiler_options`), with XLA's
+    dumps (module docstring); JAX's persistent cache is set aside (cached: no dumps).
 
     Raises:
       RuntimeError: XLA wrote no buffer assignment (a backend that does not dump one).
