@@ -25,7 +25,7 @@ class Net(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = True):
         x = nn.Conv(32, (3, 3))(x)
-        for _ in range(4):
+        for _ in range(2):
             x = Block()(x, train=train)
         return nn.Dense(10)(x.mean((1, 2)))
 
@@ -66,7 +66,7 @@ class NNXBlock(nnx.Module):
 class NNXNet(nnx.Module):
     def __init__(self, rngs):
         self.stem = nnx.Conv(3, 32, (3, 3), rngs=rngs)
-        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(4)])
+        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(2)])
         self.head = nnx.Linear(32, 10, rngs=rngs)
 
     def __call__(self, x):
