@@ -12,7 +12,9 @@ decoded arrays at a time instead of the whole state's.
 * :func:`mirrors` splits a state into its parameter-shaped subtrees (*mirrors*: their structure
   is the parameters') and its shared leaves. Structure alone, unlike
   :func:`lowmem_jax.sparsity.slots.mirror_predicate` (which also matches shapes): Adafactor's
-  factored rows and a group's empty placeholders are mirrors here.
+  factored rows and a group's empty placeholders are mirrors here. A node of a type declared
+  with :func:`unit` stands for one parameter leaf (e.g. a second moment stored as its row and
+  column means): it sits at its parameter's position, whatever leaves it holds.
 * :func:`separability` decides from the update's jaxpr (traced on shapes, nothing runs) whether
   it is separable: a forward data-flow pass gives each output the set of parameter positions it
   reads (``pjit``, ``custom_jvp`` and the like are entered; other higher-order primitives count
@@ -33,38 +35,55 @@ import numpy as np
 
 from lowmem_jax.base import PyTree
 
-__all__ = ["Mirrors", "mirrors", "separability", "groups", "placeholder"]
+__all__ = ["Mirrors", "mirrors", "separability", "groups", "placeholder", "unit", "is_unit"]
 
 
-def placeholder(x: Any, dtype: Any = None) -> Any:
-    """The empty stand-in for a leaf outside the group: ``dtype[0]`` (default ``x.dtype``;
-    ``None`` stays). A NumPy constant: nothing is traced for it, and the update's operations
-    on it trace as operations on an empty array."""
+_UNITS: set[type] = set()
+
+
+def unit(cls: type) -> type:
+    """Class decorator: a pytree node of type ``cls`` in an optimizer state stands for one
+    parameter leaf (:class:`Mirrors` keeps it whole at its parameter's position)."""
+    _UNITS.add(cls)
+    return cls
+
+
+def is_unit(node: Any) -> bool:
+    """Whether ``node`` is of a type declared with :func:`unit`."""
+    return type(node) in _UNITS
+
+
+def placeholder(x: Any, dtype: Any = None, ndim: int | None = None) -> Any:
+    """The empty stand-in for a leaf outside the group: ``dtype[0, ..., 0]`` with ``x``'s rank
+    (``ndim`` where given; at least one axis), default ``x.dtype``; ``None`` stays. A NumPy
+    constant: nothing is traced for it, and the update's operations on it, reductions over its
+    axes included, trace as operations on an empty array."""
     if dtype is None:
         if x is None or not hasattr(x, "dtype"):
             return x
         dtype = x.dtype
-    return _empty(np.dtype(dtype))
+    return _empty(np.dtype(dtype), max(np.ndim(x) if ndim is None else ndim, 1))
 
 
 @functools.cache
-def _empty(dtype: np.dtype) -> np.ndarray:
-    return np.zeros((0,), dtype)
+def _empty(dtype: np.dtype, ndim: int) -> np.ndarray:
+    return np.zeros((0,) * ndim, dtype)
 
 
 class Mirrors:
     """A state's outer leaves (``outer``: each a mirror subtree or a shared leaf) and, for each
-    outer leaf, its leaves (a mirror's in parameter order; a shared leaf as a one-item list)."""
+    outer leaf, its leaves (a mirror's in parameter order, each a leaf or a :func:`unit`; a
+    shared leaf as a one-item list)."""
 
     def __init__(self, state: PyTree, params_def, is_leaf: Callable[[Any], bool] | None):
         self.params_def = params_def
-        self.is_leaf = is_leaf
+        self.is_leaf = is_leaf = _or_unit(is_leaf)
 
         def is_mirror(node) -> bool:
             return jax.tree.structure(node, is_leaf=is_leaf) == params_def
 
         def stop(node) -> bool:
-            return (is_leaf is not None and is_leaf(node)) or is_mirror(node)
+            return is_leaf(node) or is_mirror(node)
 
         outer, self.outer_def = jax.tree.flatten(state, is_leaf=stop)
         self.kinds = [is_mirror(node) for node in outer]
@@ -80,6 +99,10 @@ class Mirrors:
             for new, mirror in zip(leaves, self.kinds, strict=True)
         ]
         return jax.tree.unflatten(self.outer_def, outer)
+
+
+def _or_unit(is_leaf: Callable[[Any], bool] | None) -> Callable[[Any], bool]:
+    return lambda node: is_unit(node) or (is_leaf is not None and is_leaf(node))
 
 
 def mirrors(state: PyTree, params_def, is_leaf: Callable[[Any], bool] | None = None) -> Mirrors:
@@ -142,10 +165,11 @@ def separability(
 
     def position_masks(tree) -> list[int]:
         split = mirrors(tree, params_def)
-        return [
+        return [  # a unit's every leaf is its parameter's
             (1 << i) if mirror else 0
             for leaves, mirror in zip(split.leaves, split.kinds, strict=True)
-            for i in range(len(leaves))
+            for i, node in enumerate(leaves)
+            for _ in jax.tree.leaves(node)
         ]
 
     own = [1 << i for i in range(count)]

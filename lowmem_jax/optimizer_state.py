@@ -75,12 +75,28 @@ class QuantizedState(NamedTuple):
     rng: jax.Array | None
 
 
-def _decoded_placeholder(x: Any) -> jax.Array:
-    """The empty stand-in of a stored leaf as :meth:`QuantizedStateOptimizer.decode` gives it."""
-    floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-    if is_quantized(x) or floating:
-        return leafwise.placeholder(x, jnp.float32)
-    return leafwise.placeholder(x)  # an integer leaf as it is; a non-array stays
+def _decoded_placeholder(stored: Any) -> Any:
+    """The empty stand-in of a stored leaf (or of each leaf of a :func:`leafwise.unit`) as
+    :meth:`QuantizedStateOptimizer.decode` gives it, of the leaf's rank."""
+
+    def leaf(x):
+        if is_quantized(x):
+            return leafwise.placeholder(x, jnp.float32, ndim=len(x.meta.shape))
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return leafwise.placeholder(x, jnp.float32)
+        return leafwise.placeholder(x)  # an integer leaf as it is; a non-array stays
+
+    return jax.tree.map(leaf, stored, is_leaf=is_quantized)
+
+
+def _encode_like(old: Any, new: Any, keys: list, block_size: int) -> Any:
+    """``new`` (float32; a leaf or a :func:`leafwise.unit`) stored as ``old`` was, leaf by leaf
+    with ``keys`` (:func:`encode_like`)."""
+    olds, treedef = jax.tree.flatten(old, is_leaf=is_quantized)
+    news = treedef.flatten_up_to(new)
+    return treedef.unflatten(
+        [encode_like(o, x, k, block_size) for o, x, k in zip(olds, news, keys, strict=True)]
+    )
 
 
 def _restrict(params_def, leaves: list, chosen: dict[int, Any]) -> PyTree:
@@ -220,7 +236,14 @@ class QuantizedStateOptimizer(Wrapper):
     def _update_in_groups(self, schedule, grads, state, params, keys, dtypes):
         params_def = jax.tree.structure(grads)
         stored = leafwise.mirrors(state.inner_state, params_def, is_quantized)
-        starts = np.cumsum([0] + [len(leaves) for leaves in stored.leaves])
+        # The rounding keys of each position's stored leaves (a unit holds several), in the
+        # whole-tree update's order.
+        spans, start = {}, 0
+        for k, leaves in enumerate(stored.leaves):
+            for i, node in enumerate(leaves):
+                count = len(jax.tree.leaves(node, is_leaf=is_quantized))
+                spans[(k, i)] = keys[start : start + count]
+                start += count
         shared = {
             k: self.decode(leaves[0])
             for k, (leaves, mirror) in enumerate(zip(stored.leaves, stored.kinds, strict=True))
@@ -240,7 +263,7 @@ class QuantizedStateOptimizer(Wrapper):
             ]
             operands = (
                 [stored.leaves[k][i] for k, i in spots],
-                [keys[starts[k] + i] for k, i in spots],
+                [spans[spot] for spot in spots],
                 [grad_leaves[i] for i in group],
                 None if param_leaves is None else [param_leaves[i] for i in group],
             )
@@ -271,8 +294,8 @@ class QuantizedStateOptimizer(Wrapper):
                 new_updates = params_def.flatten_up_to(new_updates)
                 new_leaves = leafwise.mirrors(new_state, params_def).leaves
                 stored_out = [
-                    encode_like(old, new_leaves[k][i], key, self.block_size)
-                    for (k, i), old, key in zip(spots, state_in, keys_in, strict=True)
+                    _encode_like(old, new_leaves[k][i], spot_keys, self.block_size)
+                    for (k, i), old, spot_keys in zip(spots, state_in, keys_in, strict=True)
                 ]
                 # in the parameters' dtypes here: a group's updates are materialized
                 return [new_updates[i].astype(dtypes[i]) for i in group], stored_out

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
-
-from lowmem_jax.plan import Plan
-from lowmem_jax.plan_flags import add_plan_flags, add_workload_flags, plan_from_args
-from lowmem_jax.plan_search import plan_name
 from lowmem_jax.planner import MIB, BudgetPlan
 
 __all__ = ["plot_considered"]
-
-
-def _plan(argv: list[str]) -> Plan:
-    """The plan of a considered entry's ``lowmem analyze`` flags."""
-    parser = argparse.ArgumentParser()
-    add_workload_flags(parser)
-    add_plan_flags(parser, Plan())
-    return plan_from_args(parser.parse_args(argv), Plan())
 
 
 def plot_considered(result: BudgetPlan, path: str) -> None:
@@ -41,8 +28,7 @@ def plot_considered(result: BudgetPlan, path: str) -> None:
             s=160 if chosen else 30,
             color="C3" if chosen else ("C2" if y * MIB <= result.budget_bytes else "C0"),
         )
-        label = plan_name(_plan(c["argv"])) or "no technique"
-        ax.annotate(label, (x, y), fontsize=6, xytext=(4, -2), textcoords="offset points")
+        ax.annotate(c["name"], (x, y), fontsize=6, xytext=(4, -2), textcoords="offset points")
     ax.axhline(result.budget_bytes / MIB, color="k", lw=0.8, ls="--", label="budget")
     ax.set_xlabel("FLOPs per step / fp32 step (jaxpr, the class's count)")
     ax.set_ylabel(f"{result.xla['source']} total MiB")

@@ -194,6 +194,7 @@ class Search:
             self.noted = {p: i - (i > gone) for p, i in self.noted.items()}
         self.noted[plan] = len(self.considered)
         self.considered.append({
+            "name": plan_name(plan) or "no technique",
             "argv": analyze_argv(self.work.name, self.work.batch_size, plan, self.seq_len()),
             "flops": flops,
             "predicted_bytes": self.predict(plan) if plan in self.predicted else None,

@@ -36,9 +36,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from lowmem_jax import leafwise
 from lowmem_jax.optimizer_state_format import SECOND_MOMENTS, names_second_moment
+from lowmem_jax.quantization import Quantized
 from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 from lowmem_jax.technique_report import rows_of
 
@@ -47,6 +50,7 @@ __all__ = ["TECHNIQUE", "Factored", "FactoredState", "factored_second_moment"]
 FORMATS = ("none", "factored")
 
 
+@leafwise.unit  # one parameter's moment: a low-bit state updates it with its parameter's group
 class Factored(NamedTuple):
     """A second moment ``V`` of shape ``[..., n, m]`` as ``rows`` (``[..., n, 1]``, the mean of
     each row) and ``cols`` (``[..., 1, m]``, of each column), float32."""
@@ -148,14 +152,20 @@ def _took_effect(evidence, plan):
     if plan.second_moment == "none":
         return None
     found = factored_leaves(evidence.state.opt_state)
-    stored = sum(f.rows.size + f.cols.size for f in found) * 4
-    dense = sum(f.rows.size * f.cols.shape[-1] for f in found) * 4
+    # The factors as stored: float32, or in a low-bit state's format (codes and scales).
+    stored = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(found))
+    dense = sum(np.prod(_shape(f.rows)) * _shape(f.cols)[-1] for f in found) * 4
     return Verdict(
         "second_moment",
         bool(found),
         f"{len(found)} second moments stored factored: {dense / 2**20:.2f} MiB as "
         f"{stored / 2**20:.3f} MiB of row and column means",
     )
+
+
+def _shape(factor) -> tuple[int, ...]:
+    """A factor's shape, stored float32 or quantized (whose codes are flat)."""
+    return factor.meta.shape if isinstance(factor, Quantized) else factor.shape
 
 
 def _rows(context):
