@@ -194,7 +194,7 @@ def analyze(
     traced = step.trace(state, batch)  # one trace for XLA and for the FLOPs count
     lowered = traced.lower()
     with compiling or contextlib.nullcontext():
-        compiled = lowered.compile(analysis_compiler_options() or None)
+        compiled = lowered.compile(analysis_compiler_options())
     xla = xla_memory(compiled)
     if jax.device_count() > 1:  # one device has nothing to send
         sent = collectives.collectives(compiled.as_text())

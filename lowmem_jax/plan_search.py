@@ -168,7 +168,7 @@ class Search:
         if plan not in self.compiled:
             setup = build(self.work, plan, recipe=self.recipe)
             lowered = setup.step.lower(setup.abstract_state(), self.work.batch)
-            options = None if self.timed else memory.analysis_compiler_options() or None
+            options = None if self.timed else memory.analysis_compiler_options()
             executable = lowered.compile(options)
             self.compiled[plan] = memory.xla_memory(executable)
             if self.timed and self.compiled[plan]["total_bytes"] <= self.budget:

@@ -193,7 +193,7 @@ def _step_memory(tx) -> dict[str, int]:
         variables,
     )
     step = lm.make_train_step(lm.classifier_loss_fn(model), tx, lm.Plan())
-    options = memory.analysis_compiler_options() or None
+    options = memory.analysis_compiler_options()
     return memory.xla_memory(step.lower(state, batch).compile(options))
 
 

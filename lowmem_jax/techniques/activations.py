@@ -24,13 +24,15 @@ def _took_effect(evidence, plan):
     spec = compression_lib.parse_spec(plan.activations)
     if not spec.enabled:
         return None
-    # Autodiff may split a call, leaving pieces that compute constants (no operands).
+    # Autodiff may split a call, leaving pieces that compute constants (no operands) or,
+    # once a trace of the step is cached, nothing (no results: e.g. factorized layers' calls).
     calls = [
         eqn.params["jaxpr"]
         for eqn, _ in evidence.equations()
         if eqn.primitive.name in ("pjit", "jit")
         and eqn.params.get("name") == compression_lib.compress_activation.__name__
         and eqn.params["jaxpr"].in_avals
+        and eqn.params["jaxpr"].out_avals
     ]
     before = sum(_nbytes(jaxpr.in_avals[0]) for jaxpr in calls)
     after = sum(_nbytes(jaxpr.out_avals[0]) for jaxpr in calls)
