@@ -223,7 +223,10 @@ class QuantizedStateOptimizer(Wrapper):
             return None, f"{self.format}: a cast, fused into the update"
         if count < 2:
             return None, "one leaf"
-        decoded = jax.eval_shape(self.decode, stored)
+        # Shapes alone: a state placed in host memory (``optimizer_memory``) is decoded on the
+        # device, after the step moves it there.
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), stored)
+        decoded = jax.eval_shape(self.decode, shapes)
         why = leafwise.separability(self.inner.update, grads, decoded, params)
         if why is not None:
             return None, f"not separable by leaf: {why}"
