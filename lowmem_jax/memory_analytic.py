@@ -168,17 +168,26 @@ def dense_weight_bytes(
                 total += _nbytes(x)
         return 0
 
-    jax.eval_shape(count, state.params, _opt_state(state))
+    jax.eval_shape(count, _unplaced(state.params), _opt_state(state))
     return total
 
 
 def _model_params(state, opt: Optimizer) -> PyTree:
     """Shapes of the parameters the model sees (``opt``'s materialized ``state.params``)."""
-    return jax.eval_shape(opt.materialize, state.params, _opt_state(state))
+    return jax.eval_shape(opt.materialize, _unplaced(state.params), _opt_state(state))
 
 
 def _opt_state(state) -> PyTree:
-    return getattr(state, "opt_state", ())
+    return _unplaced(getattr(state, "opt_state", ()))
+
+
+def _unplaced(tree: PyTree) -> PyTree:
+    """``tree``'s arrays as shapes and dtypes, without their shardings: counted, not run, so
+    where a leaf lives (``optimizer_memory="pinned_host"``: host memory) does not matter, and
+    mixing memory spaces in one traced operation is an error."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "sharding") else x, tree
+    )
 
 
 def microbatch_residuals(
