@@ -38,6 +38,7 @@ __all__ = [
     "as_optimizer",
     "differentiated_loss",
     "cast_floating",
+    "shapes",
     "choose",
     "PyTree",
     "LossFn",
@@ -264,6 +265,21 @@ def reads_lazy_leaves(loss_fn: LossFn, params: PyTree, *args: Any) -> bool:
     except Exception:  # noqa: BLE001 -- any failure means: give this model dense weights
         return False
     return True
+
+
+def shapes(tree: PyTree) -> PyTree:
+    """``tree``'s arrays (or abstract values, tracers) as ``jax.ShapeDtypeStruct`` with no
+    sharding; other leaves unchanged. For traces on shapes alone (``jax.eval_shape``), where a
+    leaf lives does not matter: a state kept in host memory would otherwise mix memory spaces
+    in one traced operation, an error."""
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype)
+            if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+            else x
+        ),
+        tree,
+    )
 
 
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from jax.extend import core as jex_core
 
-from lowmem_jax.base import BlockwiseLeaf, LazyLeaf, Optimizer, as_optimizer
+from lowmem_jax.base import BlockwiseLeaf, LazyLeaf, Optimizer, as_optimizer, shapes
 
 PyTree = Any
 
@@ -168,26 +168,17 @@ def dense_weight_bytes(
                 total += _nbytes(x)
         return 0
 
-    jax.eval_shape(count, _unplaced(state.params), _opt_state(state))
+    jax.eval_shape(count, shapes(state.params), _opt_state(state))
     return total
 
 
 def _model_params(state, opt: Optimizer) -> PyTree:
     """Shapes of the parameters the model sees (``opt``'s materialized ``state.params``)."""
-    return jax.eval_shape(opt.materialize, _unplaced(state.params), _opt_state(state))
+    return jax.eval_shape(opt.materialize, shapes(state.params), _opt_state(state))
 
 
 def _opt_state(state) -> PyTree:
-    return _unplaced(getattr(state, "opt_state", ()))
-
-
-def _unplaced(tree: PyTree) -> PyTree:
-    """``tree``'s arrays as shapes and dtypes, without their shardings: counted, not run, so
-    where a leaf lives (``optimizer_memory="pinned_host"``: host memory) does not matter, and
-    mixing memory spaces in one traced operation is an error."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "sharding") else x, tree
-    )
+    return shapes(getattr(state, "opt_state", ()))
 
 
 def microbatch_residuals(

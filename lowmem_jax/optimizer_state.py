@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from lowmem_jax import leafwise, optimizer_state_format
-from lowmem_jax.base import Optimizer, PyTree, Wrapper, as_optimizer, cast_floating
+from lowmem_jax.base import Optimizer, PyTree, Wrapper, as_optimizer, cast_floating, shapes
 from lowmem_jax.optimizer_state_format import (
     DEFAULT_BLOCK,
     FORMATS,
@@ -225,8 +225,7 @@ class QuantizedStateOptimizer(Wrapper):
             return None, "one leaf"
         # Shapes alone: a state placed in host memory (``optimizer_memory``) is decoded on the
         # device, after the step moves it there.
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), stored)
-        decoded = jax.eval_shape(self.decode, shapes)
+        decoded = jax.eval_shape(self.decode, shapes(stored))
         why = leafwise.separability(self.inner.update, grads, decoded, params)
         if why is not None:
             return None, f"not separable by leaf: {why}"
