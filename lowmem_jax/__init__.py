@@ -28,6 +28,7 @@ from lowmem_jax import (  # noqa: F401
     nnx_split,
     ops,
     optimizer_state,
+    pipeline,
     planner,
     precision,
     quantization,

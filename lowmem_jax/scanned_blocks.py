@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax import pipeline as pipeline_lib
 from lowmem_jax.activation_compression import active_spec, compress_residuals
 from lowmem_jax.base import BlockwiseLeaf
 from lowmem_jax.remat import RematSpec, parse_policy
@@ -148,6 +149,30 @@ class ScannedBlocks(nn.Module):
 
         xs = (params, others, keys, jnp.arange(self.length, dtype=jnp.int32))
         closed = (tuple(context), blockwise)
+        pipeline = None if self.is_initializing() else pipeline_lib.active()
+        if pipeline is not None:
+            stages = pipeline.pipeline.stages
+            pipeline.stacks.append((self.length, self.length % stages == 0))
+        if pipeline is not None and self.length % stages == 0:
+            if len(runs) > 1 or blockwise:
+                raise ValueError(
+                    f"pipeline={stages} runs a stack under one remat policy with its weights "
+                    "stored dense; got "
+                    + ("a per-block remat schedule" if len(runs) > 1 else "blockwise weights")
+                )
+            spec, length = runs[0][0], self.length // stages
+
+            def stage(blocks, state, h, context, microbatch):
+                p, keys, index = blocks
+                if use_dropout:  # each microbatch its own draws
+                    keys = jax.vmap(lambda key: jax.random.fold_in(key, microbatch))(keys)
+                return _scan_run(apply_block, h, (p, state, keys, index), (context, {}),
+                                 length, spec, self.unroll)  # fmt: skip
+
+            x, new_others = pipeline_lib.run(
+                stage, (params, keys, xs[3]), others, x, tuple(context), pipeline.pipeline
+            )
+            runs = []
         outs = []
         for spec, start, stop in runs:
             run_xs = jax.tree.map(lambda a, i=start, j=stop: a[i:j], xs) if len(runs) > 1 else xs
@@ -155,9 +180,10 @@ class ScannedBlocks(nn.Module):
                 apply_block, x, run_xs, closed, stop - start, spec, self.unroll
             )
             outs.append(run_others)
-        new_others = (
-            outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
-        )
+        if outs:
+            new_others = (
+                outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+            )
 
         if self.is_initializing():
             for c, v in others.items():

@@ -53,6 +53,7 @@ __all__ = [
     "leaf_spec",
     "tree_specs",
     "batch_spec",
+    "data_devices",
     "shards_in_batch",
     "named",
     "constrain",
@@ -169,13 +170,18 @@ def batch_spec(batch: PyTree) -> PyTree:
     return jax.tree.map(lambda _: PartitionSpec(AXIS), batch)
 
 
+def data_devices(mesh: Mesh | None) -> int:
+    """The devices a batch is split over: the size of ``mesh``'s ``data`` axis (1 without a
+    mesh or that axis; a pipeline's stages all see the same examples)."""
+    return 1 if mesh is None else dict(mesh.shape).get(AXIS, 1)
+
+
 def shards_in_batch(mesh: Mesh | None) -> int:
-    """How many devices' shards a batch traced here holds: ``mesh.size``, or 1 inside a
-    ``shard_map`` over the ``data`` axis (there the batch is one device's) or without a
-    mesh."""
+    """How many devices' shards a batch traced here holds: :func:`data_devices`, or 1 inside
+    a ``shard_map`` over the ``data`` axis (there the batch is one device's)."""
     if mesh is None or AXIS in jax.sharding.get_abstract_mesh().manual_axes:
         return 1
-    return mesh.size
+    return data_devices(mesh)
 
 
 def check_memory_kind(kind: str, name: str = "memory_kind") -> None:

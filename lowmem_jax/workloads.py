@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from lowmem_jax import losses, memory, models, remat, sparsity
+from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import LossFn, PyTree, as_optimizer
 from lowmem_jax.data import cifar10
 from lowmem_jax.plan import Plan
@@ -257,11 +258,11 @@ def build(
         raise ValueError(
             f"batch_size={work.batch_size} is not divisible by microbatches={plan.microbatches}"
         )
-    mesh = plan.mesh()
-    if mesh is not None and work.batch_size % (plan.microbatches * mesh.size):
+    devices = sharding_lib.data_devices(plan.mesh())
+    if work.batch_size % (plan.microbatches * devices):
         raise ValueError(
             f"batch_size={work.batch_size} is not divisible by microbatches={plan.microbatches}"
-            f" x devices={mesh.size} (the plan's device mesh: each device takes its share of "
+            f" x devices={devices} (the plan's device mesh: each device takes its share of "
             "every microbatch)"
         )
     work = work.with_input_dtype(plan.input_dtype)

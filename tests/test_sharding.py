@@ -1,6 +1,6 @@
-"""Runs tests/sharding_cases.py and tests/grad_compression_cases.py in processes with 8 host
-devices (a device count is fixed when JAX starts, and the rest of the suite runs on one, as a
-user does)."""
+"""Runs tests/sharding_cases.py, tests/grad_compression_cases.py and tests/pipeline_cases.py in
+processes with 8 host devices (a device count is fixed when JAX starts, and the rest of the
+suite runs on one, as a user does)."""
 
 import os
 import subprocess
@@ -9,13 +9,13 @@ import sys
 import pytest
 
 
-# Three processes of about equal length (the ZeRO-3 cases, the other sharding cases, the
-# compressed-gradient cases), so that the suite's workers run them side by side.
+# Processes of about equal length (the ZeRO-3 cases, the other sharding cases, the
+# compressed-gradient cases, the pipeline's), so that the suite's workers run them side by side.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "cases, keyword",
     [("sharding_cases.py", "zero3"), ("sharding_cases.py", "not zero3"),
-     ("grad_compression_cases.py", "")],
+     ("grad_compression_cases.py", ""), ("pipeline_cases.py", "")],
 )  # fmt: skip
 def test_cases_pass_on_eight_host_devices(tmp_path, cases, keyword):
     here = os.path.dirname(__file__)

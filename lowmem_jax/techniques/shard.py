@@ -106,9 +106,9 @@ def state_specs(state: Any, plan: Any, num_shards: int) -> Any:
 
 
 def state_shardings(state: Any, plan: Any) -> Any:
-    """:func:`state_specs` as ``NamedSharding`` on ``plan.mesh()``, the optimizer state's in
+    """:func:`state_specs` as ``NamedSharding`` on its mesh (``shard``'s), the optimizer state's in
     ``plan.optimizer_memory``; ``None`` without a mesh."""
-    mesh = plan.mesh()
+    mesh = _mesh(plan)
     if mesh is None:
         return None
     specs = state_specs(state, plan, mesh.size)
@@ -141,7 +141,7 @@ def _configure_model(model, plan):
         return model
     if not hasattr(model, "param_layout"):
         return model
-    return model.clone(param_layout=functools.partial(sharding_lib.replicate, mesh=plan.mesh()))
+    return model.clone(param_layout=functools.partial(sharding_lib.replicate, mesh=_mesh(plan)))
 
 
 def _in_stack(path) -> bool:
@@ -156,7 +156,7 @@ def _gathered(loss, plan):
     loop (:func:`_configure_model`)."""
     if not sharding_lib.stage(plan.shard).parameters:
         return loss
-    mesh = plan.mesh()
+    mesh = _mesh(plan)
 
     def loss_of_gathered(p, *args):
         specs = jax.tree_util.tree_map_with_path(
@@ -172,7 +172,7 @@ def _gathered(loss, plan):
 def _partitioned_grads(grad_fn, plan):
     """From ``zero2`` on, the gradients laid out as the optimizer state (reduce-scattered);
     with ``grad_compression``, each device's own (:func:`_per_device`)."""
-    mesh = plan.mesh()
+    mesh = _mesh(plan)
     if mesh is None:
         return grad_fn
     if plan.grad_compression != "none":
@@ -233,7 +233,7 @@ def _compressed(tx, plan, params):
         grads_like = jax.eval_shape(lambda p: inner.store(p)[0], params)
     return compression_lib.CompressedGradients(
         inner,
-        plan.mesh(),
+        _mesh(plan),
         sharding_lib.AXIS,
         grads_like,
         method=plan.grad_compression,
@@ -248,7 +248,7 @@ def _compressed(tx, plan, params):
 def _laid_out(step, plan):
     """The state laid out over the mesh on the way in and out, the batch split over the
     devices; the optimizer state moved from and back to ``plan.optimizer_memory``."""
-    mesh = plan.mesh()
+    mesh = _mesh(plan)
     if mesh is None:
         return step
     offload = plan.optimizer_memory != "device"
@@ -276,7 +276,7 @@ def _laid_out(step, plan):
 def _took_effect(evidence, plan):
     """The devices of the mesh and the share of the optimizer state partitioned over them;
     where the optimizer state lives between steps."""
-    mesh = plan.mesh()
+    mesh = _mesh(plan)
     if mesh is None:
         return None
     parts = []

@@ -1,0 +1,191 @@
+"""Pipeline parallelism (:mod:`lowmem_jax.pipeline`): ``pipeline`` stages,
+``pipeline_microbatches``.
+
+With ``plan.pipeline = S > 1`` the step is one SPMD program over ``S`` devices (a ``("data",
+"stage")`` mesh of shape ``(1, S)``): every scanned block stack whose length divides by ``S``
+keeps its blocks' parameters and optimizer state split over the stages and runs as a GPipe
+pipeline; the rest of the model (and a stack that does not divide) is replicated, computed by
+every device on the whole batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import PartitionSpec
+
+from lowmem_jax import pipeline as pipeline_lib
+from lowmem_jax import scanned_blocks
+from lowmem_jax import sharding as sharding_lib
+from lowmem_jax.technique import PlanField, Technique, Verdict
+
+__all__ = ["TECHNIQUE", "state_specs"]
+
+
+def _validate(plan) -> None:
+    for field, least in (("pipeline", 1), ("pipeline_microbatches", 0)):
+        value = getattr(plan, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{field} must be an int >= {least}, got {value!r}")
+    if plan.pipeline == 1:
+        if plan.pipeline_microbatches:
+            raise ValueError(
+                f"pipeline_microbatches={plan.pipeline_microbatches} needs pipeline >= 2 (the "
+                "stages its microbatches flow through)"
+            )
+        return
+    for field, off in (("shard", "none"), ("optimizer_memory", "device")):
+        if getattr(plan, field) != off:
+            raise ValueError(
+                f"pipeline={plan.pipeline} runs with {field}={off!r} only (got "
+                f"{getattr(plan, field)!r}): stages over a two-axis mesh with data "
+                "parallelism are not built"
+            )
+
+
+def _mesh(plan):
+    return pipeline_lib.pipeline_mesh(plan.pipeline) if plan.pipeline > 1 else None
+
+
+def _split(path, leaf, stages: int) -> bool:
+    """A stacked leaf whose blocks divide over the stages (parameters and their optimizer
+    state alike: the optimizer's state keeps the parameters' paths)."""
+    names = [getattr(key, "key", getattr(key, "name", None)) for key in path]
+    shape = getattr(leaf, "shape", ())
+    return scanned_blocks.in_stack(names) and len(shape) >= 1 and shape[0] % stages == 0
+
+
+def state_specs(state, plan):
+    """A ``PartitionSpec`` per leaf of the train ``state`` (arrays or shapes): a stacked leaf
+    of the parameters, the optimizer state or the model state (BatchNorm's running averages)
+    split along its blocks over ``"stage"`` where they divide by ``plan.pipeline``, every other
+    leaf replicated."""
+
+    def spec(path, leaf):
+        if _split(path, leaf, plan.pipeline):
+            return PartitionSpec(pipeline_lib.STAGE)
+        return PartitionSpec()
+
+    specs = jax.tree.map(lambda _: PartitionSpec(), state)
+    return specs.replace(**{
+        part: jax.tree_util.tree_map_with_path(spec, getattr(state, part))
+        for part in ("params", "opt_state", "model_state")
+    })  # fmt: skip
+
+
+def _state_shardings(state, plan):
+    mesh = _mesh(plan)
+    return None if mesh is None else sharding_lib.named(mesh, state_specs(state, plan))
+
+
+def _pipelined_loss(loss_fn, plan):
+    """The loss with the model's stacks traced as pipelines; refused where none could be."""
+    if plan.pipeline == 1:
+        return loss_fn
+    settings = pipeline_lib.Pipeline(plan.pipeline, plan.pipeline_microbatches, _mesh(plan))
+
+    @functools.wraps(loss_fn)
+    def pipelined(*args):
+        with pipeline_lib.pipelining(settings) as trace:
+            out = loss_fn(*args)
+        if not any(split for _, split in trace.stacks):
+            lengths = [length for length, _ in trace.stacks]
+            raise ValueError(
+                f"pipeline={plan.pipeline} divides none of the model's block stacks "
+                + (f"(lengths {lengths})" if lengths else "(it has no ScannedBlocks stack)")
+            )
+        return out
+
+    return pipelined
+
+
+def _laid_out(step, plan):
+    """The state laid out over the stages on the way in and out."""
+    mesh = _mesh(plan)
+    if mesh is None:
+        return step
+
+    @functools.wraps(step)
+    def laid_out_step(state, batch):
+        specs = state_specs(state, plan)
+        state = sharding_lib.constrain(state, mesh, specs)
+        new_state, metrics = step(state, batch)
+        return sharding_lib.constrain(new_state, mesh, specs), metrics
+
+    return laid_out_step
+
+
+def _took_effect(evidence, plan):
+    """The stacks split over the stages (``ppermute`` in the step), the microbatches and the
+    bubble, the share of the parameters' bytes split."""
+    stages = plan.pipeline
+    if stages == 1:
+        return None
+    sends = sum(eqn.primitive.name == "ppermute" for eqn, _ in evidence.equations())
+    examples = jax.tree.leaves(evidence.batch)[0].shape[0] // plan.microbatches
+    count = pipeline_lib.microbatch_count(examples, stages, plan.pipeline_microbatches)
+    leaves = jax.tree_util.tree_flatten_with_path(evidence.state.params)[0]
+    total = sum(leaf.size * leaf.dtype.itemsize for _, leaf in leaves)
+    split = sum(leaf.size * leaf.dtype.itemsize for path, leaf in leaves
+                if _split(path, leaf, stages))  # fmt: skip
+    return Verdict(
+        "pipeline",
+        sends > 0 and split > 0,
+        f"{split / max(total, 1):.0%} of the parameters' bytes split over {stages} stages "
+        f"({sends} ppermute per step); GPipe over {count} microbatches of {examples // count} "
+        f"examples, bubble {pipeline_lib.bubble_fraction(stages, count):.0%}",
+    )
+
+
+def _host_devices(args) -> None:
+    stages = getattr(args, "pipeline", 1)
+    if isinstance(stages, int) and stages > 1:
+        sharding_lib.set_cpu_devices(stages)
+
+
+TECHNIQUE = Technique(
+    name="pipeline",
+    # Order: acts on the loss (its stacks traced as pipelines) and on the step's layouts over
+    # the stages; after every technique that changes the model's computation
+    order=78,
+    fields=(
+        PlanField(
+            "pipeline",
+            int,
+            1,
+            "the stages ``S`` of a GPipe pipeline (:mod:`lowmem_jax.pipeline`): each scanned "
+            "block stack whose length divides by ``S`` is split over ``S`` devices, its "
+            "blocks' parameters and optimizer state with it; ``1``: no pipeline.",
+            help="GPipe stages: split each scanned block stack that divides by S over S "
+            "devices (its parameters and optimizer state with it); figures are per device",
+            omit_default=True,
+        ),
+        PlanField(
+            "pipeline_microbatches",
+            int,
+            0,
+            "the microbatches ``M`` a pipelined stack's batch is split into (``0``: the "
+            "largest divisor of its examples at most ``4 S``); the stages idle "
+            "``(S - 1) / (M + S - 1)`` of the time.",
+            help="microbatches flowing through the pipeline's stages (0: the largest divisor "
+            "of the batch at most 4 x stages)",
+            omit_default=True,
+        ),
+    ),
+    validate=_validate,
+    label=lambda plan: None if plan.pipeline == 1 else f"pipeline {plan.pipeline}",
+    # The step's arithmetic, but BatchNorm inside a pipelined stack normalises per microbatch
+    # (as GPipe does); not searched, so no envelope limits it
+    envelope=None,
+    axis=None,  # not searched: the planner plans one device
+    wrap_loss=_pipelined_loss,
+    wrap_step=_laid_out,
+    mesh=_mesh,
+    state_shardings=_state_shardings,
+    one_device=lambda plan: (
+        {"pipeline": 1, "pipeline_microbatches": 0} if plan.pipeline > 1 else {}
+    ),  # fmt: skip
+    took_effect=_took_effect,
+    host_devices=_host_devices,
+)

@@ -1,0 +1,193 @@
+"""GPipe pipeline parallelism (lowmem_jax.pipeline): the stages compute what one device does.
+
+Needs host devices set before JAX starts: tests/test_sharding.py runs this file in a pytest
+process of its own with ``LOWMEM_TEST_DEVICES=8`` (read by conftest). Alone:
+``LOWMEM_TEST_DEVICES=8 python -m pytest tests/pipeline_cases.py``.
+"""
+
+import dataclasses
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, assert_trees_close, classification_batch, to_numpy
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+from test_technique import _settings
+
+import lowmem_jax as lm
+from lowmem_jax import cli
+from lowmem_jax import pipeline as pipeline_lib
+from lowmem_jax.recipes import Recipe
+from lowmem_jax.techniques import TECHNIQUES
+
+# The tiny DynamicConv Transformer with stacks of 4 encoder and 2 decoder layers, no dropout.
+TRANSLATION = {
+    "embed_dim": 16, "ffn_dim": 32, "num_heads": 2,
+    "encoder_kernel_sizes": (3, 3, 3, 3), "decoder_kernel_sizes": (3, 3), "dropout": 0.0,
+}  # fmt: skip
+
+
+# SGD with momentum, a constant rate: Adam's first steps would hide the gradient's size.
+SGD = Recipe("sgd_nesterov", 0.1, "constant")
+
+
+def _steps(work, plan, batches):
+    """Two steps of ``plan`` on ``work`` from the same initial state: the host parameters and
+    losses, the last state, the setup."""
+    setup = lm.build(work, plan, recipe=SGD)
+    state = setup.init_state(batches[0])
+    out = []
+    for batch in batches:
+        state, metrics = setup.step(state, batch)
+        out.append((to_numpy(state.params), float(metrics["loss"])))
+    return out, state, setup
+
+
+def _compare(work, plan, seeds=(0, 1)):
+    """``plan`` and the one-device step take the same two steps."""
+    batches = [lm.build(work, lm.Plan()).example_batch(seed) for seed in seeds]
+    got, state, setup = _steps(work, plan, batches)
+    want, _, _ = _steps(work, lm.Plan(), batches)
+    for (g, g_loss), (w, w_loss) in zip(got, want, strict=True):
+        np.testing.assert_allclose(g_loss, w_loss, rtol=1e-5)
+        assert_trees_close(g, w, rtol=2e-5, atol=2e-6)
+    return state, setup
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 2)])
+def test_the_pipelined_transformer_equals_the_one_device_step(stages, microbatches):
+    """LayerNorm only: a stack run per microbatch computes what it does on the whole batch.
+    With 4 stages the 2-layer decoder stack does not divide and stays replicated."""
+    work = lm.workload("dynamicconv-small", 8, seq_len=6, **TRANSLATION)
+    plan = lm.Plan(pipeline=stages, pipeline_microbatches=microbatches)
+    state, setup = _compare(work, plan)
+    encoder = state.params["encoder_k3_0"]["stack"]
+    decoder = state.params["decoder_k3_0"]["stack"]
+    kernel = jax.tree.leaves(encoder)[0]
+    assert kernel.sharding.spec == P(pipeline_lib.STAGE)
+    assert len(kernel.sharding.device_set) == stages
+    assert jax.tree.leaves(decoder)[0].sharding.spec == (P(pipeline_lib.STAGE) if stages == 2
+                                                         else P())  # fmt: skip
+    (verdict,) = [v for v in setup.verdicts() if v.technique == "pipeline"]
+    assert verdict.took_effect
+    assert f"{microbatches} microbatches" in verdict.evidence
+    bubble = pipeline_lib.bubble_fraction(stages, microbatches)
+    assert f"bubble {bubble:.0%}" in verdict.evidence
+
+
+def test_a_pipelined_wide_resnet_with_one_microbatch_equals_the_one_device_step():
+    """WRN-22-1: its three stacks of 2 blocks split over 2 stages; with one microbatch
+    BatchNorm sees the whole batch, as on one device (parameters and running averages)."""
+    work = lm.workload("wrn-22-1", 8, image_size=8)
+    state, _ = _compare(work, lm.Plan(pipeline=2, pipeline_microbatches=1))
+    stats = state.model_state["batch_stats"]["group2_rest"]["stack"]
+    assert jax.tree.leaves(stats)[0].sharding.spec == P(pipeline_lib.STAGE)
+
+
+class _Block(nn.Module):
+    """Dense + BatchNorm + tanh, residual: a block with running averages."""
+
+    @nn.compact
+    def __call__(self, x, train):
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(x.shape[-1])(x))
+        return x + jnp.tanh(h)
+
+
+def _stack_gradients(stages, microbatches, variables, x):
+    """The loss's gradient and the new running averages of a stack of 4 blocks pipelined over
+    ``stages`` (``1``: the microbatches one after another on one device)."""
+    stack = lm.ScannedBlocks(_Block, 4)
+    settings = pipeline_lib.Pipeline(stages, microbatches, pipeline_lib.pipeline_mesh(stages))
+
+    def loss(params):
+        with pipeline_lib.pipelining(settings) as trace:
+            y, updated = stack.apply({**variables, "params": params}, x, train=True,
+                                     mutable=["batch_stats"])  # fmt: skip
+        assert trace.stacks == [(4, True)]
+        return jnp.sum(jnp.sin(y)), updated
+
+    return jax.jit(jax.grad(loss, has_aux=True))(variables["params"])
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (4, 4)])
+def test_each_stage_updates_its_running_averages_microbatch_by_microbatch(stages, microbatches):
+    """BatchNorm inside the pipeline normalises per microbatch (GPipe's rule), and the
+    running averages follow the microbatches in order: as the same microbatches run one after
+    another through the whole stack on one device (a pipeline of one stage)."""
+    x = jax.random.normal(jax.random.key(1), (8, 6))
+    init = jax.jit(lambda key, x: lm.ScannedBlocks(_Block, 4).init(key, x, train=False))
+    variables = init(jax.random.key(0), x)
+    got = _stack_gradients(stages, microbatches, variables, x)
+    want = _stack_gradients(1, microbatches, variables, x)
+    assert_trees_close(to_numpy(got), to_numpy(want), rtol=2e-5, atol=1e-6)
+    whole = _stack_gradients(1, 1, variables, x)  # one microbatch: other statistics
+    assert not np.allclose(want[1]["batch_stats"]["stack"]["BatchNorm_0"]["mean"],
+                           whole[1]["batch_stats"]["stack"]["BatchNorm_0"]["mean"])  # fmt: skip
+
+
+def test_a_pipeline_that_cannot_apply_is_refused_in_one_line():
+    wrn = lm.workload("wrn-16-1", 8, image_size=8)  # six stacks of one block
+    with pytest.raises(ValueError, match=r"pipeline=2 divides none of the model's block stacks "
+                       r"\(lengths \[1, 1, 1, 1, 1, 1\]\)"):  # fmt: skip
+        lm.build(wrn, lm.Plan(pipeline=2)).analyze()
+    user = lm.custom_workload(
+        "mlp", MLP(), classification_batch(8), loss=lm.classifier_loss_fn,
+        optimizer=optax.sgd(0.1), init=lambda m, rng, b: m.init(rng, b["image"]),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="it has no ScannedBlocks stack"):
+        lm.build(user, lm.Plan(pipeline=2)).analyze()
+    with pytest.raises(ValueError, match="pipeline_microbatches=3 does not divide the 8"):
+        lm.build(lm.workload("wrn-22-1", 8, image_size=8),
+                 lm.Plan(pipeline=2, pipeline_microbatches=3)).analyze()  # fmt: skip
+    with pytest.raises(ValueError, match=r"pipeline=16 needs 16 devices; JAX sees 8"):
+        lm.Plan(pipeline=16).mesh()
+
+
+def test_the_command_line_refuses_a_pipeline_with_data_parallelism_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["analyze", "--pipeline", "2", "--shard", "dp"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1
+    assert "pipeline=2 runs with shard='none' only (got 'dp')" in lines[0]
+
+
+def test_lowmem_analyze_gives_the_per_device_bytes_of_the_stages(capsys):
+    """Over 2 stages each device holds half of the stacked blocks' parameters and optimizer
+    state: XLA's argument bytes per device fall against the one-device step's."""
+    code = cli.main(["analyze", "--model", "wrn-22-1", "--batch-size", "8", "--pipeline", "2",
+                     "--json"])  # fmt: skip
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["devices"] == 2
+    assert result["xla_vs_single_device"]["argument_bytes"] < 0.75
+    (verdict,) = [v for v in result["verdicts"] if v["technique"] == "pipeline"]
+    assert verdict["took_effect"] and "split over 2 stages" in verdict["evidence"]
+
+
+@settings(max_examples=4, deadline=None)
+@given(setting=st.sampled_from(list(_settings())))
+@example(setting=next(s for s in _settings() if s[1].remat == "sqrt"))
+@example(setting=next(s for s in _settings() if s[1].activations == "int8"))
+def test_a_pipeline_with_any_other_setting_refuses_in_one_line_or_both_take_effect(setting):
+    """The pipeline beside each other technique's settings (tests/test_technique.py's, a
+    sample each run): refused in one line naming a field of one of them, or both verdicts
+    say they took effect (where the other can act on this model)."""
+    name, plan = setting
+    work = lm.workload("dynamicconv-small", 8, seq_len=6, **TRANSLATION)
+    fields = {f.name for t in TECHNIQUES if t.name in (name, "pipeline") for f in t.fields}
+    try:
+        plan = dataclasses.replace(plan, pipeline=2)
+        setup = lm.build(work.with_input_dtype(plan.input_dtype), plan)
+        found = {v.technique: v for v in setup.verdicts()}
+    except ValueError as err:
+        line = str(err).splitlines()[0]
+        assert any(f in line for f in fields), (setting, line)
+        return
+    assert found["pipeline"].took_effect, found["pipeline"]
+    assert name in found, (setting, found)
