@@ -12,7 +12,8 @@ GPipe's schedule, all forward passes then all backward passes, not 1F1B.
 
 The stages idle ``(S - 1) / (M + S - 1)`` of the ticks (:func:`bubble_fraction`): the schedule
 runs ``M + S - 1`` ticks of which each stage computes in ``M``; in the idle ticks it computes on
-zeros and discards the result (one SPMD program, so every device runs every tick).
+one of the stack's input microbatches and discards the result (one SPMD program, so every
+device runs every tick).
 
 As in GPipe, BatchNorm inside a pipelined stack normalises each microbatch by its own
 statistics, and its running averages are updated microbatch by microbatch, in order (the same
@@ -190,7 +191,10 @@ def run(
             i = t - s
             index = jnp.clip(i, 0, count - 1)
             valid = (i >= 0) & (i < count)
-            h = jnp.where(s == 0, _at(xs, index), h)
+            # Stage 0 reads the batch; in its idle ticks a stage computes on a microbatch of the
+            # stack's input too (not on zeros, where a block's derivative may be infinite: the
+            # discarded result's zero cotangent times it would be NaN).
+            h = jnp.where((s == 0) | ~valid, _at(xs, index), h)
             ctx = jax.tree.map(lambda a, b: _at(a, index) if b else a, context, in_batch)
             out, new_state = stage_fn(blocks, state, h, ctx, index)
             state = jax.tree.map(lambda new, old: jnp.where(valid, new, old), new_state, state)
@@ -201,7 +205,7 @@ def run(
             h = lax.ppermute(out, STAGE, [(j, j + 1) for j in range(stages - 1)])
             return (h, outs, state), None
 
-        carry = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs), state)
+        carry = (xs[0], jnp.zeros_like(xs), state)
         (_, outs, state), _ = lax.scan(tick, carry, jnp.arange(count + stages - 1))
         return lax.psum(jnp.where(s == stages - 1, outs, 0), STAGE), state
 

@@ -99,16 +99,27 @@ class _Block(nn.Module):
         return x + jnp.tanh(h)
 
 
-def _stack_gradients(stages, microbatches, variables, x):
+class _UnitBlock(nn.Module):
+    """Dense, then scaled to unit norm: not differentiable at zero (0/0), as at the zeros a
+    stage would otherwise compute on in its idle ticks."""
+
+    @nn.compact
+    def __call__(self, x, train):
+        h = nn.Dense(x.shape[-1])(x)
+        return x + h / jnp.sqrt(jnp.sum(h * h, axis=-1, keepdims=True))
+
+
+def _stack_gradients(stages, microbatches, variables, x, block=_Block):
     """The loss's gradient and the new running averages of a stack of 4 blocks pipelined over
     ``stages`` (``1``: the microbatches one after another on one device)."""
-    stack = lm.ScannedBlocks(_Block, 4)
+    stack = lm.ScannedBlocks(block, 4)
     settings = pipeline_lib.Pipeline(stages, microbatches, pipeline_lib.pipeline_mesh(stages))
 
     def loss(params):
         with pipeline_lib.pipelining(settings) as trace:
             y, updated = stack.apply({**variables, "params": params}, x, train=True,
                                      mutable=["batch_stats"])  # fmt: skip
+        updated = updated or {}
         assert trace.stacks == [(4, True)]
         return jnp.sum(jnp.sin(y)), updated
 
@@ -129,6 +140,15 @@ def test_each_stage_updates_its_running_averages_microbatch_by_microbatch(stages
     whole = _stack_gradients(1, 1, variables, x)  # one microbatch: other statistics
     assert not np.allclose(want[1]["batch_stats"]["stack"]["BatchNorm_0"]["mean"],
                            whole[1]["batch_stats"]["stack"]["BatchNorm_0"]["mean"])  # fmt: skip
+
+
+def test_the_idle_ticks_leave_no_nan_in_the_gradient():
+    x = jax.random.normal(jax.random.key(1), (8, 6))
+    init = jax.jit(lambda key, x: lm.ScannedBlocks(_UnitBlock, 4).init(key, x, train=False))
+    variables = init(jax.random.key(0), x)
+    (got, _), (want, _) = (_stack_gradients(s, 4, variables, x, _UnitBlock) for s in (4, 1))
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(to_numpy(got)))
+    assert_trees_close(to_numpy(got), to_numpy(want), rtol=2e-5, atol=1e-6)
 
 
 def test_a_pipeline_that_cannot_apply_is_refused_in_one_line():
