@@ -143,9 +143,10 @@ def data_mesh(devices: int = 0) -> Mesh:
     return Mesh(np.asarray(visible[:count]), (AXIS,))
 
 
-def leaf_spec(shape: tuple[int, ...], num_shards: int) -> PartitionSpec:
-    """The spec that splits an array of ``shape`` over ``num_shards`` along its largest axis
-    divisible by ``num_shards`` (the last of equal ones); replicated (``P()``) if none is."""
+def leaf_spec(shape: tuple[int, ...], num_shards: int, axis_name: str = AXIS) -> PartitionSpec:
+    """The spec that splits an array of ``shape`` over ``num_shards`` (the mesh axis
+    ``axis_name``) along its largest axis divisible by ``num_shards`` (the last of equal ones);
+    replicated (``P()``) if none is."""
     if num_shards <= 1:
         return PartitionSpec()
     best = None
@@ -154,7 +155,7 @@ def leaf_spec(shape: tuple[int, ...], num_shards: int) -> PartitionSpec:
             best = axis
     if best is None:
         return PartitionSpec()
-    return PartitionSpec(*([None] * best), AXIS)
+    return PartitionSpec(*([None] * best), axis_name)
 
 
 def tree_specs(tree: PyTree, num_shards: int, partition: bool = True) -> PyTree:

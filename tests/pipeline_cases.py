@@ -60,20 +60,28 @@ def _compare(work, plan, seeds=(0, 1)):
     return state, setup
 
 
-@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 2)])
-def test_the_pipelined_transformer_equals_the_one_device_step(stages, microbatches):
+@pytest.mark.parametrize("stages, microbatches, rest", [(2, 4, "replicate"), (4, 2, "partition")])
+def test_the_pipelined_transformer_equals_the_one_device_step(stages, microbatches, rest):
     """LayerNorm only: a stack run per microbatch computes what it does on the whole batch.
-    With 4 stages the 2-layer decoder stack does not divide and stays replicated."""
+    With 4 stages the 2-layer decoder stack does not divide: it stays whole, here partitioned
+    over the stages with the embeddings (pipeline_rest), gathered where the model reads it."""
     work = lm.workload("dynamicconv-small", 8, seq_len=6, **TRANSLATION)
-    plan = lm.Plan(pipeline=stages, pipeline_microbatches=microbatches)
+    plan = lm.Plan(pipeline=stages, pipeline_microbatches=microbatches, pipeline_rest=rest)
     state, setup = _compare(work, plan)
     encoder = state.params["encoder_k3_0"]["stack"]
     decoder = state.params["decoder_k3_0"]["stack"]
     kernel = jax.tree.leaves(encoder)[0]
     assert kernel.sharding.spec == P(pipeline_lib.STAGE)
     assert len(kernel.sharding.device_set) == stages
-    assert jax.tree.leaves(decoder)[0].sharding.spec == (P(pipeline_lib.STAGE) if stages == 2
-                                                         else P())  # fmt: skip
+    stage = pipeline_lib.STAGE
+    embed = state.params["src_embed"]["embedding"]
+    assert (stage in embed.sharding.spec) == (rest == "partition")
+    decoder_specs = [leaf.sharding.spec for leaf in jax.tree.leaves(decoder)]
+    if stages == 2:  # pipelined
+        assert set(decoder_specs) == {P(stage)}
+    else:  # partitioned along another axis than its layers'
+        assert any(stage in spec[1:] for spec in decoder_specs)
+        assert not any(spec[:1] == (stage,) for spec in decoder_specs)
     (verdict,) = [v for v in setup.verdicts() if v.technique == "pipeline"]
     assert verdict.took_effect
     assert f"{microbatches} microbatches" in verdict.evidence

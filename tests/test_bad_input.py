@@ -125,6 +125,8 @@ def test_missing_datasets_are_one_line_with_how_to_prepare_them(tmp_path, capsys
         (["analyze", "--pipeline", "0"], "pipeline must be an int >= 1, got 0"),
         (["analyze", "--pipeline-microbatches", "4"],
          "pipeline_microbatches=4 needs pipeline >= 2"),
+        (["analyze", "--pipeline-rest", "partition"], "pipeline_rest='partition' needs pipeline"),
+        (["analyze", "--pipeline-rest", "x"], "argument --pipeline-rest: invalid choice: 'x'"),
         (["analyze", "--model", "dynamicconv-small", "--input-dtype", "uint8"],
          "input_dtype='uint8' applies to image batches"),
         (["report", "--model", "foo", "--shard-devices", "none"], "Unknown model='foo'"),

@@ -23,17 +23,26 @@ from lowmem_jax.technique import PlanField, Technique, Verdict
 __all__ = ["TECHNIQUE", "state_specs"]
 
 
+#: Where the parameters and optimizer state outside the pipelined stacks live.
+REST = ("replicate", "partition")
+
+
 def _validate(plan) -> None:
     for field, least in (("pipeline", 1), ("pipeline_microbatches", 0)):
         value = getattr(plan, field)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{field} must be an int >= {least}, got {value!r}")
+    if plan.pipeline_rest not in REST:
+        raise ValueError(
+            f"Unknown pipeline_rest={plan.pipeline_rest!r}; allowed values: {list(REST)}"
+        )
     if plan.pipeline == 1:
-        if plan.pipeline_microbatches:
-            raise ValueError(
-                f"pipeline_microbatches={plan.pipeline_microbatches} needs pipeline >= 2 (the "
-                "stages its microbatches flow through)"
-            )
+        for field, off in (("pipeline_microbatches", 0), ("pipeline_rest", "replicate")):
+            if getattr(plan, field) != off:
+                raise ValueError(
+                    f"{field}={getattr(plan, field)!r} needs pipeline >= 2 (the stages of a "
+                    "pipeline)"
+                )
         return
     for field, off in (("shard", "none"), ("optimizer_memory", "device")):
         if getattr(plan, field) != off:
@@ -59,17 +68,26 @@ def _split(path, leaf, stages: int) -> bool:
 def state_specs(state, plan):
     """A ``PartitionSpec`` per leaf of the train ``state`` (arrays or shapes): a stacked leaf
     of the parameters, the optimizer state or the model state (BatchNorm's running averages)
-    split along its blocks over ``"stage"`` where they divide by ``plan.pipeline``, every other
-    leaf replicated."""
+    split along its blocks over ``"stage"`` where they divide by ``plan.pipeline``; with
+    ``pipeline_rest="partition"`` every other leaf of the parameters and optimizer state split
+    along its largest axis the stages divide (:func:`lowmem_jax.sharding.leaf_spec`); the rest
+    replicated."""
+    stages = plan.pipeline
 
-    def spec(path, leaf):
-        if _split(path, leaf, plan.pipeline):
+    def spec(path, leaf, rest):
+        if _split(path, leaf, stages):
             return PartitionSpec(pipeline_lib.STAGE)
+        if rest:
+            return sharding_lib.leaf_spec(tuple(leaf.shape), stages, pipeline_lib.STAGE)
         return PartitionSpec()
 
+    partition = plan.pipeline_rest == "partition"
     specs = jax.tree.map(lambda _: PartitionSpec(), state)
     return specs.replace(**{
-        part: jax.tree_util.tree_map_with_path(spec, getattr(state, part))
+        part: jax.tree_util.tree_map_with_path(
+            lambda path, leaf, rest=partition and part != "model_state": spec(path, leaf, rest),
+            getattr(state, part),
+        )
         for part in ("params", "opt_state", "model_state")
     })  # fmt: skip
 
@@ -100,6 +118,25 @@ def _pipelined_loss(loss_fn, plan):
     return pipelined
 
 
+def _gathered(loss, plan):
+    """``pipeline_rest="partition"``: the parameters outside the pipelined stacks gathered
+    whole where the loss reads them (the transpose reduce-scatters their gradient), as ZeRO-3
+    gathers them; the stacks stay split over the stages."""
+    if plan.pipeline == 1 or plan.pipeline_rest != "partition":
+        return loss
+    mesh = _mesh(plan)
+
+    def loss_of_gathered(params, *args):
+        specs = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: PartitionSpec(pipeline_lib.STAGE)
+            if _split(path, leaf, plan.pipeline) else PartitionSpec(),
+            params,
+        )  # fmt: skip
+        return loss(sharding_lib.constrain(params, mesh, specs), *args)
+
+    return loss_of_gathered
+
+
 def _laid_out(step, plan):
     """The state laid out over the stages on the way in and out."""
     mesh = _mesh(plan)
@@ -118,21 +155,28 @@ def _laid_out(step, plan):
 
 def _took_effect(evidence, plan):
     """The stacks split over the stages (``ppermute`` in the step), the microbatches and the
-    bubble, the share of the parameters' bytes split."""
+    bubble, the shares of the parameters' bytes split and partitioned."""
     stages = plan.pipeline
     if stages == 1:
         return None
     sends = sum(eqn.primitive.name == "ppermute" for eqn, _ in evidence.equations())
     examples = jax.tree.leaves(evidence.batch)[0].shape[0] // plan.microbatches
     count = pipeline_lib.microbatch_count(examples, stages, plan.pipeline_microbatches)
+    specs = jax.tree.leaves(state_specs(evidence.state, plan).params,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))  # fmt: skip
     leaves = jax.tree_util.tree_flatten_with_path(evidence.state.params)[0]
-    total = sum(leaf.size * leaf.dtype.itemsize for _, leaf in leaves)
-    split = sum(leaf.size * leaf.dtype.itemsize for path, leaf in leaves
+    nbytes = [leaf.size * leaf.dtype.itemsize for _, leaf in leaves]
+    total = max(sum(nbytes), 1)
+    split = sum(n for n, (path, leaf) in zip(nbytes, leaves, strict=True)
                 if _split(path, leaf, stages))  # fmt: skip
+    spread = sum(n for n, spec in zip(nbytes, specs, strict=True) if spec != PartitionSpec())
+    rest = ""
+    if plan.pipeline_rest == "partition":
+        rest = f", {(spread - split) / total:.0%} more partitioned over them"
     return Verdict(
         "pipeline",
         sends > 0 and split > 0,
-        f"{split / max(total, 1):.0%} of the parameters' bytes split over {stages} stages "
+        f"{split / total:.0%} of the parameters' bytes split over {stages} stages{rest} "
         f"({sends} ppermute per step); GPipe over {count} microbatches of {examples // count} "
         f"examples, bubble {pipeline_lib.bubble_fraction(stages, count):.0%}",
     )
@@ -162,6 +206,20 @@ TECHNIQUE = Technique(
             omit_default=True,
         ),
         PlanField(
+            "pipeline_rest",
+            str,
+            "replicate",
+            "where the parameters and optimizer state outside the pipelined stacks live: "
+            "``replicate`` (on every stage, which computes them on the whole batch) or "
+            "``partition`` (split over the stages as ZeRO-3 splits them, gathered where the "
+            "model reads them: per-device bytes fall, each step all-gathers them).",
+            help="the parameters and optimizer state outside the pipelined stacks: replicate "
+            "(on every stage) or partition (split over the stages as ZeRO-3 does, gathered "
+            "where used)",
+            choices=REST,
+            omit_default=True,
+        ),
+        PlanField(
             "pipeline_microbatches",
             int,
             0,
@@ -180,11 +238,14 @@ TECHNIQUE = Technique(
     envelope=None,
     axis=None,  # not searched: the planner plans one device
     wrap_loss=_pipelined_loss,
+    wrap_stored_loss=_gathered,
     wrap_step=_laid_out,
     mesh=_mesh,
     state_shardings=_state_shardings,
     one_device=lambda plan: (
-        {"pipeline": 1, "pipeline_microbatches": 0} if plan.pipeline > 1 else {}
+        {"pipeline": 1, "pipeline_microbatches": 0, "pipeline_rest": "replicate"}
+        if plan.pipeline > 1
+        else {}
     ),  # fmt: skip
     took_effect=_took_effect,
     host_devices=_host_devices,

@@ -1,0 +1,82 @@
+"""GPipe pipeline stages on one device: the schedule's arithmetic, the plan's refusals, the
+committed per-device figures. The stages themselves run in tests/pipeline_cases.py (8 host
+devices, a process of its own)."""
+
+import json
+
+import pytest
+from conftest import BENCHMARKS, load_benchmark
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lowmem_jax as lm
+from lowmem_jax import pipeline as pipeline_lib
+
+
+@given(examples=st.integers(1, 512), stages=st.integers(2, 8))
+def test_the_default_microbatches_are_the_largest_divisor_up_to_four_per_stage(examples, stages):
+    m = pipeline_lib.microbatch_count(examples, stages)
+    assert examples % m == 0 and 1 <= m <= 4 * stages
+    assert not any(examples % k == 0 for k in range(m + 1, min(examples, 4 * stages) + 1))
+    assert pipeline_lib.microbatch_count(examples, stages, m) == m
+
+
+def test_the_bubble_is_the_idle_share_of_the_ticks():
+    assert pipeline_lib.bubble_fraction(4, 12) == pytest.approx(3 / 15)
+    assert pipeline_lib.bubble_fraction(2, 1) == pytest.approx(0.5)
+
+
+def test_bad_pipeline_settings_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="pipeline must be an int >= 1, got 0"):
+        lm.Plan(pipeline=0)
+    with pytest.raises(ValueError, match="pipeline_microbatches must be an int >= 0"):
+        lm.Plan(pipeline=2, pipeline_microbatches=-1)
+    with pytest.raises(ValueError, match=r"Unknown pipeline_rest='x'; allowed values"):
+        lm.Plan(pipeline=2, pipeline_rest="x")
+    with pytest.raises(ValueError, match="pipeline=2 runs with shard='none' only"):
+        lm.Plan(pipeline=2, shard="zero1")
+    with pytest.raises(ValueError, match="pipeline_microbatches=3 does not divide the 8"):
+        pipeline_lib.microbatch_count(8, 2, 3)
+    with pytest.raises(ValueError, match="pipeline=2 needs 2 devices; JAX sees 1"):
+        lm.Plan(pipeline=2).mesh()
+
+
+def test_the_committed_table_is_its_json_and_the_docs_quote_it():
+    bench = load_benchmark("pipeline_stages")
+    stem = BENCHMARKS / "results" / "pipeline_stages_cpu"
+    result = json.loads(stem.with_suffix(".json").read_text())
+    assert stem.with_suffix(".md").read_text() == bench.to_markdown(result)
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == set(bench.CONFIGS)
+    for row in rows.values():  # every pipeline took effect and holds less per device
+        assert "split over" in row["verdict"] and row["argument_bytes"] < row[
+            "one_device_argument_bytes"]  # fmt: skip
+    # The rest partitioned holds less than replicated; the transformer at 4 stages <= 0.3x.
+    for model, stages in (("wrn-28-2", 3), ("iwslt", 4)):
+        replicated, partitioned = rows[f"{model}:{stages}"], rows[f"{model}:{stages}:partition"]
+        assert partitioned["argument_bytes"] < replicated["argument_bytes"]
+    iwslt = rows["iwslt:4:partition"]
+    assert iwslt["argument_bytes"] <= 0.3 * iwslt["one_device_argument_bytes"]
+    mib = {k: f"{r['argument_bytes'] / 2**20:.2f}" for k, r in rows.items()}
+    one = {k: f"{r['one_device_argument_bytes'] / 2**20:.2f}" for k, r in rows.items()}
+    root = BENCHMARKS.parent
+    docs = " ".join((root / "docs" / "distributed.md").read_text().split())
+    readme = " ".join((root / "README.md").read_text().split())
+    quoted = (
+        f"argument bytes (state + batch) fall from {one['wrn-28-2:3']} MiB on one device to "
+        f"{mib['wrn-28-2:3']} per device"
+    )
+    assert quoted in docs, quoted
+    assert f"at 4 stages {mib['iwslt:4:partition']} MiB of arguments per device" in docs
+    assert (f"WRN-28-2 at 3 stages {one['wrn-28-2:3']} -> {mib['wrn-28-2:3']} MiB of arguments "
+            "per device") in readme  # fmt: skip
+    iwslt_one = f"{iwslt['one_device_argument_bytes'] / 2**20:.1f}"
+    iwslt_mib = f"{iwslt['argument_bytes'] / 2**20:.1f}"
+    assert f"the rest partitioned, {iwslt_one} -> {iwslt_mib} MiB" in readme
+
+
+def test_the_benchmark_refuses_an_unknown_config_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        load_benchmark("pipeline_stages").main(["--configs", "wrn-28-2:5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and "--configs: unknown ['wrn-28-2:5']; allowed values" in err[-1]
