@@ -140,6 +140,8 @@ def _eval_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> lis
         if eqn.primitive.name in ("checkpoint", "remat2"):
             body = eqn.params["jaxpr"]
             outs = _eval_inlined(getattr(body, "jaxpr", body), getattr(body, "consts", ()), ins)
+        elif eqn.primitive.name == "shard_map" and _SHARD_MAP_PARAMS <= set(eqn.params):
+            outs = _shard_map_inlined(eqn.params, ins)
         else:
             params = eqn.params
             if eqn.primitive.name in _INLINED_INSIDE:
@@ -152,6 +154,25 @@ def _eval_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> lis
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+# What a shard_map equation is bound again from (JAX >= 0.7's names).
+_SHARD_MAP_PARAMS = {"jaxpr", "mesh", "in_specs", "out_specs", "check_vma", "newly_manual_axes"}
+
+
+def _shard_map_inlined(params: dict, args: Sequence[Any]) -> list[Any]:
+    """A ``shard_map`` equation evaluated with its body's checkpoints inlined (the body is
+    traced again inside the same ``shard_map``, where its collectives' axes are bound)."""
+    body = params["jaxpr"]
+    outs = jax.shard_map(
+        lambda *xs: tuple(_eval_inlined(body, (), xs)),
+        mesh=params["mesh"],
+        in_specs=params["in_specs"],
+        out_specs=params["out_specs"],
+        check_vma=params["check_vma"],
+        axis_names=params["newly_manual_axes"],
+    )(*args)
+    return list(outs)
 
 
 def _inlined_param(value: Any) -> Any:

@@ -219,3 +219,14 @@ def test_a_pipeline_with_any_other_setting_refuses_in_one_line_or_both_take_effe
         return
     assert found["pipeline"].took_effect, found["pipeline"]
     assert name in found, (setting, found)
+
+
+def test_remat_weighs_the_residuals_the_stages_save():
+    """Remat's verdict inlines the checkpoints inside the pipeline's shard_map too (it said
+    "not weighed" there)."""
+    work = lm.workload("wrn-22-1", 8, image_size=8)
+    found = {v.technique: v for v in lm.build(work, lm.Plan(remat="full", pipeline=2)).verdicts()}
+    assert found["pipeline"].took_effect
+    saved = found["remat"].evidence.split("saved residuals ")[1].split(" MiB")[0]
+    without, with_ = (float(x) for x in saved.split(" -> "))
+    assert with_ < without
