@@ -177,8 +177,8 @@ def _took_effect(evidence, plan):
         "pipeline",
         sends > 0 and split > 0,
         f"{split / total:.0%} of the parameters' bytes split over {stages} stages{rest} "
-        f"({sends} ppermute per step); GPipe over {count} microbatches of {examples // count} "
-        f"examples, bubble {pipeline_lib.bubble_fraction(stages, count):.0%}",
+        f"({sends} ppermute per step); GPipe over {count} microbatch{'es' * (count != 1)} of "
+        f"{examples // count} examples, bubble {pipeline_lib.bubble_fraction(stages, count):.0%}",
     )
 
 
