@@ -149,11 +149,11 @@ class ScannedBlocks(nn.Module):
 
         xs = (params, others, keys, jnp.arange(self.length, dtype=jnp.int32))
         closed = (tuple(context), blockwise)
-        pipeline = None if self.is_initializing() else pipeline_lib.active()
-        if pipeline is not None:
-            stages = pipeline.pipeline.stages
-            pipeline.stacks.append((self.length, self.length % stages == 0))
-        if pipeline is not None and self.length % stages == 0:
+        trace = None if self.is_initializing() else pipeline_lib.active()
+        if trace is not None:
+            stages = trace.pipeline.stages
+            trace.stacks.append((self.length, self.length % stages == 0))
+        if trace is not None and self.length % stages == 0:
             if len(runs) > 1 or blockwise:
                 raise ValueError(
                     f"pipeline={stages} runs a stack under one remat policy with its weights "
@@ -170,7 +170,7 @@ class ScannedBlocks(nn.Module):
                                  length, spec, self.unroll)  # fmt: skip
 
             x, new_others = pipeline_lib.run(
-                stage, (params, keys, xs[3]), others, x, tuple(context), pipeline.pipeline
+                stage, (params, keys, xs[3]), others, x, tuple(context), trace.pipeline
             )
             runs = []
         outs = []

@@ -65,6 +65,16 @@ def _split(path, leaf, stages: int) -> bool:
     return scanned_blocks.in_stack(names) and len(shape) >= 1 and shape[0] % stages == 0
 
 
+def _leaf_spec(path, leaf, stages: int, rest: bool) -> PartitionSpec:
+    """Split over the stages along its blocks (a pipelined stack's leaf); else, with ``rest``,
+    along its largest axis they divide; else replicated."""
+    if _split(path, leaf, stages):
+        return PartitionSpec(pipeline_lib.STAGE)
+    if rest:
+        return sharding_lib.leaf_spec(tuple(leaf.shape), stages, pipeline_lib.STAGE)
+    return PartitionSpec()
+
+
 def state_specs(state, plan):
     """A ``PartitionSpec`` per leaf of the train ``state`` (arrays or shapes): a stacked leaf
     of the parameters, the optimizer state or the model state (BatchNorm's running averages)
@@ -72,20 +82,12 @@ def state_specs(state, plan):
     ``pipeline_rest="partition"`` every other leaf of the parameters and optimizer state split
     along its largest axis the stages divide (:func:`lowmem_jax.sharding.leaf_spec`); the rest
     replicated."""
-    stages = plan.pipeline
-
-    def spec(path, leaf, rest):
-        if _split(path, leaf, stages):
-            return PartitionSpec(pipeline_lib.STAGE)
-        if rest:
-            return sharding_lib.leaf_spec(tuple(leaf.shape), stages, pipeline_lib.STAGE)
-        return PartitionSpec()
-
     partition = plan.pipeline_rest == "partition"
     specs = jax.tree.map(lambda _: PartitionSpec(), state)
     return specs.replace(**{
         part: jax.tree_util.tree_map_with_path(
-            lambda path, leaf, rest=partition and part != "model_state": spec(path, leaf, rest),
+            functools.partial(_leaf_spec, stages=plan.pipeline,
+                              rest=partition and part != "model_state"),
             getattr(state, part),
         )
         for part in ("params", "opt_state", "model_state")
@@ -128,10 +130,8 @@ def _gathered(loss, plan):
 
     def loss_of_gathered(params, *args):
         specs = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: PartitionSpec(pipeline_lib.STAGE)
-            if _split(path, leaf, plan.pipeline) else PartitionSpec(),
-            params,
-        )  # fmt: skip
+            functools.partial(_leaf_spec, stages=plan.pipeline, rest=False), params
+        )
         return loss(sharding_lib.constrain(params, mesh, specs), *args)
 
     return loss_of_gathered
@@ -167,6 +167,7 @@ def _took_effect(evidence, plan):
     leaves = jax.tree_util.tree_flatten_with_path(evidence.state.params)[0]
     nbytes = [leaf.size * leaf.dtype.itemsize for _, leaf in leaves]
     total = max(sum(nbytes), 1)
+    # A partitioned leaf outside the stacks may be split along its axis 0 too: ask the paths.
     split = sum(n for n, (path, leaf) in zip(nbytes, leaves, strict=True)
                 if _split(path, leaf, stages))  # fmt: skip
     spread = sum(n for n, spec in zip(nbytes, specs, strict=True) if spec != PartitionSpec())
