@@ -1,7 +1,8 @@
 """Per-device bytes of GPipe pipeline stages (``Plan(pipeline=S)``) against one device.
 
-For each configuration (model, batch, stages, where the rest of the model's state lives, remat)
-the pipelined step over ``S`` host devices and the same step on one device are compiled
+For each configuration (model, batch, stages, where the rest of the model's state lives, remat,
+a ZeRO stage over ``D`` data-parallel devices beside the stages) the pipelined step over
+``S x D`` host devices and the same step on one device are compiled
 (nothing runs): XLA's per-device argument bytes (the train state and the batch) and totals, the
 share of the parameters' bytes the stages split (pipelined stacks) or partition (``pipeline_rest
 partition``), the microbatches and the bubble, and what each device sends per step
@@ -20,14 +21,17 @@ import argparse
 import os
 import sys
 
-#: name -> (model, batch size, stages, pipeline_rest, remat), in the table's order.
+#: name -> (model, batch size, stages, pipeline_rest, remat, shard, data devices), in the
+#: table's order.
 CONFIGS = {
-    "wrn-28-2:3": ("wrn-28-2", 128, 3, "replicate", "none"),
-    "wrn-28-2:3:partition": ("wrn-28-2", 128, 3, "partition", "none"),
-    "wrn-28-2:3:remat": ("wrn-28-2", 128, 3, "replicate", "full"),
-    "iwslt:2": ("dynamicconv-iwslt", 32, 2, "replicate", "none"),
-    "iwslt:4": ("dynamicconv-iwslt", 32, 4, "replicate", "none"),
-    "iwslt:4:partition": ("dynamicconv-iwslt", 32, 4, "partition", "none"),
+    "wrn-28-2:3": ("wrn-28-2", 128, 3, "replicate", "none", "none", 1),
+    "wrn-28-2:3:partition": ("wrn-28-2", 128, 3, "partition", "none", "none", 1),
+    "wrn-28-2:3:remat": ("wrn-28-2", 128, 3, "replicate", "full", "none", 1),
+    "wrn-28-2:3:partition:zero2x2": ("wrn-28-2", 128, 3, "partition", "none", "zero2", 2),
+    "iwslt:2": ("dynamicconv-iwslt", 32, 2, "replicate", "none", "none", 1),
+    "iwslt:4": ("dynamicconv-iwslt", 32, 4, "replicate", "none", "none", 1),
+    "iwslt:4:partition": ("dynamicconv-iwslt", 32, 4, "partition", "none", "none", 1),
+    "iwslt:4:partition:zero2x2": ("dynamicconv-iwslt", 32, 4, "partition", "none", "zero2", 2),
 }
 
 
@@ -36,8 +40,9 @@ def measure(name: str, one_device: dict) -> dict:
     (``one_device`` caches those per (model, batch, remat))."""
     import lowmem_jax as lm
 
-    model, batch_size, stages, rest, remat = CONFIGS[name]
-    plan = lm.Plan(pipeline=stages, pipeline_rest=rest, remat=remat)
+    model, batch_size, stages, rest, remat, shard, data = CONFIGS[name]
+    plan = lm.Plan(pipeline=stages, pipeline_rest=rest, remat=remat, shard=shard,
+                   devices=data if shard != "none" else 0)  # fmt: skip
     setup = lm.build(lm.workload(model, batch_size), plan)
     report = setup.analyze()
     (verdict,) = [v for v in setup.verdicts() if v.technique == "pipeline"]
@@ -54,6 +59,8 @@ def measure(name: str, one_device: dict) -> dict:
         "stages": stages,
         "pipeline_rest": rest,
         "remat": remat,
+        "shard": shard,
+        "data_devices": data,
         "verdict": verdict.evidence,
         "argument_bytes": report.xla["argument_bytes"],
         "total_bytes": report.xla["total_bytes"],
@@ -72,17 +79,19 @@ def to_markdown(result: dict) -> str:
         "",
         f"`{result['command']}` ({result['backend']}, {result['machine']}, JAX "
         f"{result['jax_version']}): compile-only. Arguments: the train state and the batch, per "
-        "device (the batch is on every stage); one device: the same plan with "
-        "`pipeline=1`. Sent: what each device sends per step under a ring schedule.",
+        "device (the batch is on every stage, split over the data devices); one device: the "
+        "same plan with `pipeline=1` and no `shard`. Sent: what each device sends per step "
+        "under a ring schedule.",
         "",
-        "| model | batch | stages | rest | remat | arguments MiB | one device | ratio | "
-        "total MiB | one device | ratio | sent MiB | what took effect |",
-        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| model | batch | stages | rest | remat | data devices | arguments MiB | one device | "
+        "ratio | total MiB | one device | ratio | sent MiB | what took effect |",
+        "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
+        data = "-" if r["shard"] == "none" else f"{r['shard']} x {r['data_devices']}"
         lines.append(
             f"| {r['model']} | {r['batch_size']} | {r['stages']} | {r['pipeline_rest']} | "
-            f"{r['remat']} | {r['argument_bytes'] / mib:.2f} | "
+            f"{r['remat']} | {data} | {r['argument_bytes'] / mib:.2f} | "
             f"{r['one_device_argument_bytes'] / mib:.2f} | {_ratio(r, 'argument_bytes'):.3f} | "
             f"{r['total_bytes'] / mib:.1f} | {r['one_device_total_bytes'] / mib:.1f} | "
             f"{_ratio(r, 'total_bytes'):.3f} | {r['sent_bytes'] / mib:.1f} | {r['verdict']} |"
@@ -102,7 +111,9 @@ def plot(result: dict, path: str) -> None:
 
     rows = result["rows"]
     labels = [f"{r['model']}\n{r['stages']} stages\n{r['pipeline_rest']}"
-              + ("\nremat full" if r["remat"] != "none" else "") for r in rows]  # fmt: skip
+              + ("\nremat full" if r["remat"] != "none" else "")
+              + (f"\n{r['shard']} x {r['data_devices']}" if r["shard"] != "none" else "")
+              for r in rows]  # fmt: skip
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.4), 4))
     ax.bar([x - 0.2 for x in xs], [_ratio(r, "argument_bytes") for r in rows], 0.4,
@@ -130,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--configs: unknown {unknown}; allowed values: {list(CONFIGS)}")
     import lowmem_jax as lm
 
-    lm.sharding.set_cpu_devices(max(CONFIGS[n][2] for n in names))  # before JAX starts
+    lm.sharding.set_cpu_devices(max(CONFIGS[n][2] * CONFIGS[n][6] for n in names))
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

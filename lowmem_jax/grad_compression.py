@@ -67,6 +67,7 @@ __all__ = [
     "powersgd_mean",
     "topk_mean",
     "topk_count",
+    "per_device_gradients",
 ]
 
 #: ``none``: the float32 gradient all-reduced; the others: the module docstring.
@@ -330,3 +331,37 @@ class CompressedGradients(Wrapper):
 
     def __repr__(self) -> str:
         return f"CompressedGradients({self.method} over {self.mesh.size} devices, {self.inner!r})"
+
+
+def per_device_gradients(grad_fn: Any, mesh: Mesh, axis: str) -> Any:
+    """``grad_fn(params, model_state, batch, rng)`` on each device's examples alone (the
+    batch split over ``mesh``'s ``axis``): the gradients stacked, ``[N, *shape]`` (row ``d``
+    device ``d``'s ``g_d``, laid out over the axis: nothing is reduced), what
+    :class:`CompressedGradients` reduces; the float model state and metrics averaged over the
+    devices; ``rng`` folded with the device's index."""
+
+    def device_mean(tree):
+        def mean(x):
+            return jax.lax.pmean(x, axis) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+        return jax.tree.map(mean, tree)
+
+    def local(params, model_state, batch, rng):
+        if rng is not None:
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        grads, model_state, metrics = grad_fn(params, model_state, batch, rng)
+        stacked = jax.tree.map(lambda g: g[None], grads)
+        return stacked, device_mean(model_state), device_mean(metrics)
+
+    def per_device(params, model_state, batch, rng):
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(axis), PartitionSpec()),
+            out_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
+            # no implicit reduction of the gradient (with check_vma, differentiating w.r.t.
+            # the replicated params would psum it); the averaged outputs agree by pmean
+            check_vma=False,
+        )(params, model_state, batch, rng)
+
+    return per_device

@@ -34,16 +34,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from lowmem_jax.sharding import AXIS
+from lowmem_jax import microbatch as microbatch_lib
+from lowmem_jax import sharding as sharding_lib
 
 __all__ = [
     "STAGE",
     "Pipeline",
-    "pipeline_mesh",
     "microbatch_count",
     "bubble_fraction",
     "active",
@@ -65,30 +64,13 @@ class Pipeline:
       stages: ``S >= 2``, the devices of the ``"stage"`` axis a stack's blocks are split over.
       microbatches: ``M``, the microbatches a stack's batch is split into; ``0``:
         :func:`microbatch_count`'s default.
-      mesh: the device mesh (:func:`pipeline_mesh`).
+      mesh: the device mesh: a ``"stage"`` axis of ``S`` devices, and a ``"data"`` axis
+        where the batch is split over data-parallel devices too.
     """
 
     stages: int
     microbatches: int
     mesh: Mesh
-
-
-def pipeline_mesh(stages: int) -> Mesh:
-    """A ``("data", "stage")`` mesh of shape ``(1, stages)`` over the first ``stages`` visible
-    devices (the data axis is where data parallelism would go; here one device wide).
-
-    Raises:
-      ValueError: JAX sees fewer than ``stages`` devices, naming how to get more on CPU.
-    """
-    visible = jax.devices()
-    if stages > len(visible):
-        raise ValueError(
-            f"pipeline={stages} needs {stages} devices; JAX sees {len(visible)} "
-            f"{jax.default_backend()} device(s) (on CPU, `lowmem ... --pipeline {stages}` asks "
-            f"for host devices, as does lowmem_jax.sharding.set_cpu_devices({stages}) before "
-            "JAX starts)"
-        )
-    return Mesh(np.asarray(visible[:stages]).reshape(1, stages), (AXIS, STAGE))
 
 
 def microbatch_count(examples: int, stages: int, requested: int = 0) -> int:
@@ -102,7 +84,8 @@ def microbatch_count(examples: int, stages: int, requested: int = 0) -> int:
         if examples % requested:
             raise ValueError(
                 f"pipeline_microbatches={requested} does not divide the {examples} examples a "
-                "pipelined stack receives (the batch, or one microbatch of it)"
+                "pipelined stack receives (the batch, or one microbatch of it, on each data "
+                "device)"
             )
         return requested
     return max(m for m in range(1, min(examples, 4 * stages) + 1) if examples % m == 0)
@@ -171,10 +154,13 @@ def run(
     """
     stages = pipeline.stages
     examples = x.shape[0]
-    count = microbatch_count(examples, stages, pipeline.microbatches)
+    # Over a data axis of D devices microbatch i takes the i-th slice of each device's examples
+    # (as the microbatches technique takes them), so no example moves between data devices.
+    shards = sharding_lib.shards_in_batch(pipeline.mesh)
+    count = microbatch_count(examples // shards, stages, pipeline.microbatches)
 
     def split(a):
-        return a.reshape((count, examples // count) + a.shape[1:])
+        return microbatch_lib.split_batch(a, count, shards)
 
     def batched(a) -> bool:
         return getattr(a, "ndim", 0) >= 1 and a.shape[0] == examples
@@ -215,11 +201,14 @@ def run(
         mesh=pipeline.mesh,
         in_specs=(stage_spec, stage_spec, PartitionSpec(), PartitionSpec()),
         out_specs=(PartitionSpec(), stage_spec),
+        axis_names={STAGE},  # a data axis stays XLA's to partition
         # Without the checks of what varies over the stages, any block's code runs as it is
         # (a loop whose carry starts as a constant would need casting); the transpose then
         # sums the replicated inputs' cotangents over the stages, and shares the output's.
         check_vma=False,
     )(blocks, state, xs, context)
+    b = examples // (count * shards)  # [M, D b] back to [B]: device d's examples contiguous
+    outs = outs.reshape((count, shards, b) + x.shape[1:]).swapaxes(0, 1)
     return outs.reshape(x.shape), state
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax import precision as precision_lib
 from lowmem_jax import scanned_blocks
+from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.base import Optimizer, PyTree, as_optimizer
 from lowmem_jax.remat import ModuleT
 from lowmem_jax.techniques import TECHNIQUES
@@ -159,23 +160,24 @@ class _PlanMethods:
         return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
     def mesh(self) -> jax.sharding.Mesh | None:
-        """The device mesh the step's layouts refer to, from the first registered technique
-        that gives one (``shard``'s data-parallel mesh over ``devices``); ``None``: one
-        device and no layout."""
-        for technique in TECHNIQUES:
-            if technique.mesh is not None and (mesh := technique.mesh(self)) is not None:
-                return mesh
-        return None
+        """The device mesh the step's layouts refer to: one axis per registered technique that
+        lays the step out along one (``shard``'s ``"data"``, ``pipeline``'s ``"stage"``);
+        ``None``: one device and no layout."""
+        axes = [a for t in TECHNIQUES if t.mesh_axis is not None and (a := t.mesh_axis(self))]
+        return sharding_lib.device_mesh(dict(axes)) if axes else None
 
     def state_shardings(self, state: Any) -> Any:
-        """Where the train state's leaves live (a tree of shardings matching ``state``), from
-        the first registered technique that lays it out; ``None``: as placed by default."""
-        for technique in TECHNIQUES:
-            if technique.state_shardings is not None:
-                shardings = technique.state_shardings(state, self)
-                if shardings is not None:
-                    return shardings
-        return None
+        """Where the train state's leaves live over :meth:`mesh` (a tree of shardings matching
+        ``state``): the registered techniques' layouts merged per leaf
+        (:func:`lowmem_jax.sharding.merge_shardings`); ``None``: as placed by default."""
+        layouts = [
+            layout for technique in TECHNIQUES
+            if technique.state_shardings is not None
+            and (layout := technique.state_shardings(state, self)) is not None
+        ]  # fmt: skip
+        if len(layouts) < 2:
+            return layouts[0] if layouts else None
+        return sharding_lib.merge_shardings(state, layouts, self.mesh())
 
     def on_one_device(self) -> Plan:
         """The plan with every setting that needs several devices off (for a comparison): this

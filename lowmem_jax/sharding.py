@@ -50,12 +50,15 @@ __all__ = [
     "Stage",
     "stage",
     "data_mesh",
+    "device_mesh",
     "leaf_spec",
     "tree_specs",
     "batch_spec",
     "data_devices",
     "shards_in_batch",
     "named",
+    "merge_shardings",
+    "left_open",
     "constrain",
     "replicate",
     "to_memory",
@@ -132,15 +135,34 @@ def data_mesh(devices: int = 0) -> Mesh:
     Raises:
       ValueError: more devices than JAX sees, naming how to get more on CPU.
     """
+    return device_mesh({AXIS: devices})
+
+
+def device_mesh(axes: dict[str, int]) -> Mesh:
+    """A mesh with the named ``axes`` (``"data"`` first, one device wide where ``axes`` has
+    none, the others in the order given) over the first visible devices; a size of ``0``
+    takes every visible device the other axes leave (at most one axis may).
+
+    Raises:
+      ValueError: more devices than JAX sees, naming how to get more on CPU.
+    """
     visible = jax.devices()
-    count = len(visible) if devices == 0 else devices
+    axes = {AXIS: 1, **axes}
+    fixed = math.prod(size for size in axes.values() if size)
+    sizes = {name: size or len(visible) // fixed for name, size in axes.items()}
+    count = math.prod(sizes.values())
+    names = sorted(sizes, key=lambda name: name != AXIS)
     if count < 1 or count > len(visible):
+        needs = ", ".join(f"{name}={axes[name]}" for name in names)
+        what = (f"devices={axes[AXIS]}" if len(axes) == 1
+                else f"the mesh ({needs}) needs {max(count, fixed)} devices")  # fmt: skip
         raise ValueError(
-            f"devices={devices}: JAX sees {len(visible)} {jax.default_backend()} device(s); "
-            "on CPU, `lowmem ... --devices N` (or lowmem_jax.sharding.set_cpu_devices(N) before "
-            "JAX starts) gives N host devices"
+            f"{what}: JAX sees {len(visible)} {jax.default_backend()} device(s); on CPU, "
+            "`lowmem ... --devices N` (or lowmem_jax.sharding.set_cpu_devices(N) before JAX "
+            "starts) gives N host devices"
         )
-    return Mesh(np.asarray(visible[:count]), (AXIS,))
+    grid = np.asarray(visible[:count]).reshape([sizes[name] for name in names])
+    return Mesh(grid, tuple(names))
 
 
 def leaf_spec(shape: tuple[int, ...], num_shards: int, axis_name: str = AXIS) -> PartitionSpec:
@@ -205,6 +227,37 @@ def constrain(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
     """``jax.lax.with_sharding_constraint`` of every leaf of ``tree`` to its spec (inside a
     jitted function: XLA lays the value out so, communicating where it must)."""
     return jax.lax.with_sharding_constraint(tree, named(mesh, specs))
+
+
+def merge_shardings(state: PyTree, layouts: list[PyTree], mesh: Mesh) -> PyTree:
+    """One ``NamedSharding`` per leaf of ``state`` (arrays or shapes) from several trees of
+    them over ``mesh`` (one per technique that lays the state out, in order): each dimension
+    split over every axis the layouts split it over (the earlier layout's axis major) where
+    the dimension divides by their product, else over the earlier layouts' axes alone; the
+    first memory kind a layout names."""
+
+    def merged(leaf, *shardings):
+        dims: list[list[str]] = [[] for _ in leaf.shape]
+        for sharding in shardings:
+            for dim, entry in enumerate(sharding.spec):
+                names = [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n]
+                split = math.prod(mesh.shape[n] for n in dims[dim] + names)
+                if names and leaf.shape[dim] % split == 0:
+                    dims[dim] += names
+        while dims and not dims[-1]:
+            dims.pop()
+        spec = PartitionSpec(*(tuple(d) if len(d) > 1 else (d[0] if d else None) for d in dims))
+        kind = next((s.memory_kind for s in shardings if s.memory_kind), None)
+        return NamedSharding(mesh, spec, memory_kind=kind)
+
+    return jax.tree.map(merged, state, *layouts)
+
+
+def left_open(spec: PartitionSpec, ndim: int) -> PartitionSpec:
+    """``spec`` with every dimension it leaves whole ``UNCONSTRAINED`` (left to XLA, e.g. to
+    another mesh axis's split) for a value of ``ndim`` dimensions."""
+    dims = tuple(spec) + (None,) * (ndim - len(spec))
+    return PartitionSpec(*(PartitionSpec.UNCONSTRAINED if d is None else d for d in dims))
 
 
 def replicate(tree: PyTree, mesh: Mesh) -> PyTree:

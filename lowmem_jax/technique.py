@@ -296,10 +296,12 @@ class Technique:
       wrap_step: ``step(state, batch) -> (state, metrics)``, traced inside ``jit`` (e.g. the
         state's layout over a mesh on the way in and out).
       compiler_options: XLA options the jitted step needs.
-      mesh: ``mesh(plan) -> Mesh | None``: the device mesh the step's layouts refer to
-        (:meth:`Plan.mesh`: the first technique that gives one).
+      mesh_axis: ``mesh_axis(plan) -> (name, size) | None``: the axis of the device mesh the
+        technique lays the step out along (:meth:`Plan.mesh` is one mesh with every
+        technique's axis; a size of ``0``: the visible devices the other axes leave).
       state_shardings: ``state_shardings(state, plan) -> shardings | None``: where the train
-        state's leaves live (arrays or shapes in, a matching tree of shardings out).
+        state's leaves live over :meth:`Plan.mesh` (arrays or shapes in, a matching tree of
+        shardings out; :meth:`Plan.state_shardings` merges the techniques' per leaf).
       one_device: ``one_device(plan) -> {field: value}``: the settings that put the plan's
         step on one device, for a comparison (``{}`` where it runs on one).
       took_effect: ``took_effect(evidence, plan) -> Verdict | None``: whether the setting
@@ -332,7 +334,7 @@ class Technique:
     wrap_grad_fn: Callable[[Callable, Any], Callable] | None = None
     wrap_step: Callable[[Callable, Any], Callable] | None = None
     compiler_options: Callable[[Any], dict[str, str]] | None = None
-    mesh: Callable[[Any], Any] | None = None
+    mesh_axis: Callable[[Any], tuple[str, int] | None] | None = None
     state_shardings: Callable[[Any, Any], Any] | None = None
     one_device: Callable[[Any], dict[str, Any]] | None = None
     took_effect: Callable[[Evidence, Any], Verdict | None] | None = None

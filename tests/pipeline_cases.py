@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from test_technique import _settings
 
 import lowmem_jax as lm
-from lowmem_jax import cli
+from lowmem_jax import cli, sharding
 from lowmem_jax import pipeline as pipeline_lib
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.techniques import TECHNIQUES
@@ -121,7 +121,8 @@ def _stack_gradients(stages, microbatches, variables, x, block=_Block):
     """The loss's gradient and the new running averages of a stack of 4 blocks pipelined over
     ``stages`` (``1``: the microbatches one after another on one device)."""
     stack = lm.ScannedBlocks(block, 4)
-    settings = pipeline_lib.Pipeline(stages, microbatches, pipeline_lib.pipeline_mesh(stages))
+    mesh = sharding.device_mesh({"data": 1, pipeline_lib.STAGE: stages})
+    settings = pipeline_lib.Pipeline(stages, microbatches, mesh)
 
     def loss(params):
         with pipeline_lib.pipelining(settings) as trace:
@@ -175,14 +176,50 @@ def test_a_pipeline_that_cannot_apply_is_refused_in_one_line():
                  lm.Plan(pipeline=2, pipeline_microbatches=3)).analyze()  # fmt: skip
     with pytest.raises(ValueError, match=r"pipeline=16 needs 16 devices; JAX sees 8"):
         lm.Plan(pipeline=16).mesh()
+    with pytest.raises(ValueError, match=r"the mesh \(data=4, stage=4\) needs 16 devices: "
+                       "JAX sees 8"):  # fmt: skip
+        lm.Plan(pipeline=4, shard="dp", devices=4).mesh()
 
 
-def test_the_command_line_refuses_a_pipeline_with_data_parallelism_in_one_line(capsys):
+def test_the_command_line_refuses_a_pipeline_with_zero3_in_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["analyze", "--pipeline", "2", "--shard", "dp"])
+        cli.main(["analyze", "--pipeline", "2", "--shard", "zero3"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(lines) == 1
-    assert "pipeline=2 runs with shard='none' only (got 'dp')" in lines[0]
+    assert (
+        "pipeline=2 runs with shard in ['none', 'dp', 'zero1', 'zero2'] only (got 'zero3')"
+        in (lines[0])
+    )
+
+
+@pytest.mark.parametrize("model, shard", [("dynamicconv", "zero2"), ("wrn", "zero1")])
+def test_stages_beside_data_parallelism_equal_the_one_device_step(model, shard):
+    """A (data 2, stage 2) mesh: each data device pipelines its half of the batch over its
+    two stages. The stacked leaves split over both axes where ZeRO partitions them (the
+    stages along the blocks, the data devices along another axis), over the stages alone
+    where it does not (the parameters). WRN-22-1 with one microbatch: BatchNorm's
+    statistics over the whole batch, as on one device."""
+    if model == "wrn":
+        work, microbatches = lm.workload("wrn-22-1", 8, image_size=8), 1
+        stack = ("group2_rest", "stack")
+    else:
+        work, microbatches = lm.workload("dynamicconv-small", 8, seq_len=6, **TRANSLATION), 0
+        stack = ("encoder_k3_0", "stack")
+    plan = lm.Plan(pipeline=2, pipeline_microbatches=microbatches, shard=shard, devices=2)
+    state, setup = _compare(work, plan)
+    stage, data = pipeline_lib.STAGE, "data"
+    assert setup.plan.mesh().shape == {data: 2, stage: 2}
+    kernels = [leaf for leaf in jax.tree.leaves(state.params[stack[0]][stack[1]])
+               if leaf.ndim >= 3]  # fmt: skip
+    assert kernels and all(k.sharding.spec[0] == stage for k in kernels)
+    assert all(data not in k.sharding.spec for k in kernels)  # parameters: whole over "data"
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state)
+               if leaf.shape in {k.shape for k in kernels}]  # fmt: skip
+    assert moments and all(m.sharding.spec[0] == stage for m in moments)
+    assert all((data in m.sharding.spec[1:]) == (shard != "dp") for m in moments)
+    found = {v.technique: v for v in setup.verdicts()}
+    assert found["pipeline"].took_effect and found["shard"].took_effect
+    assert "on each of 2 data-parallel devices" in found["pipeline"].evidence
 
 
 def test_lowmem_analyze_gives_the_per_device_bytes_of_the_stages(capsys):

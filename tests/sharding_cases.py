@@ -409,8 +409,9 @@ def test_a_checkpoint_saved_on_8_devices_restores_on_fewer(tmp_path, restore_on)
 
 
 def test_two_processes_over_localhost_match_one_process(tmp_path):
-    """jax.distributed over localhost with CPU collectives: each process feeds its half of
-    every batch; the zero3 parameters after 3 steps equal one process's."""
+    """jax.distributed over localhost with CPU collectives, one device per process: zero3
+    (each process feeds its half of every batch) and a pipeline of two stages (a process
+    each, its block of the stack); the parameters after 3 steps equal one process's."""
     import os
     import socket
     import subprocess
@@ -426,7 +427,7 @@ def test_two_processes_over_localhost_match_one_process(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     procs = [
         subprocess.Popen(
-            [sys.executable, worker, f"localhost:{port}", str(i), "2", "zero3", str(out)],
+            [sys.executable, worker, f"localhost:{port}", str(i), "2", str(out)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -444,7 +445,7 @@ def test_two_processes_over_localhost_match_one_process(tmp_path):
     for batch in dp_worker.batches():
         state, _ = step(state, batch)
     got = np.load(out)
-    want = {jax.tree_util.keystr(p): np.asarray(x)
+    want = {f"{name}/{jax.tree_util.keystr(p)}": np.asarray(x) for name in dp_worker.PLANS
             for p, x in jax.tree_util.tree_leaves_with_path(state.params)}  # fmt: skip
     assert sorted(got.files) == sorted(want)
     for k, v in want.items():

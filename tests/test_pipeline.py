@@ -33,8 +33,15 @@ def test_bad_pipeline_settings_are_refused_naming_the_field():
         lm.Plan(pipeline=2, pipeline_microbatches=-1)
     with pytest.raises(ValueError, match=r"Unknown pipeline_rest='x'; allowed values"):
         lm.Plan(pipeline=2, pipeline_rest="x")
-    with pytest.raises(ValueError, match="pipeline=2 runs with shard='none' only"):
-        lm.Plan(pipeline=2, shard="zero1")
+    only = r"pipeline=2 runs with {} in \[{}\] only \(got {!r}\)"
+    for field, allowed, value in (
+        ("shard", "'none', 'dp', 'zero1', 'zero2'", "zero3"),
+        ("grad_compression", "'none'", "int8"),
+        ("optimizer_memory", "'device'", "pinned_host"),
+    ):
+        shard = "dp" if field == "grad_compression" else ("none" if field != "shard" else value)
+        with pytest.raises(ValueError, match=only.format(field, allowed, value)):
+            lm.Plan(pipeline=2, **{"shard": shard, field: value})
     with pytest.raises(ValueError, match="pipeline_microbatches=3 does not divide the 8"):
         pipeline_lib.microbatch_count(8, 2, 3)
     with pytest.raises(ValueError, match="pipeline=2 needs 2 devices; JAX sees 1"):
@@ -68,6 +75,12 @@ def test_the_committed_table_is_its_json_and_the_docs_quote_it():
     )
     assert quoted in docs, quoted
     assert f"at 4 stages {mib['iwslt:4:partition']} MiB of arguments per device" in docs
+    # A data axis beside the stages: less per device than the stages alone.
+    for model, stages in (("wrn-28-2", 3), ("iwslt", 4)):
+        both = rows[f"{model}:{stages}:partition:zero2x2"]
+        assert both["argument_bytes"] < rows[f"{model}:{stages}:partition"]["argument_bytes"]
+        ratio = both["argument_bytes"] / both["one_device_argument_bytes"]
+        assert f"{both['argument_bytes'] / 2**20:.2f} MiB of arguments ({ratio:.3f}x" in docs
     assert (f"WRN-28-2 at 3 stages {one['wrn-28-2:3']} -> {mib['wrn-28-2:3']} MiB of arguments "
             "per device") in readme  # fmt: skip
     iwslt_one = f"{iwslt['one_device_argument_bytes'] / 2**20:.1f}"

@@ -1,11 +1,14 @@
 """Pipeline parallelism (:mod:`lowmem_jax.pipeline`): ``pipeline`` stages,
 ``pipeline_microbatches``.
 
-With ``plan.pipeline = S > 1`` the step is one SPMD program over ``S`` devices (a ``("data",
-"stage")`` mesh of shape ``(1, S)``): every scanned block stack whose length divides by ``S``
-keeps its blocks' parameters and optimizer state split over the stages and runs as a GPipe
-pipeline; the rest of the model (and a stack that does not divide) is replicated, computed by
-every device on the whole batch.
+With ``plan.pipeline = S > 1`` the step is one SPMD program over a mesh with a ``"stage"``
+axis of ``S`` devices: every scanned block stack whose length divides by ``S`` keeps its
+blocks' parameters and optimizer state split over the stages and runs as a GPipe pipeline;
+the rest of the model (and a stack that does not divide) is replicated over the stages,
+computed by each on the whole batch. With ``shard`` ``dp``, ``zero1`` or ``zero2`` beside it the
+mesh has a ``"data"`` axis too (``devices`` of them, each with ``S`` stages): each data device
+runs the pipeline on its share of the batch, and the state's layouts over the two axes merge
+per leaf (:meth:`lowmem_jax.Plan.state_shardings`).
 """
 
 from __future__ import annotations
@@ -44,17 +47,35 @@ def _validate(plan) -> None:
                     "pipeline)"
                 )
         return
-    for field, off in (("shard", "none"), ("optimizer_memory", "device")):
-        if getattr(plan, field) != off:
+    for field, allowed in (
+        ("shard", ("none", "dp", "zero1", "zero2")),
+        ("grad_compression", ("none",)),
+        ("optimizer_memory", ("device",)),
+    ):
+        if getattr(plan, field) not in allowed:
             raise ValueError(
-                f"pipeline={plan.pipeline} runs with {field}={off!r} only (got "
-                f"{getattr(plan, field)!r}): stages over a two-axis mesh with data "
-                "parallelism are not built"
+                f"pipeline={plan.pipeline} runs with {field} in {list(allowed)} only (got "
+                f"{getattr(plan, field)!r})"
             )
 
 
+def _mesh_axis(plan):
+    """``("stage", S)``; refused where JAX sees fewer than ``S`` devices."""
+    if plan.pipeline == 1:
+        return None
+    visible = jax.devices()
+    if plan.pipeline > len(visible):
+        raise ValueError(
+            f"pipeline={plan.pipeline} needs {plan.pipeline} devices; JAX sees {len(visible)} "
+            f"{jax.default_backend()} device(s) (on CPU, `lowmem ... --pipeline "
+            f"{plan.pipeline}` asks for host devices, as does "
+            f"lowmem_jax.sharding.set_cpu_devices({plan.pipeline}) before JAX starts)"
+        )
+    return (pipeline_lib.STAGE, plan.pipeline)
+
+
 def _mesh(plan):
-    return pipeline_lib.pipeline_mesh(plan.pipeline) if plan.pipeline > 1 else None
+    return plan.mesh() if plan.pipeline > 1 else None
 
 
 def _split(path, leaf, stages: int) -> bool:
@@ -138,17 +159,16 @@ def _gathered(loss, plan):
 
 
 def _laid_out(step, plan):
-    """The state laid out over the stages on the way in and out."""
-    mesh = _mesh(plan)
-    if mesh is None:
+    """The state laid out over the mesh (every technique's layout, merged) on the way in and
+    out."""
+    if plan.pipeline == 1:
         return step
 
     @functools.wraps(step)
     def laid_out_step(state, batch):
-        specs = state_specs(state, plan)
-        state = sharding_lib.constrain(state, mesh, specs)
+        state = jax.lax.with_sharding_constraint(state, plan.state_shardings(state))
         new_state, metrics = step(state, batch)
-        return sharding_lib.constrain(new_state, mesh, specs), metrics
+        return jax.lax.with_sharding_constraint(new_state, plan.state_shardings(new_state)), metrics
 
     return laid_out_step
 
@@ -161,7 +181,8 @@ def _took_effect(evidence, plan):
         return None
     sends = sum(eqn.primitive.name == "ppermute" for eqn, _ in evidence.equations())
     examples = jax.tree.leaves(evidence.batch)[0].shape[0] // plan.microbatches
-    count = pipeline_lib.microbatch_count(examples, stages, plan.pipeline_microbatches)
+    data = sharding_lib.data_devices(plan.mesh())
+    count = pipeline_lib.microbatch_count(examples // data, stages, plan.pipeline_microbatches)
     specs = jax.tree.leaves(state_specs(evidence.state, plan).params,
                             is_leaf=lambda x: isinstance(x, PartitionSpec))  # fmt: skip
     leaves = jax.tree_util.tree_flatten_with_path(evidence.state.params)[0]
@@ -179,14 +200,18 @@ def _took_effect(evidence, plan):
         sends > 0 and split > 0,
         f"{split / total:.0%} of the parameters' bytes split over {stages} stages{rest} "
         f"({sends} ppermute per step); GPipe over {count} microbatch{'es' * (count != 1)} of "
-        f"{examples // count} examples, bubble {pipeline_lib.bubble_fraction(stages, count):.0%}",
+        f"{examples // (count * data)} example{'s' * (examples != count * data)}"
+        + (f" on each of {data} data-parallel devices" if data > 1 else "")
+        + f", bubble {pipeline_lib.bubble_fraction(stages, count):.0%}",
     )
 
 
 def _host_devices(args) -> None:
+    """``S`` host devices, times ``--devices`` (the data axis) with ``--shard``."""
     stages = getattr(args, "pipeline", 1)
     if isinstance(stages, int) and stages > 1:
-        sharding_lib.set_cpu_devices(stages)
+        data = getattr(args, "devices", 0) if getattr(args, "shard", "none") != "none" else 0
+        sharding_lib.set_cpu_devices(stages * max(data or 1, 1))
 
 
 TECHNIQUE = Technique(
@@ -241,7 +266,7 @@ TECHNIQUE = Technique(
     wrap_loss=_pipelined_loss,
     wrap_stored_loss=_gathered,
     wrap_step=_laid_out,
-    mesh=_mesh,
+    mesh_axis=_mesh_axis,
     state_shardings=_state_shardings,
     one_device=lambda plan: (
         {"pipeline": 1, "pipeline_microbatches": 0, "pipeline_rest": "replicate"}

@@ -111,20 +111,26 @@ def state_shardings(state: Any, plan: Any) -> Any:
     mesh = _mesh(plan)
     if mesh is None:
         return None
-    specs = state_specs(state, plan, mesh.size)
+    specs = state_specs(state, plan, sharding_lib.data_devices(mesh))
     return sharding_lib.named(mesh, specs).replace(
         opt_state=sharding_lib.named(mesh, specs.opt_state, plan.optimizer_memory)
     )
 
 
-def _mesh(plan):
-    """``shard``'s data-parallel mesh over ``devices``; with ``shard="none"``, one device when
-    ``optimizer_memory`` needs a sharding to name its memory, else ``None``."""
+def _mesh_axis(plan):
+    """``("data", devices)`` (``0``: the visible devices the mesh's other axes leave); with
+    ``shard="none"``, one device when ``optimizer_memory`` needs a sharding to name its
+    memory."""
     if plan.shard != "none":
-        return sharding_lib.data_mesh(plan.devices)
+        return (sharding_lib.AXIS, plan.devices)
     if plan.optimizer_memory != "device":
-        return sharding_lib.data_mesh(1)
+        return (sharding_lib.AXIS, 1)
     return None
+
+
+def _mesh(plan):
+    """The plan's mesh where ``shard`` lays the step out (:func:`_mesh_axis`), else ``None``."""
+    return plan.mesh() if _mesh_axis(plan) is not None else None
 
 
 def _one_device(plan):
@@ -161,7 +167,7 @@ def _gathered(loss, plan):
     def loss_of_gathered(p, *args):
         specs = jax.tree_util.tree_map_with_path(
             lambda path, spec: spec if _in_stack(path) else PartitionSpec(),
-            sharding_lib.tree_specs(p, mesh.size),
+            sharding_lib.tree_specs(p, sharding_lib.data_devices(mesh)),
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
         return loss(sharding_lib.constrain(p, mesh, specs), *args)
@@ -171,57 +177,31 @@ def _gathered(loss, plan):
 
 def _partitioned_grads(grad_fn, plan):
     """From ``zero2`` on, the gradients laid out as the optimizer state (reduce-scattered);
-    with ``grad_compression``, each device's own (:func:`_per_device`)."""
+    with ``grad_compression``, each device's own
+    (:func:`lowmem_jax.grad_compression.per_device_gradients`)."""
     mesh = _mesh(plan)
     if mesh is None:
         return grad_fn
     if plan.grad_compression != "none":
-        return _per_device(grad_fn, mesh)
+        return compression_lib.per_device_gradients(grad_fn, mesh, sharding_lib.AXIS)
     partition = sharding_lib.stage(plan.shard).gradients
+    others = len(mesh.axis_names) > 1
 
     def partitioned(*args):
         grads, model_state, metrics = grad_fn(*args)
-        specs = sharding_lib.tree_specs(grads, mesh.size, partition)
+        specs = sharding_lib.tree_specs(grads, sharding_lib.data_devices(mesh), partition)
+        if others:  # the dimensions "data" does not split are the other axes' (a pipeline's)
+            specs = jax.tree.map(
+                lambda g, spec: sharding_lib.left_open(spec, g.ndim), grads, specs,
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )  # fmt: skip
         return sharding_lib.constrain(grads, mesh, specs), model_state, metrics
 
     return partitioned
 
 
-def _per_device(grad_fn, mesh):
-    """``grad_fn`` on each device's examples alone: the gradients stacked, ``[N, *shape]``
-    (row ``d`` device ``d``'s, laid out over the mesh: nothing is reduced); the float model
-    state and metrics averaged over the devices; ``rng`` folded with the device's index."""
-    axis = sharding_lib.AXIS
-
-    def device_mean(tree):
-        def mean(x):
-            return jax.lax.pmean(x, axis) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-
-        return jax.tree.map(mean, tree)
-
-    def local(params, model_state, batch, rng):
-        if rng is not None:
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        grads, model_state, metrics = grad_fn(params, model_state, batch, rng)
-        stacked = jax.tree.map(lambda g: g[None], grads)
-        return stacked, device_mean(model_state), device_mean(metrics)
-
-    def per_device(params, model_state, batch, rng):
-        return jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(axis), PartitionSpec()),
-            out_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
-            # no implicit reduction of the gradient (with check_vma, differentiating w.r.t.
-            # the replicated params would psum it); the averaged outputs agree by pmean
-            check_vma=False,
-        )(params, model_state, batch, rng)
-
-    return per_device
-
-
 def _compressed(tx, plan, params):
-    """The optimizer outermost, reducing each device's gradient (:func:`_per_device`) in
+    """The optimizer outermost, reducing each device's gradient in
     ``plan.grad_compression``."""
     if plan.grad_compression == "none":
         return tx
@@ -255,7 +235,8 @@ def _laid_out(step, plan):
 
     @functools.wraps(step)  # the program keeps the step's name
     def laid_out_step(state, batch):
-        specs = state_specs(state, plan, mesh.size)
+        # every technique's layout over the mesh, merged (a pipeline's stages beside "data")
+        specs = jax.tree.map(lambda s: s.spec, plan.state_shardings(state))
         if offload:  # the update runs on the device: the state comes in from host memory
             opt_state = sharding_lib.to_memory(state.opt_state, mesh, specs.opt_state, "device")
             state = state.replace(opt_state=opt_state)
@@ -283,14 +264,15 @@ def _took_effect(evidence, plan):
     if plan.shard != "none":
         partitioned = sharding_lib.stage(plan.shard).optimizer_state
         state = evidence.state.opt_state
-        share = sharding_lib.partitioned_fraction(state, mesh.size) if partitioned else 0.0
+        data = sharding_lib.data_devices(mesh)
+        share = sharding_lib.partitioned_fraction(state, data) if partitioned else 0.0
         parts.append(
-            f"{plan.shard} over {mesh.size} devices: {share:.0%} of the optimizer state's "
+            f"{plan.shard} over {data} devices: {share:.0%} of the optimizer state's "
             "bytes partitioned"
         )
     if plan.optimizer_memory != "device":
         parts.append(f"the optimizer state in {plan.optimizer_memory} memory between steps")
-    took = mesh.size > 1 or plan.optimizer_memory != "device"
+    took = sharding_lib.data_devices(mesh) > 1 or plan.optimizer_memory != "device"
     if plan.grad_compression == "int8":
         sent = [
             eqn for eqn, _ in evidence.equations()
@@ -335,8 +317,10 @@ TECHNIQUE = Technique(
             "devices",
             int,
             0,
-            "the mesh's device count for ``shard`` (``0``: every device JAX sees).",
-            help="devices in the mesh for --shard (0: all visible)",
+            "the devices of the mesh's ``data`` axis for ``shard`` (``0``: every device JAX "
+            "sees, divided by the other axes': a pipeline's stages).",
+            help="devices of the data-parallel axis for --shard (0: all visible, divided by "
+            "--pipeline's stages)",
         ),
         PlanField(
             "optimizer_memory",
@@ -391,7 +375,7 @@ TECHNIQUE = Technique(
     wrap_grad_fn=_partitioned_grads,
     wrap_optimizer=_compressed,
     wrap_step=_laid_out,
-    mesh=_mesh,
+    mesh_axis=_mesh_axis,
     state_shardings=state_shardings,
     one_device=_one_device,
     took_effect=_took_effect,
