@@ -28,10 +28,12 @@ CONFIGS = {
     "wrn-28-2:3:partition": ("wrn-28-2", 128, 3, "partition", "none", "none", 1),
     "wrn-28-2:3:remat": ("wrn-28-2", 128, 3, "replicate", "full", "none", 1),
     "wrn-28-2:3:partition:zero2x2": ("wrn-28-2", 128, 3, "partition", "none", "zero2", 2),
+    "wrn-28-2:3:partition:zero3x2": ("wrn-28-2", 128, 3, "partition", "none", "zero3", 2),
     "iwslt:2": ("dynamicconv-iwslt", 32, 2, "replicate", "none", "none", 1),
     "iwslt:4": ("dynamicconv-iwslt", 32, 4, "replicate", "none", "none", 1),
     "iwslt:4:partition": ("dynamicconv-iwslt", 32, 4, "partition", "none", "none", 1),
     "iwslt:4:partition:zero2x2": ("dynamicconv-iwslt", 32, 4, "partition", "none", "zero2", 2),
+    "iwslt:4:partition:zero3x2": ("dynamicconv-iwslt", 32, 4, "partition", "none", "zero3", 2),
 }
 
 

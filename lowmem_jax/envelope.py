@@ -11,6 +11,9 @@ envelope  precisions                    microbatch >= activations  sparsity  opt
 report    fp32, mixed_fp16, mixed_bf16  8 examples    none         <= 70%    auto..int8 no
 any       all five                      1 example     all formats  < 100%    auto..int4 yes
 ========  ============================  ============  ===========  ========  =========  =========
+
+(The microbatch limit holds for a pipeline's microbatches too, whose BatchNorm statistics are
+per microbatch as well.)
 """
 
 from __future__ import annotations

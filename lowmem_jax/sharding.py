@@ -263,8 +263,12 @@ def left_open(spec: PartitionSpec, ndim: int) -> PartitionSpec:
 def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
     """``tree`` whole on every device of ``mesh`` (:func:`constrain` to ``P()``): inside a
     jitted function, XLA all-gathers what is partitioned, and the transpose reduce-scatters
-    the gradient."""
-    return constrain(tree, mesh, jax.tree.map(lambda _: PartitionSpec(), tree))
+    the gradient. Inside a ``shard_map`` (a pipeline's stages), whole over the axes it leaves
+    to XLA."""
+    whole = jax.tree.map(lambda _: PartitionSpec(), tree)
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return jax.lax.with_sharding_constraint(tree, whole)  # against the map's own mesh
+    return constrain(tree, mesh, whole)
 
 
 def to_memory(tree: PyTree, mesh: Mesh, specs: PyTree, memory_kind: str) -> PyTree:

@@ -6,11 +6,12 @@ import json
 
 import pytest
 from conftest import BENCHMARKS, load_benchmark
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
 from lowmem_jax import pipeline as pipeline_lib
+from lowmem_jax.envelope import ENVELOPES
 
 
 @given(examples=st.integers(1, 512), stages=st.integers(2, 8))
@@ -35,17 +36,38 @@ def test_bad_pipeline_settings_are_refused_naming_the_field():
         lm.Plan(pipeline=2, pipeline_rest="x")
     only = r"pipeline=2 runs with {} in \[{}\] only \(got {!r}\)"
     for field, allowed, value in (
-        ("shard", "'none', 'dp', 'zero1', 'zero2'", "zero3"),
         ("grad_compression", "'none'", "int8"),
         ("optimizer_memory", "'device'", "pinned_host"),
     ):
-        shard = "dp" if field == "grad_compression" else ("none" if field != "shard" else value)
+        shard = "dp" if field == "grad_compression" else "none"
         with pytest.raises(ValueError, match=only.format(field, allowed, value)):
             lm.Plan(pipeline=2, **{"shard": shard, field: value})
     with pytest.raises(ValueError, match="pipeline_microbatches=3 does not divide the 8"):
         pipeline_lib.microbatch_count(8, 2, 3)
     with pytest.raises(ValueError, match="pipeline=2 needs 2 devices; JAX sees 1"):
         lm.Plan(pipeline=2).mesh()
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.sampled_from([8, 32, 96, 128]), stages=st.sampled_from([2, 3, 4]),
+       requested=st.sampled_from([0, 1, 2, 4, 8]), data=st.sampled_from([0, 1, 2]))  # fmt: skip
+def test_the_envelope_counts_the_examples_a_pipeline_microbatch_normalises(
+    batch, stages, requested, data
+):
+    """Inside the report's envelope iff each pipeline microbatch holds at least 8 examples
+    (BatchNorm's statistics, as microbatching's rule); the any envelope takes every one."""
+    fields = {"pipeline": stages, "pipeline_microbatches": requested}
+    if data:
+        fields.update(shard="dp", devices=data)
+    config = {"batch_size": batch, **lm.Plan(**fields).to_dict()}
+    if (batch // max(data, 1)) % max(requested, 1):
+        return  # the build refuses these microbatches
+    count = pipeline_lib.microbatch_count(batch // max(data, 1), stages, requested)
+    report, every = (ENVELOPES[name].why_outside(config) for name in ("report", "any"))
+    assert every is None
+    assert (report is None) == (count == 1 or batch // count >= 8), report
+    if report is not None:
+        assert report == f"pipeline microbatches of {batch // count} examples (< 8)"
 
 
 def test_the_committed_table_is_its_json_and_the_docs_quote_it():
@@ -77,15 +99,23 @@ def test_the_committed_table_is_its_json_and_the_docs_quote_it():
     assert f"at 4 stages {mib['iwslt:4:partition']} MiB of arguments per device" in docs
     # A data axis beside the stages: less per device than the stages alone.
     for model, stages in (("wrn-28-2", 3), ("iwslt", 4)):
-        both = rows[f"{model}:{stages}:partition:zero2x2"]
-        assert both["argument_bytes"] < rows[f"{model}:{stages}:partition"]["argument_bytes"]
-        ratio = both["argument_bytes"] / both["one_device_argument_bytes"]
-        assert f"{both['argument_bytes'] / 2**20:.2f} MiB of arguments ({ratio:.3f}x" in docs
+        alone = rows[f"{model}:{stages}:partition"]["argument_bytes"]
+        for shard in ("zero2", "zero3"):  # zero3 holds less again: the parameters partitioned
+            both = rows[f"{model}:{stages}:partition:{shard}x2"]
+            assert both["argument_bytes"] < alone
+            alone = both["argument_bytes"]
+            ratio = both["argument_bytes"] / both["one_device_argument_bytes"]
+            mib_both = f"{both['argument_bytes'] / 2**20:.2f}"
+            quoted = f"{mib_both} MiB of arguments under `{shard}` ({ratio:.3f}x"
+            assert quoted in docs, quoted
     assert (f"WRN-28-2 at 3 stages {one['wrn-28-2:3']} -> {mib['wrn-28-2:3']} MiB of arguments "
             "per device") in readme  # fmt: skip
     iwslt_one = f"{iwslt['one_device_argument_bytes'] / 2**20:.1f}"
     iwslt_mib = f"{iwslt['argument_bytes'] / 2**20:.1f}"
     assert f"the rest partitioned, {iwslt_one} -> {iwslt_mib} MiB" in readme
+    wrn3, iwslt3 = (f"{rows[k]['argument_bytes'] / 2**20:.2f}" for k in (
+        "wrn-28-2:3:partition:zero3x2", "iwslt:4:partition:zero3x2"))  # fmt: skip
+    assert f"2 data devices under zero3: {wrn3} and {iwslt3} MiB" in readme
 
 
 def test_the_benchmark_refuses_an_unknown_config_in_one_line(capsys):

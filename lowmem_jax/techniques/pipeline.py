@@ -5,10 +5,11 @@ With ``plan.pipeline = S > 1`` the step is one SPMD program over a mesh with a `
 axis of ``S`` devices: every scanned block stack whose length divides by ``S`` keeps its
 blocks' parameters and optimizer state split over the stages and runs as a GPipe pipeline;
 the rest of the model (and a stack that does not divide) is replicated over the stages,
-computed by each on the whole batch. With ``shard`` ``dp``, ``zero1`` or ``zero2`` beside it the
+computed by each on the whole batch. With ``shard`` (any ZeRO stage) beside it the
 mesh has a ``"data"`` axis too (``devices`` of them, each with ``S`` stages): each data device
 runs the pipeline on its share of the batch, and the state's layouts over the two axes merge
-per leaf (:meth:`lowmem_jax.Plan.state_shardings`).
+per leaf (:meth:`lowmem_jax.Plan.state_shardings`); ``zero3`` gathers each block's parameters
+inside its stage, over the data devices.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec
 from lowmem_jax import pipeline as pipeline_lib
 from lowmem_jax import scanned_blocks
 from lowmem_jax import sharding as sharding_lib
-from lowmem_jax.technique import PlanField, Technique, Verdict
+from lowmem_jax.technique import EnvelopeRule, PlanField, Technique, Verdict
 
 __all__ = ["TECHNIQUE", "state_specs"]
 
@@ -48,7 +49,6 @@ def _validate(plan) -> None:
                 )
         return
     for field, allowed in (
-        ("shard", ("none", "dp", "zero1", "zero2")),
         ("grad_compression", ("none",)),
         ("optimizer_memory", ("device",)),
     ):
@@ -206,6 +206,24 @@ def _took_effect(evidence, plan):
     )
 
 
+def _outside(config, limit):
+    """BatchNorm inside a pipelined stack normalises each pipeline microbatch (over every data
+    device's share of it) as microbatching's does: fewer than ``limit`` examples is outside.
+    With ``devices=0`` beside ``shard`` the data devices are not known here: counted as one,
+    which gives the default count of microbatches its largest value (the conservative side)."""
+    stages = config.get("pipeline", 1)
+    if stages == 1:
+        return None
+    examples = config["batch_size"] // config.get("microbatches", 1)
+    data = max(config.get("devices", 0) if config.get("shard", "none") != "none" else 1, 1)
+    count = pipeline_lib.microbatch_count(
+        examples // data, stages, config.get("pipeline_microbatches", 0)
+    )
+    if count > 1 and examples // count < limit:
+        return f"pipeline microbatches of {examples // count} examples (< {limit})"
+    return None
+
+
 def _host_devices(args) -> None:
     """``S`` host devices, times ``--devices`` (the data axis) with ``--shard``."""
     stages = getattr(args, "pipeline", 1)
@@ -260,8 +278,13 @@ TECHNIQUE = Technique(
     validate=_validate,
     label=lambda plan: None if plan.pipeline == 1 else f"pipeline {plan.pipeline}",
     # The step's arithmetic, but BatchNorm inside a pipelined stack normalises per microbatch
-    # (as GPipe does); not searched, so no envelope limits it
-    envelope=None,
+    # (as GPipe does): microbatching's limit, applied to every model as that one is
+    envelope=EnvelopeRule(
+        "min_pipeline_microbatch_examples",
+        {"report": 8, "any": 1},
+        _outside,
+        lambda limit: f"pipeline microbatches of at least {limit} examples" if limit > 1 else "",
+    ),
     axis=None,  # not searched: the planner plans one device
     wrap_loss=_pipelined_loss,
     wrap_stored_loss=_gathered,

@@ -164,11 +164,16 @@ def _gathered(loss, plan):
         return loss
     mesh = _mesh(plan)
 
+    others = len(mesh.axis_names) > 1
+
+    def stacked(leaf, spec):  # the dimensions "data" does not split: the other axes' (stages)
+        return sharding_lib.left_open(spec, leaf.ndim) if others else spec
+
     def loss_of_gathered(p, *args):
         specs = jax.tree_util.tree_map_with_path(
-            lambda path, spec: spec if _in_stack(path) else PartitionSpec(),
+            lambda path, leaf, spec: stacked(leaf, spec) if _in_stack(path) else PartitionSpec(),
+            p,
             sharding_lib.tree_specs(p, sharding_lib.data_devices(mesh)),
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
         return loss(sharding_lib.constrain(p, mesh, specs), *args)
 
