@@ -1,4 +1,5 @@
-"""Low-bit optimizer state (:mod:`lowmem_jax.optimizer_state`): ``optimizer_state``."""
+"""Low-bit optimizer state (:mod:`lowmem_jax.optimizer_state`): ``optimizer_state``,
+``optimizer_state_rounding``."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,24 @@ from lowmem_jax import optimizer_state as optimizer_state_lib
 from lowmem_jax.quantization import Quantized, quantized_nbytes
 from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 from lowmem_jax.technique_report import rows_of
+
+#: How int8 / int4 codes are rounded: to the nearest (the papers' rule) or stochastically.
+ROUNDING = ("nearest", "stochastic")
+
+
+def _validate(plan) -> None:
+    optimizer_state_lib.check_format(plan.optimizer_state)
+    rounding = plan.optimizer_state_rounding
+    if rounding not in ROUNDING:
+        raise ValueError(
+            f"Unknown optimizer_state_rounding={rounding!r}; allowed values: {list(ROUNDING)}"
+        )
+    quantized = optimizer_state_lib.QUANTIZED_FORMATS
+    if rounding != "nearest" and plan.optimizer_state not in quantized:
+        raise ValueError(
+            f"optimizer_state_rounding={rounding!r} applies to optimizer_state in "
+            f"{list(quantized)} only (got {plan.optimizer_state!r})"
+        )
 
 
 def _outside(config, limit):
@@ -32,7 +51,10 @@ def _quantized_state(opt, plan, params):
     weights' slots then runs on the decoded float32 state)."""
     if plan.optimizer_state not in optimizer_state_lib.QUANTIZED_FORMATS:
         return opt
-    return optimizer_state_lib.quantized_state(opt, plan.optimizer_state)
+    stochastic = plan.optimizer_state_rounding == "stochastic"
+    return optimizer_state_lib.quantized_state(
+        opt, plan.optimizer_state, stochastic_rounding=stochastic
+    )
 
 
 def _schedule(evidence) -> str:
@@ -77,6 +99,7 @@ def _took_effect(evidence, plan):
     if fmt in optimizer_state_lib.QUANTIZED_FORMATS:
         stored = [x for x in arrays if isinstance(x, Quantized)]
         nbytes = sum(quantized_nbytes(x) for x in stored)
+        fmt += ", rounded stochastically" * (plan.optimizer_state_rounding == "stochastic")
         if len(stored) < len(arrays):
             rest = "; the others stay float32 (under 4,096 elements)"
     else:
@@ -116,8 +139,21 @@ TECHNIQUE = Technique(
             "fp32",
             choices=optimizer_state_lib.FORMATS,
         ),
+        PlanField(
+            "optimizer_state_rounding",
+            str,
+            "nearest",
+            "how ``int8`` / ``int4`` codes are rounded: ``nearest`` (the 8-bit and 4-bit "
+            "papers' rule) or ``stochastic`` (unbiased, a departure: with the second moment "
+            "factored, 4-bit Adam then fits the least-squares test as float32 Adam does).",
+            help="rounding of int8/int4 optimizer-state codes: nearest (the papers') or "
+            "stochastic (unbiased; 4-bit Adam converges as fp32 Adam with --second-moment "
+            "factored)",
+            choices=ROUNDING,
+            omit_default=True,
+        ),
     ),
-    validate=lambda plan: optimizer_state_lib.check_format(plan.optimizer_state),
+    validate=_validate,
     label=lambda plan: None if plan.optimizer_state == "auto" else f"state {plan.optimizer_state}",
     inner_optimizer=_float_state,
     wrap_optimizer=_quantized_state,
