@@ -12,6 +12,10 @@ initialise a state on a random batch of the workload's shapes, compile, run one 
   ``runtime``): every buffer the process held at once on the device, state and batch included;
   and, before the step ran, the bytes in use and the peak initialisation reached (a runtime
   peak no higher than that was set by initialising, not by the step);
+* with ``--configs offload``, the rows a single device measures that the report grid lacks:
+  the optimizer state kept in host memory between steps (``optimizer_memory="pinned_host"``,
+  ZeRO-Offload's placement; XLA:CPU has one memory, so only a GPU's runtime peak shows what
+  it saves), alone and with ``remat full``;
 * with ``--inspect``, XLA's buffers at the compiled step's peak by category (``lm.inspect``).
   The CPU backend keeps no such statistic; there the field is ``null`` and says so;
 * the measured step time (median of ``--repeats``), and each figure's ratio to ``plain``
@@ -31,6 +35,7 @@ Usage::
     python benchmarks/gpu_validate.py --out-dir benchmarks/results            # both models
     python benchmarks/gpu_validate.py --out-dir /tmp/v --models wrn-28-2 --configs plain,baseline
     python benchmarks/gpu_validate.py --out-dir /tmp/v --configs headline --jobs 8 --inspect
+    python benchmarks/gpu_validate.py --out-dir /tmp/v --configs offload
 
 Writes ``<out-dir>/validate_<backend>.{json,md,png}``; on a GPU, commit them as
 ``benchmarks/results/validate_gpu.*`` (the device is named inside).
@@ -68,6 +73,13 @@ _RESULT_MARK = "GPU_VALIDATE_RESULT "
 # The README headline's rows per benchmark, with their CPU step costs (experiments/headline_cost.py)
 STEP_COST = os.path.join(ROOT, "experiments", "results", "envelope_accuracy", "step_cost.json")
 HEADLINE = "headline"
+# Rows outside the report grid (plan fields each), measured with plain and baseline by
+# ``--configs offload``: where the optimizer state lives between steps.
+OFFLOAD = "offload"
+OFFLOAD_ROWS = {
+    "state in host memory": {"optimizer_memory": "pinned_host"},
+    "remat full + state in host memory": {"remat": "full", "optimizer_memory": "pinned_host"},
+}
 
 
 def headline_names(model: str, path: str = STEP_COST) -> list[str]:
@@ -94,14 +106,18 @@ def headline_names(model: str, path: str = STEP_COST) -> list[str]:
 
 
 def grid_names(model: str, batch_size: int) -> list[str]:
-    """``plain`` and the names of the standard report grid for ``model`` at ``batch_size``."""
+    """``plain``, the names of the standard report grid for ``model`` at ``batch_size``, then
+    :data:`OFFLOAD_ROWS`'."""
     return [PLAIN, *(name for name, _, _ in _grid(model, batch_size) if name != PLAIN)]
 
 
 def _grid(model: str, batch_size: int):
+    """(name, group, plan) of the report grid's rows and :data:`OFFLOAD_ROWS`."""
+    from lowmem_jax import Plan
     from lowmem_jax.report_grid import model_grid
 
-    return model_grid(model, batch_size)
+    extra = [(name, OFFLOAD, Plan(**fields)) for name, fields in OFFLOAD_ROWS.items()]
+    return [*model_grid(model, batch_size), *extra]
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -302,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"gpu_validate.py: error: --configs {HEADLINE}: {e}", file=sys.stderr)
             return 2
+        if args.configs == OFFLOAD:
+            headline = [PLAIN, "baseline", *OFFLOAD_ROWS]
         wanted = headline or [c for c in args.configs.split(",") if c] or names
         unknown = [c for c in wanted if c not in names]
         if unknown:

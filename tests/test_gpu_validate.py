@@ -111,6 +111,19 @@ def test_headline_configs_are_the_readme_headline_rows_of_each_model(gpu_validat
     assert readme_rows <= shown
 
 
+def test_the_offload_rows_keep_the_optimizer_state_in_host_memory(gpu_validate):
+    """``--configs offload``: rows outside the report grid, each a plan that keeps the
+    optimizer state in ``pinned_host`` memory between steps; one measured here as a worker
+    measures it (on a GPU its runtime peak shows what leaving the state on the host saves)."""
+    names = gpu_validate.grid_names("wrn-10-1", 4)
+    assert list(gpu_validate.OFFLOAD_ROWS) == names[-len(gpu_validate.OFFLOAD_ROWS):]
+    spec = {"model": "wrn-10-1", "batch_size": 4, "seq_len": 40, "image_size": 8,
+            "name": "state in host memory", "repeats": 1}  # fmt: skip
+    row = gpu_validate.measure(spec)
+    assert row["config"]["optimizer_memory"] == "pinned_host" and row["step_seconds"] > 0
+    assert row["loss"] > 0 and row["xla"]["total_bytes"] > 0
+
+
 def test_help_names_the_output():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--out-dir" in proc.stdout
