@@ -116,7 +116,7 @@ def test_the_offload_rows_keep_the_optimizer_state_in_host_memory(gpu_validate):
     optimizer state in ``pinned_host`` memory between steps; one measured here as a worker
     measures it (on a GPU its runtime peak shows what leaving the state on the host saves)."""
     names = gpu_validate.grid_names("wrn-10-1", 4)
-    assert list(gpu_validate.OFFLOAD_ROWS) == names[-len(gpu_validate.OFFLOAD_ROWS):]
+    assert list(gpu_validate.OFFLOAD_ROWS) == names[-len(gpu_validate.OFFLOAD_ROWS) :]
     spec = {"model": "wrn-10-1", "batch_size": 4, "seq_len": 40, "image_size": 8,
             "name": "state in host memory", "repeats": 1}  # fmt: skip
     row = gpu_validate.measure(spec)
