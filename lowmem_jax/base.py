@@ -99,6 +99,11 @@ class Optimizer:
     and :attr:`grads_wrt_stored`. The defaults store the parameters as they are.
     """
 
+    #: Whether :meth:`update` itself returns the old state where the step is skipped (a
+    #: non-finite gradient, update or new parameter), so the step does not select it (e.g. a
+    #: state the device never reads: :class:`lowmem_jax.host_update.HostUpdate`).
+    selects_state: bool = False
+
     def init(self, params: PyTree) -> PyTree:
         """optax ``init`` on the stored parameters."""
         raise NotImplementedError

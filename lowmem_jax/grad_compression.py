@@ -68,6 +68,7 @@ __all__ = [
     "topk_mean",
     "topk_count",
     "per_device_gradients",
+    "sent_as",
 ]
 
 #: ``none``: the float32 gradient all-reduced; the others: the module docstring.
@@ -365,3 +366,23 @@ def per_device_gradients(grad_fn: Any, mesh: Mesh, axis: str) -> Any:
         )(params, model_state, batch, rng)
 
     return per_device
+
+
+def sent_as(tx: CompressedGradients, equations: list[Any]) -> tuple[str, bool]:
+    """How a step with ``tx`` (its optimizer) reduces the gradient, in words, and whether it
+    compresses: int8 from the step's ``equations`` (its uint8 all-to-all), PowerSGD and top-k
+    from what ``tx`` sends (factored leaves; ``k`` of ``n`` entries)."""
+    if tx.method == "int8":
+        sent = [e for e in equations if e.primitive.name == "all_to_all"]
+        sent = [e for e in sent if e.invars[0].aval.dtype == jnp.uint8]
+        said = f"({len(sent)} uint8 all-to-all per step)"
+        return f"gradients reduced in int8 with error feedback {said}", bool(sent)
+    if tx.method == "powersgd":
+        return (
+            f"gradients reduced by PowerSGD with error feedback: {len(tx.factored)} of "
+            f"{len(tx.shapes)} leaves sent as rank-{tx.rank} factors, the rest whole",
+            len(tx.factored) > 0,
+        )
+    k, n = tx.k, sum(math.prod(s) for s in tx.shapes)
+    said = f"{k:,} of {n:,} entries sent per device"
+    return f"gradients reduced by top-k with error feedback: {said}", k < n

@@ -179,11 +179,16 @@ def make_train_step(
         # optimizer): what is applied is checked too, so nothing non-finite reaches the state.
         update_finite = loss_scale_lib.all_finite((updates, params))
         applied = grads_finite & update_finite
-        params, opt_state, model_state = loss_scale_lib.select_tree(
-            applied,
-            (params, opt_state, model_state),
-            (state.params, state.opt_state, state.model_state),
-        )
+        if opt.selects_state:  # the update chose its state by the same rule, where it lives
+            params, model_state = loss_scale_lib.select_tree(
+                applied, (params, model_state), (state.params, state.model_state)
+            )
+        else:
+            params, opt_state, model_state = loss_scale_lib.select_tree(
+                applied,
+                (params, opt_state, model_state),
+                (state.params, state.opt_state, state.model_state),
+            )
         skipped = state.skipped_steps + (~applied).astype(jnp.int32)
         streak = jnp.where(applied, 0, state.skip_streak + 1)
         new_state = state.replace(

@@ -52,11 +52,41 @@ def test_host_resident_optimizer_state_computes_what_the_device_one_does(optimiz
         assert_trees_close(g, w, rtol=0, atol=0)
 
 
+def test_an_update_on_the_host_computes_what_the_device_one_does_where_the_state_lives():
+    """optimizer_update="host" (ZeRO-Offload): the gradient goes to host memory and the update
+    runs there (the program marks it host compute); the same values as the device update, and
+    a step with a non-finite gradient keeps the state, decided on the host."""
+    batches = [classification_batch(16, seed=s) for s in range(3)]
+    batches[1] = {**batches[1], "image": batches[1]["image"].at[0, 0].set(np.nan)}  # skipped
+    tx = optax.adam(1e-2)
+    host = lm.Plan(optimizer_memory="pinned_host", optimizer_update="host")
+    got = _states(host, tx, batches, donate=True)
+    want = _states(lm.Plan(), tx, batches, donate=False)
+    for (opt_kinds, param_kinds, g), (_, _, w) in zip(got, want, strict=True):
+        assert opt_kinds == {"pinned_host"} and param_kinds == {"device"}
+        assert_trees_close(g.opt_state.inner_state, w.opt_state, rtol=0, atol=0)
+        assert_trees_close((g.params, g.model_state), (w.params, w.model_state), rtol=0, atol=0)
+    assert got[1][2].skipped_steps == 1
+    assert_trees_close(got[1][2].opt_state, got[0][2].opt_state, rtol=0, atol=0)  # kept
+    setup = workloads.build(workloads.workload("wrn-10-1", batch_size=8, image_size=8), host)
+    text = setup.step.lower(setup.abstract_state(), setup.abstract_batch()).as_text()
+    assert '_xla_compute_type = "host"' in text
+    (verdict,) = [v for v in setup.verdicts() if v.technique == "shard"]
+    assert verdict.took_effect and "its update computed there (1 host computation" in (
+        verdict.evidence
+    )
+
+
 def test_plan_names_the_memory_and_the_mesh_it_needs():
     with pytest.raises(ValueError, match=r"optimizer_memory='disk'; allowed values: \['device'"):
         lm.Plan(optimizer_memory="disk")
     assert lm.Plan().mesh() is None
     assert lm.Plan(optimizer_memory="pinned_host").mesh().size == 1  # a sharding names memory
+    with pytest.raises(ValueError, match=r"Unknown optimizer_update='gpu'; allowed values"):
+        lm.Plan(optimizer_update="gpu")
+    with pytest.raises(ValueError, match=r"optimizer_update='host' .* needs "
+                       r"optimizer_memory='pinned_host' .*\(got 'device', 'none'\)"):  # fmt: skip
+        lm.Plan(optimizer_update="host")
 
 
 def test_analyze_counts_the_host_resident_bytes_and_says_where_they_are(capsys):

@@ -1,40 +1,35 @@
 """ZeRO-style partitioning and offload (:mod:`lowmem_jax.sharding`): ``shard``, ``devices``,
-``optimizer_memory``; compressed gradient communication (:mod:`lowmem_jax.grad_compression`):
-``grad_compression``, ``powersgd_rank``, ``topk_fraction``.
+``optimizer_memory``, ``optimizer_update``; compressed gradient communication
+(:mod:`lowmem_jax.grad_compression`): ``grad_compression``, ``powersgd_rank``, ``topk_fraction``.
 
-With ``plan.shard`` set, the step is one SPMD program over ``plan.mesh()``: the batch is split
-over the devices, the state laid out by :func:`state_specs` on the way in and out, and from
-``zero2`` on the gradients are partitioned as the optimizer state is (XLA:CPU all-reduces them
-and slices; :mod:`lowmem_jax.collectives` counts what a step sends). With
-``plan.optimizer_memory="pinned_host"`` the optimizer state arrives in host memory, is moved to
-the device for the update, and the new state is moved back (its layout as above): the device
-holds it only during the update (ZeRO-Offload keeps it on the host and updates there; XLA
-cannot run the update on the host, so it is streamed instead).
+With ``plan.shard`` set, the step is one SPMD program over ``plan.mesh()``: the batch split over
+its ``data`` axis, the state laid out by :func:`state_specs` (merged with the other techniques'
+layouts) on the way in and out, from ``zero2`` on the gradients partitioned as the optimizer
+state. ``optimizer_memory="pinned_host"``: the optimizer state lives in host memory between
+steps, moved to the device for the update and back; with ``optimizer_update="host"`` it stays
+there and the update runs there (ZeRO-Offload's way, :mod:`lowmem_jax.host_update`).
 
-With ``plan.grad_compression`` ``int8``, ``powersgd`` or ``topk`` (``dp`` or ``zero1``) each device
-computes the gradient of its own examples inside a ``shard_map`` (the microbatch loop included,
-so nothing is communicated per microbatch), and the optimizer
+With ``grad_compression`` (``dp`` or ``zero1``) each device computes the gradient of its own
+examples inside a ``shard_map`` (the microbatch loop included) and the optimizer
 (:class:`~lowmem_jax.grad_compression.CompressedGradients`, outermost) reduces it compressed,
-with error feedback, once per step. As in PyTorch's DistributedDataParallel, BatchNorm then
-normalises with each device's own examples' statistics (the SPMD step's are over the whole
-batch); the running averages, the loss's metrics and any other float model state are averaged
-over the devices after the step, and dropout draws from ``fold_in(rng, device)``.
+with error feedback, once per step; BatchNorm then normalises with each device's examples (as
+PyTorch's DistributedDataParallel), the float model state and metrics averaged over the devices
+after the step, dropout drawn from ``fold_in(rng, device)``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from lowmem_jax import base, scanned_blocks, sharding_report
 from lowmem_jax import grad_compression as compression_lib
 from lowmem_jax import sharding as sharding_lib
+from lowmem_jax.host_update import HOST_UPDATE, HostUpdate
 from lowmem_jax.technique import PlanField, Technique, Verdict
 
 __all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
@@ -42,6 +37,8 @@ __all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
 
 # The stages whose gradient is reduced whole on every device (compressed: grad_compression).
 _COMPRESSIBLE = ("dp", "zero1")
+#: Where the optimizer's update runs (``host``: :mod:`lowmem_jax.host_update`).
+UPDATES = ("device", "host")
 
 
 def _validate(plan) -> None:
@@ -55,11 +52,15 @@ def _validate(plan) -> None:
             "runs on one device"
         )
     sharding_lib.check_memory_kind(plan.optimizer_memory, "optimizer_memory")
-    if plan.grad_compression not in compression_lib.FORMATS:
+    base.choose(dict.fromkeys(UPDATES), plan.optimizer_update, "optimizer_update")
+    host_update = (plan.optimizer_memory, plan.grad_compression) != ("pinned_host", "none")
+    if plan.optimizer_update == "host" and host_update:
         raise ValueError(
-            f"Unknown grad_compression={plan.grad_compression!r}; allowed values: "
-            f"{list(compression_lib.FORMATS)}"
+            "optimizer_update='host' runs the update where the state lives: it needs "
+            "optimizer_memory='pinned_host' and no grad_compression (got "
+            f"{plan.optimizer_memory!r}, {plan.grad_compression!r})"
         )
+    base.choose(dict.fromkeys(compression_lib.FORMATS), plan.grad_compression, "grad_compression")
     if plan.grad_compression != "none" and plan.shard not in _COMPRESSIBLE:
         raise ValueError(
             f"grad_compression={plan.grad_compression!r} needs shard=dp or zero1 (got "
@@ -207,7 +208,9 @@ def _partitioned_grads(grad_fn, plan):
 
 def _compressed(tx, plan, params):
     """The optimizer outermost, reducing each device's gradient in
-    ``plan.grad_compression``."""
+    ``plan.grad_compression``; or updating on the host (``optimizer_update="host"``)."""
+    if plan.optimizer_update == "host":
+        return HostUpdate(base.as_optimizer(tx))
     if plan.grad_compression == "none":
         return tx
     if params is None:
@@ -236,19 +239,26 @@ def _laid_out(step, plan):
     mesh = _mesh(plan)
     if mesh is None:
         return step
-    offload = plan.optimizer_memory != "device"
+    # The state comes in from host memory for an update on the device; updated on the host
+    # (host_update), it stays there, laid out with its memory kind.
+    offload = plan.optimizer_memory != "device" and plan.optimizer_update == "device"
+
+    def laid_out(state):
+        shardings = plan.state_shardings(state)  # every technique's layout over the mesh, merged
+        if plan.optimizer_update == "host":
+            return jax.lax.with_sharding_constraint(state, shardings)
+        return sharding_lib.constrain(state, mesh, jax.tree.map(lambda s: s.spec, shardings))
 
     @functools.wraps(step)  # the program keeps the step's name
     def laid_out_step(state, batch):
-        # every technique's layout over the mesh, merged (a pipeline's stages beside "data")
         specs = jax.tree.map(lambda s: s.spec, plan.state_shardings(state))
         if offload:  # the update runs on the device: the state comes in from host memory
             opt_state = sharding_lib.to_memory(state.opt_state, mesh, specs.opt_state, "device")
             state = state.replace(opt_state=opt_state)
-        state = sharding_lib.constrain(state, mesh, specs)
+        state = laid_out(state)
         batch = sharding_lib.constrain(batch, mesh, sharding_lib.batch_spec(batch))
         new_state, metrics = step(state, batch)
-        new_state = sharding_lib.constrain(new_state, mesh, specs)
+        new_state = laid_out(new_state)
         if offload:
             opt_state = sharding_lib.to_memory(
                 new_state.opt_state, mesh, specs.opt_state, plan.optimizer_memory
@@ -278,27 +288,14 @@ def _took_effect(evidence, plan):
     if plan.optimizer_memory != "device":
         parts.append(f"the optimizer state in {plan.optimizer_memory} memory between steps")
     took = sharding_lib.data_devices(mesh) > 1 or plan.optimizer_memory != "device"
-    if plan.grad_compression == "int8":
-        sent = [
-            eqn for eqn, _ in evidence.equations()
-            if eqn.primitive.name == "all_to_all" and eqn.invars[0].aval.dtype == jnp.uint8
-        ]  # fmt: skip
-        parts.append(f"gradients reduced in int8 with error feedback ({len(sent)} uint8 "
-                     "all-to-all per step)")  # fmt: skip
-        took = took and bool(sent)
-    elif plan.grad_compression == "powersgd":
-        factored = len(getattr(evidence.tx, "factored", ()))
-        parts.append(
-            f"gradients reduced by PowerSGD with error feedback: {factored} of "
-            f"{len(getattr(evidence.tx, 'shapes', ()))} leaves sent as rank-"
-            f"{plan.powersgd_rank} factors, the rest whole"
-        )
-        took = took and factored > 0
-    elif plan.grad_compression == "topk":
-        k, n = evidence.tx.k, sum(math.prod(s) for s in evidence.tx.shapes)
-        parts.append(f"gradients reduced by top-k with error feedback: {k:,} of {n:,} entries "
-                     "sent per device")  # fmt: skip
-        took = took and k < n
+    if plan.optimizer_update == "host":
+        on_host = [e for e, _ in evidence.equations() if e.params.get("name") == HOST_UPDATE]
+        parts.append(f"its update computed there ({len(on_host)} host computation per step)")
+        took = took and bool(on_host)
+    if plan.grad_compression != "none":  # what the compressed reduction sends
+        said, sends = compression_lib.sent_as(evidence.tx, [e for e, _ in evidence.equations()])
+        parts.append(said)
+        took = took and sends
     return Verdict("shard", took, "; ".join(parts) or "one device: nothing partitioned")
 
 
@@ -339,6 +336,18 @@ TECHNIQUE = Technique(
             "memory, moved to the device for the update and back, as ZeRO-Offload places it; "
             "XLA:CPU has one memory, so the device bytes it saves show on a GPU only)",
             choices=sharding_lib.MEMORY_KINDS,
+        ),
+        PlanField(
+            "optimizer_update",
+            str,
+            "device",
+            "where the optimizer's update runs: ``device``, or ``host`` (with "
+            "``optimizer_memory='pinned_host'``: computed next to the state in host memory, "
+            "ZeRO-Offload's way; :mod:`lowmem_jax.host_update`).",
+            help="where the optimizer update runs: device, or host (with --optimizer-memory "
+            "pinned_host: the state never leaves host memory, as in ZeRO-Offload)",
+            choices=UPDATES,
+            omit_default=True,
         ),
         PlanField(
             "grad_compression",
