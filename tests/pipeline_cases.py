@@ -196,14 +196,16 @@ def test_stages_beside_data_parallelism_equal_the_one_device_step(model, shard):
     stages along the blocks, the data devices along another axis: zero3 gathers a block's
     parameters inside its stage), over the stages alone where it does not (zero2's
     parameters). WRN-22-1 with one microbatch: BatchNorm's statistics over the whole batch,
-    as on one device."""
+    as on one device; its optimizer state kept in host memory between steps (ZeRO-Offload's
+    placement beside the stages)."""
     if model == "wrn":
         work, microbatches = lm.workload("wrn-22-1", 8, image_size=8), 1
         stack = ("group2_rest", "stack")
     else:
         work, microbatches = lm.workload("dynamicconv-small", 8, seq_len=6, **TRANSLATION), 0
         stack = ("encoder_k3_0", "stack")
-    plan = lm.Plan(pipeline=2, pipeline_microbatches=microbatches, shard=shard, devices=2)
+    plan = lm.Plan(pipeline=2, pipeline_microbatches=microbatches, shard=shard, devices=2,
+                   optimizer_memory="pinned_host" if model == "wrn" else "device")  # fmt: skip
     state, setup = _compare(work, plan)
     stage, data = pipeline_lib.STAGE, "data"
     assert setup.plan.mesh().shape == {data: 2, stage: 2}
@@ -214,6 +216,8 @@ def test_stages_beside_data_parallelism_equal_the_one_device_step(model, shard):
     moments = [leaf for leaf in jax.tree.leaves(state.opt_state)
                if leaf.shape in {k.shape for k in kernels}]  # fmt: skip
     assert moments and all(m.sharding.spec[0] == stage for m in moments)
+    if model == "wrn":  # ZeRO-Offload beside the stages: the slices kept in host memory
+        assert {m.sharding.memory_kind for m in moments} == {"pinned_host"}
     assert all((data in m.sharding.spec[1:]) == (shard != "dp") for m in moments)
     found = {v.technique: v for v in setup.verdicts()}
     assert found["pipeline"].took_effect and found["shard"].took_effect

@@ -37,11 +37,12 @@ def test_bad_pipeline_settings_are_refused_naming_the_field():
     only = r"pipeline=2 runs with {} in \[{}\] only \(got {!r}\)"
     for field, allowed, value in (
         ("grad_compression", "'none'", "int8"),
-        ("optimizer_memory", "'device'", "pinned_host"),
+        ("optimizer_update", "'device'", "host"),
     ):
         shard = "dp" if field == "grad_compression" else "none"
+        memory = "pinned_host" if field == "optimizer_update" else "device"
         with pytest.raises(ValueError, match=only.format(field, allowed, value)):
-            lm.Plan(pipeline=2, **{"shard": shard, field: value})
+            lm.Plan(pipeline=2, shard=shard, optimizer_memory=memory, **{field: value})
     with pytest.raises(ValueError, match="pipeline_microbatches=3 does not divide the 8"):
         pipeline_lib.microbatch_count(8, 2, 3)
     with pytest.raises(ValueError, match="pipeline=2 needs 2 devices; JAX sees 1"):

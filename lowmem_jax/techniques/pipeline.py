@@ -50,7 +50,7 @@ def _validate(plan) -> None:
         return
     for field, allowed in (
         ("grad_compression", ("none",)),
-        ("optimizer_memory", ("device",)),
+        ("optimizer_update", ("device",)),
     ):
         if getattr(plan, field) not in allowed:
             raise ValueError(
