@@ -63,9 +63,6 @@ class HostUpdate(Wrapper):
         stored, inner_state = self.inner.store(params, grads)
         return stored, HostUpdateState(inner_state)
 
-    def materialize(self, params: PyTree, state: Any, blockwise: bool = False) -> PyTree:
-        return self.inner.materialize(params, state.inner_state, blockwise)
-
     def update(self, grads, state: HostUpdateState, params=None):
         inner = self.inner
 

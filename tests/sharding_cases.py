@@ -246,7 +246,7 @@ def test_zero1_with_an_int8_optimizer_state_equals_one_device():
 @pytest.mark.parametrize("stage", ["zero1", "zero3"])
 def test_an_update_on_the_host_equals_the_device_update_under_zero(stage):
     """optimizer_update="host" with the state partitioned: each device's slice of the state
-    stays in host memory and is updated there, bit for bit the device update's values."""
+    stays in host memory and is updated there, to the device update's values (float32)."""
     batches = [classification_batch(16, seed=s) for s in range(2)]
     tx = optax.sgd(0.1, momentum=0.9)
     host = lm.Plan(shard=stage, devices=DEVICES, optimizer_memory="pinned_host",
@@ -255,7 +255,7 @@ def test_an_update_on_the_host_equals_the_device_update_under_zero(stage):
     want, _, _ = _run(BNNet(), lm.Plan(shard=stage, devices=DEVICES), tx, batches, variables)
     for (g, _), (w, _) in zip(got, want, strict=True):
         assert_trees_close((g.params, g.opt_state.inner_state), (w.params, w.opt_state),
-                           rtol=0, atol=0)  # fmt: skip
+                           rtol=1e-6, atol=1e-7)  # two programs: float32 tolerance  # fmt: skip
     slots = jax.tree.leaves(state.opt_state)
     assert {x.sharding.memory_kind for x in slots} == {"pinned_host"}
     assert any(x.sharding.spec == P("data") for x in slots)

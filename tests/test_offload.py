@@ -64,8 +64,11 @@ def test_an_update_on_the_host_computes_what_the_device_one_does_where_the_state
     want = _states(lm.Plan(), tx, batches, donate=False)
     for (opt_kinds, param_kinds, g), (_, _, w) in zip(got, want, strict=True):
         assert opt_kinds == {"pinned_host"} and param_kinds == {"device"}
-        assert_trees_close(g.opt_state.inner_state, w.opt_state, rtol=0, atol=0)
-        assert_trees_close((g.params, g.model_state), (w.params, w.model_state), rtol=0, atol=0)
+        # Two programs (the update compiled for the host, or fused into the step): float32
+        # rounding may differ on another CPU, so the promise is the same values to tolerance.
+        assert_trees_close(g.opt_state.inner_state, w.opt_state, rtol=1e-6, atol=1e-7)
+        assert_trees_close((g.params, g.model_state), (w.params, w.model_state),
+                           rtol=1e-6, atol=1e-7)  # fmt: skip
     assert got[1][2].skipped_steps == 1
     assert_trees_close(got[1][2].opt_state, got[0][2].opt_state, rtol=0, atol=0)  # kept
     setup = workloads.build(workloads.workload("wrn-10-1", batch_size=8, image_size=8), host)

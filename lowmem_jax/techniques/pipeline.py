@@ -161,14 +161,16 @@ def _gathered(loss, plan):
 def _laid_out(step, plan):
     """The state laid out over the mesh (every technique's layout, merged) on the way in and
     out."""
-    if plan.pipeline == 1:
+    mesh = _mesh(plan)
+    if mesh is None:
         return step
 
     @functools.wraps(step)
     def laid_out_step(state, batch):
-        state = jax.lax.with_sharding_constraint(state, plan.state_shardings(state))
-        new_state, metrics = step(state, batch)
-        return jax.lax.with_sharding_constraint(new_state, plan.state_shardings(new_state)), metrics
+        # The merged layout, not its memory kinds: shard moves an offloaded state in and out.
+        specs = jax.tree.map(lambda s: s.spec, plan.state_shardings(state))
+        new_state, metrics = step(sharding_lib.constrain(state, mesh, specs), batch)
+        return sharding_lib.constrain(new_state, mesh, specs), metrics
 
     return laid_out_step
 

@@ -206,7 +206,7 @@ def _partitioned_grads(grad_fn, plan):
     return partitioned
 
 
-def _compressed(tx, plan, params):
+def _outermost_optimizer(tx, plan, params):
     """The optimizer outermost, reducing each device's gradient in
     ``plan.grad_compression``; or updating on the host (``optimizer_update="host"``)."""
     if plan.optimizer_update == "host":
@@ -243,15 +243,16 @@ def _laid_out(step, plan):
     # (host_update), it stays there, laid out with its memory kind.
     offload = plan.optimizer_memory != "device" and plan.optimizer_update == "device"
 
-    def laid_out(state):
-        shardings = plan.state_shardings(state)  # every technique's layout over the mesh, merged
-        if plan.optimizer_update == "host":
-            return jax.lax.with_sharding_constraint(state, shardings)
-        return sharding_lib.constrain(state, mesh, jax.tree.map(lambda s: s.spec, shardings))
-
     @functools.wraps(step)  # the program keeps the step's name
     def laid_out_step(state, batch):
-        specs = jax.tree.map(lambda s: s.spec, plan.state_shardings(state))
+        shardings = plan.state_shardings(state)  # every technique's layout over the mesh, merged
+        specs = jax.tree.map(lambda s: s.spec, shardings)
+
+        def laid_out(tree):  # updated on the host, the state keeps its memory kind
+            if plan.optimizer_update == "host":
+                return jax.lax.with_sharding_constraint(tree, shardings)
+            return sharding_lib.constrain(tree, mesh, specs)
+
         if offload:  # the update runs on the device: the state comes in from host memory
             opt_state = sharding_lib.to_memory(state.opt_state, mesh, specs.opt_state, "device")
             state = state.replace(opt_state=opt_state)
@@ -387,7 +388,7 @@ TECHNIQUE = Technique(
     configure_model=_configure_model,
     wrap_stored_loss=_gathered,
     wrap_grad_fn=_partitioned_grads,
-    wrap_optimizer=_compressed,
+    wrap_optimizer=_outermost_optimizer,
     wrap_step=_laid_out,
     mesh_axis=_mesh_axis,
     state_shardings=state_shardings,
