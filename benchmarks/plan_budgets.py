@@ -3,6 +3,7 @@
     python benchmarks/plan_budgets.py --model wrn-28-2 --batch-size 128 \\
         --budgets 320MiB 128MiB 32MiB --out-dir benchmarks/results
     python benchmarks/plan_budgets.py --budgets 128MiB --objective time   # stems get _time
+    python benchmarks/plan_budgets.py --budgets 24MiB --devices 4   # per device; stems get _d4
 
 Writes ``plan_<model>_b<B>_<budget>_<backend>.{json,png}`` (the command's ``--json`` output and
 ``--plot``) and ``plan_<model>_b<B>_<backend>.md``: per budget the answer's flags, its compiled
@@ -25,13 +26,15 @@ MIB = 2.0**20
 
 
 def run_budget(
-    model: str, batch: int, budget: str, envelope: str, objective: str, out: str
+    model: str, batch: int, budget: str, envelope: str, objective: str, out: str, devices: int = 1
 ) -> dict:
     """One `lowmem plan` process; its JSON with the wall time added."""
     cmd = [sys.executable, "-m", "lowmem_jax.cli", "plan", "--model", model,
            "--batch-size", str(batch), "--budget", budget, "--envelope", envelope,
            "--objective", objective, "--cache-dir", "", "--json",
            "--plot", f"{out}.png"]  # fmt: skip
+    if devices > 1:
+        cmd += ["--devices", str(devices)]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - start
@@ -53,15 +56,23 @@ def commit() -> str:
 
 
 def table(
-    model: str, batch: int, results: dict[str, dict], backend: str, objective: str, at: str
+    model: str,
+    batch: int,
+    results: dict[str, dict],
+    backend: str,
+    objective: str,
+    at: str,
+    devices: int = 1,
 ) -> str:
     source = f"XLA:{backend.upper()}"
     timed = objective == "time"
+    over = f" --devices {devices}" if devices > 1 else ""
+    each = f", budgets and bytes per device over {devices} host devices" if devices > 1 else ""
     lines = [
-        f"# `lowmem plan --objective {objective}` on {model}, batch {batch} ({source})",
+        f"# `lowmem plan --objective {objective}{over}` on {model}, batch {batch} ({source}{each})",
         "",
         f"Command: `python benchmarks/plan_budgets.py --model {model} --batch-size {batch} "
-        f"--budgets {' '.join(results)}{' --objective time' if timed else ''}` "
+        f"--budgets {' '.join(results)}{' --objective time' if timed else ''}{over}` "
         "(one `lowmem plan --json` process per budget, no "
         f"compilation cache; at commit {at}; wall time of the process on this machine, "
         f"{os.cpu_count()} CPU cores). The JSON "
@@ -98,21 +109,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", nargs="+", default=["320MiB", "128MiB", "32MiB"])
     parser.add_argument("--envelope", default="report")
     parser.add_argument("--objective", default="flops", choices=("flops", "time"))
+    parser.add_argument("--devices", type=int, default=1, help="plan over N devices")
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     backend = jax.default_backend()
     suffix = "_time" if args.objective == "time" else ""
+    suffix += f"_d{args.devices}" if args.devices > 1 else ""
     stem = os.path.join(args.out_dir, f"plan_{args.model}_b{args.batch_size}{suffix}")
     at = commit()  # before this run rewrites committed results
     results = {}
     for budget in args.budgets:
         results[budget] = run_budget(args.model, args.batch_size, budget, args.envelope,
-                                     args.objective, f"{stem}_{budget}_{backend}")  # fmt: skip
+                                     args.objective, f"{stem}_{budget}_{backend}",
+                                     args.devices)  # fmt: skip
         print(f"{budget}: {' '.join(results[budget]['argv'][4:])} "
               f"({results[budget]['wall_seconds']:.0f} s)", flush=True)  # fmt: skip
     with open(f"{stem}_{backend}.md", "w") as f:
-        f.write(table(args.model, args.batch_size, results, backend, args.objective, at))
+        f.write(table(args.model, args.batch_size, results, backend, args.objective, at,
+                      args.devices))  # fmt: skip
     return 0
 
 

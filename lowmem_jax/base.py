@@ -201,6 +201,18 @@ def choose(table: dict[str, Any], name: str, parameter: str) -> Any:
     return table[name]
 
 
+def check_int(value: Any, parameter: str, least: int, meaning: str = "") -> int:
+    """``value``, an int (not a bool) >= ``least``.
+
+    Raises:
+      ValueError: otherwise, in one line naming ``parameter`` (and ``meaning``, e.g.
+        ``" (0: all visible)"``).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{parameter} must be an int >= {least}{meaning}, got {value!r}")
+    return value
+
+
 def as_optimizer(tx: optax.GradientTransformation | Optimizer) -> Optimizer:
     """``tx`` itself if it is an :class:`Optimizer`, else :class:`OptaxOptimizer` ``(tx)``."""
     return tx if isinstance(tx, Optimizer) else OptaxOptimizer(tx)

@@ -122,15 +122,21 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from lowmem_jax.plan_flags import parse_bytes
     from lowmem_jax.planner import plan_for_model
+    from lowmem_jax.sharding import set_cpu_devices
 
     budget = parse_bytes(args.budget)
     if args.plot:
         paths.check_writable_file(args.plot, "--plot")
+    if args.devices > 1:  # before JAX starts: on CPU, that many host devices
+        set_cpu_devices(args.devices, require=False)
     log = None if args.json else print
+    over = f" per device over {args.devices} devices" if args.devices > 1 else ""
     if log:
-        log(f"lowmem plan: {args.model}, budget {budget / MIB:.1f} MiB, envelope {args.envelope}")
+        log(f"lowmem plan: {args.model}, budget {budget / MIB:.1f} MiB{over}, envelope "
+            f"{args.envelope}")  # fmt: skip
     result = plan_for_model(args.model, args.batch_size, budget, envelope=args.envelope,
-                            seq_len=args.seq_len, objective=args.objective, log=log)  # fmt: skip
+                            seq_len=args.seq_len, objective=args.objective, devices=args.devices,
+                            log=log)  # fmt: skip
     if args.plot:
         from lowmem_jax.plan_plot import plot_considered
 
@@ -141,7 +147,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     x = result.xla
     print(
         f"plan: lowmem analyze {shlex.join(result.argv)}\n"
-        f"  {x['source']} total {x['total_bytes'] / MIB:.1f} MiB (budget {budget / MIB:.1f}), "
+        f"  {x['source']} total {x['total_bytes'] / MIB:.1f} MiB{over and ' per device'} "
+        f"(budget {budget / MIB:.1f}), "
         f"analytic {result.analytic_total_bytes / MIB:.1f} MiB, FLOPs {result.flops:.4g} "
         f"({result.flops_overhead:.3f} of the fp32 step), {result.seconds:.0f} s"
     )
@@ -262,6 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
         "runs); time: the fastest measured step of the first plan that fits in each of the 3 "
         "cheapest classes, each over 0.5%% costlier in FLOPs than the last (runs each a few "
         "times here). Default: %(default)s",
+    )
+    plan.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="plan for N devices, the budget per device: ZeRO's stages and a pipeline's "
+        "stages (the rest data-parallel) are searched too, each plan compiled over all N (on "
+        "CPU, N host devices). Default: %(default)s",
     )
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
     plan.add_argument(

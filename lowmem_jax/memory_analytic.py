@@ -32,16 +32,21 @@ __all__ = [
 ]
 
 
-def _nbytes(x) -> int:
-    """Bytes of an array or abstract value; typed PRNG keys count as their key data."""
+def _nbytes(x, per_device: bool = False) -> int:
+    """Bytes of an array or abstract value (``per_device``: of one device's shard where it has
+    a sharding); typed PRNG keys count as their key data."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
-    return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+    sharding = getattr(x, "sharding", None) if per_device else None
+    shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
+    return int(np.prod(shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
 
 
-def tree_bytes(tree: PyTree) -> int:
-    """Bytes of every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
-    return sum(_nbytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
+def tree_bytes(tree: PyTree, per_device: bool = False) -> int:
+    """Bytes of every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``); with
+    ``per_device``, of the shard one device holds of each leaf that has a sharding (the whole
+    leaf where it has none)."""
+    return sum(_nbytes(x, per_device) for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
 
 
 def host_resident_bytes(tree: PyTree) -> int:

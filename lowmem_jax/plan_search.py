@@ -11,17 +11,19 @@ but the microbatch count (:func:`calibration_key`); for settings not compiled ye
 one. A per-block schedule's activation bytes are the ``none`` step's at those settings and
 microbatch count plus its blocks' changes
 (:mod:`lowmem_jax.remat_schedule`) divided by the microbatch count (residuals scale with the
-batch).
+batch). Over a mesh (``shard``, ``pipeline``) the count is one device's: its shard of each state
+leaf, the gradient split as the parameters are, its share of the batch and of the residuals.
 
 **Compiles** are cached per plan, and each calibrates its settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
-from lowmem_jax import memory
+from lowmem_jax import memory, sharding
 from lowmem_jax.envelope import Envelope
 from lowmem_jax.flops import count_flops
 from lowmem_jax.plan import Plan
@@ -31,6 +33,10 @@ from lowmem_jax.techniques import TECHNIQUES
 from lowmem_jax.workloads import Workload, build
 
 MIB = 2.0**20
+
+
+class NoPlanFits(ValueError):
+    """No plan in the envelope fits the budget; the message names the smallest found."""
 
 
 class Search:
@@ -143,18 +149,30 @@ class Search:
 
     @functools.cache  # noqa: B019 (one search: the cache lives as long as it)
     def _stored(self, stored: tuple, accumulates: bool) -> int:
+        """The parameters, optimizer state (gradient and accumulator included), model state
+        and batch one device holds: over a mesh, its shard of each state leaf (the plan's
+        layout), the gradient and accumulator split as the parameters are, its share of the
+        batch."""
         plan = Plan(**dict(stored), **SPLIT.plan_fields(2 if accumulates else 1))
         setup = build(self.work, plan, recipe=self.recipe)
+        state = setup.abstract_state()
         analytic = memory.analytic_breakdown(
-            state=setup.abstract_state(), batch=self.work.batch,
-            microbatches=_split(plan), tx=setup.tx,
-        )  # fmt: skip
-        # The transient dense weights depend on the remat (one block's, or all): left to the
-        # calibration, as before the analytic count included them.
-        return analytic["total_bytes"] - analytic["dense_weight_bytes"]
+            state=state, batch=self.work.batch, microbatches=_split(plan), tx=setup.tx
+        )
+        if plan.mesh() is None:
+            # The transient dense weights depend on the remat (one block's, or all): left to
+            # the calibration, as before the analytic count included them.
+            return analytic["total_bytes"] - analytic["dense_weight_bytes"]
+        split = analytic["optimizer_breakdown"]
+        grads = split["gradients"] + split.get("gradient_accumulator", 0)
+        share = memory.tree_bytes(state.params, per_device=True) / memory.tree_bytes(state.params)
+        mine = memory.tree_bytes(state, per_device=True) + int(grads * share)
+        return mine + memory.tree_bytes(setup.abstract_batch(), per_device=True)
 
     @functools.cache  # noqa: B019
     def _activations(self, saved: tuple, microbatches: int) -> int:
+        """The saved residuals of one device's examples (those of the whole batch over the
+        data devices: residuals scale with the examples)."""
         plan = Plan(**dict(saved), **SPLIT.plan_fields(microbatches))
         setup = build(self.work, plan, recipe=self.recipe)
         analytic = memory.analytic_breakdown(
@@ -162,7 +180,13 @@ class Search:
             loss_fn=plan.model_loss(setup.loss_fn),
             microbatches=microbatches, tx=setup.tx,
         )  # fmt: skip
-        return analytic["activation_bytes"]
+        return analytic["activation_bytes"] // sharding.data_devices(plan.mesh())
+
+    def outside(self, plan: Plan) -> str | None:
+        """Why ``plan`` is outside the search's envelope (the whole plan's rules: a pipeline's
+        microbatches depend on the step's and the data devices), or ``None``."""
+        config = {**explicit(plan).to_dict(), "batch_size": self.work.batch_size}
+        return self.envelope.why_outside(config)
 
     def compile(self, plan: Plan) -> dict[str, Any]:
         if plan not in self.compiled:
@@ -195,7 +219,7 @@ class Search:
         self.noted[plan] = len(self.considered)
         self.considered.append({
             "name": plan_name(plan) or "no technique",
-            "argv": analyze_argv(self.work.name, self.work.batch_size, plan, self.seq_len()),
+            "argv": self.argv(plan),
             "flops": flops,
             "predicted_bytes": self.predict(plan) if plan in self.predicted else None,
             "xla_total_bytes": None if xla is None else xla["total_bytes"],
@@ -204,6 +228,10 @@ class Search:
         if self.log and logged:
             got = "" if xla is None else f", XLA {xla['total_bytes'] / MIB:.1f} MiB"
             self.log(f"  {plan_name(plan)}: {verdict}{got}")
+
+    def argv(self, plan: Plan) -> list[str]:
+        """The ``lowmem analyze`` flags of ``plan`` (its device counts written out)."""
+        return analyze_argv(self.work.name, self.work.batch_size, explicit(plan), self.seq_len())
 
     def seq_len(self) -> int:
         tokens = self.work.batch.get("src")
@@ -253,6 +281,15 @@ def calibration_key(plan: Plan) -> tuple[tuple[str, Any], ...]:
     analytic count in ways that depend on each setting); the per-block schedules as one
     (``blocks``)."""
     return tuple((axis.key, axis.value(plan)) for axis in AXES if axis.values is not None)
+
+
+def explicit(plan: Plan) -> Plan:
+    """``plan`` with its data axis' size written out where it says "every visible device"
+    (``devices=0`` beside ``shard``: the search's plans take the devices the planner was
+    given), so that its flags mean the same on a machine with more."""
+    if plan.shard == "none" or plan.devices:
+        return plan
+    return dataclasses.replace(plan, devices=sharding.data_devices(plan.mesh()))
 
 
 def plan_of(point: dict[str, Any]) -> Plan:

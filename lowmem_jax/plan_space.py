@@ -5,13 +5,18 @@ accuracy envelope, the settings a user's model cannot take left out, and the lea
 from __future__ import annotations
 
 import itertools
+import shlex
 from typing import Any
 
+import jax
+
+from lowmem_jax import memory
 from lowmem_jax.envelope import Envelope
 from lowmem_jax.plan import Plan
-from lowmem_jax.plan_search import AXES, COMPUTE, SPLIT, Search, plan_of
+from lowmem_jax.plan_search import AXES, COMPUTE, MIB, SPLIT, NoPlanFits, Search, plan_of
 from lowmem_jax.technique import Axis
 from lowmem_jax.techniques import TECHNIQUES
+from lowmem_jax.workloads import build
 
 __all__ = [
     "applicable",
@@ -23,6 +28,8 @@ __all__ = [
     "mildest_first",
     "most_microbatches",
     "named_class",
+    "over_devices",
+    "refuse_below_the_least_state",
     "storage_axes",
 ]
 
@@ -48,18 +55,21 @@ def axes_in(envelope: Envelope, batch_size: int, space: dict[str, tuple]) -> dic
     return axes
 
 
-def applicable(search: Search, axes: dict[str, tuple]) -> dict[str, tuple]:
+def applicable(
+    search: Search, axes: dict[str, tuple], keys: tuple[str, ...] | None = None
+) -> dict[str, tuple]:
     """A user's model's axes without the settings it refuses (each tried alone: its step built,
     nothing compiled), each left out with its one-line reason in the log (``factorize`` on a
-    model with no ``Dense`` / ``Conv`` layer; ``every:K`` remat without scanned stacks)."""
+    model with no ``Dense`` / ``Conv`` layer; ``every:K`` remat without scanned stacks; a
+    pipeline's stages that divide none of its stacks); ``keys``: only those axes tried."""
     kept = {}
     for technique in TECHNIQUES:
         axis = technique.axis
         if axis is None or axis.key not in axes:
             continue
         values = axes[axis.key]
-        if axis.values is None:  # counts the batch size allows: nothing model-specific
-            kept[axis.key] = values
+        if axis.values is None or (keys is not None and axis.key not in keys):
+            kept[axis.key] = values  # microbatches: counts the batch size allows
             continue
         # The first value is the technique off (each axis is mildest first); families (remat's
         # per-block schedules) are expanded by the planner from the model's own stacks.
@@ -133,6 +143,59 @@ def least_stored(axes: dict[str, tuple]) -> list[Plan]:
     choices = [axes[a.key][-1:] if a.stored_falls else axes[a.key] for a in stored]
     keys = [a.key for a in stored]
     return [plan_of(dict(zip(keys, c, strict=True))) for c in itertools.product(*choices)]
+
+
+def refuse_below_the_least_state(search: Search, axes: dict[str, tuple]) -> None:
+    """Refuses, before anything compiles, a budget under what the step's arguments alone take
+    at their smallest (:func:`least_stored`: e.g. each precision at the most sparsity, the
+    last state format and factorization the search allows): the stored parameters, optimizer
+    state and batch (one device's shards over a mesh). XLA's total (argument + output + temp -
+    alias) is never below its arguments.
+
+    Raises:
+      NoPlanFits: naming the least argument bytes and the plan that has them.
+    """
+    least, smallest = None, None
+    for plan in least_stored(axes):
+        setup = build(search.work, plan, recipe=search.recipe)
+        held = (setup.abstract_state(), setup.abstract_batch())
+        total = memory.tree_bytes(held, per_device=True)
+        if least is None or total < least:
+            least, smallest = total, plan
+    if least > search.budget:
+        raise NoPlanFits(
+            f"budget {search.budget / MIB:.3f} MiB is below what the step's arguments alone take "
+            f"at their smallest in the {search.envelope.name!r} envelope: {least / MIB:.3f} MiB "
+            f"of parameters, optimizer state and batch (`lowmem analyze "
+            f"{shlex.join(search.argv(smallest))}`); nothing was compiled"
+        )
+
+
+def over_devices(space: dict[str, tuple], batch_size: int, devices: int) -> dict[str, tuple]:
+    """``space`` over ``devices`` devices (a budget per device): each axis that lays the step
+    out over a mesh (:attr:`Axis.over_devices`) at its values for that many, unless ``space``
+    names it, and the microbatch counts that divide one device's examples at the most data
+    devices (so every mesh of the search can split its share).
+
+    Raises:
+      ValueError: JAX sees another number of devices, or they do not divide the batch.
+    """
+    visible = len(jax.devices())
+    if visible != devices:
+        raise ValueError(
+            f"devices={devices}: JAX sees {visible} {jax.default_backend()} device(s) and the "
+            f"planner lays its plans over all of them (on CPU, `lowmem plan --devices "
+            f"{devices}` asks for that many host devices; elsewhere make only those visible)"
+        )
+    if batch_size % devices:
+        raise ValueError(f"devices={devices} must divide batch_size={batch_size}")
+    out = dict(space)
+    for axis in AXES:
+        if axis.over_devices is not None:
+            out.setdefault(axis.key, axis.over_devices(devices))
+    counts = SPLIT.space(batch_size // devices)
+    out[SPLIT.key] = tuple(m for m in out.get(SPLIT.key, counts) if m in counts)
+    return out
 
 
 def most_microbatches(axes: dict[str, tuple]) -> int:

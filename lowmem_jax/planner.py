@@ -38,6 +38,11 @@ accuracy envelope (:data:`lowmem_jax.envelope.ENVELOPES`):
 * **Objective** ``time``: the first plan that fits in each of the three cheapest classes
   that have one, each more than 0.5% costlier in FLOPs than the last, is run and timed here
   (:mod:`lowmem_jax.step_timing`); the fastest wins.
+* **Over several devices** (``devices=N``, ``lowmem plan --devices N``): the budget is per
+  device; the axes that lay the step out over a mesh (:attr:`Axis.over_devices
+  <lowmem_jax.technique.Axis.over_devices>`: ZeRO's stages, a pipeline's, the devices left
+  data-parallel) are storage axes, predicted per device (each device's shards of the state,
+  its share of the examples) and compiled over all N.
 
 Every answer is verified: the chosen plan's XLA total is compiled, not predicted. The result
 lists each candidate considered and why it was rejected.
@@ -53,26 +58,36 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lowmem_jax import memory
+from lowmem_jax import base
 from lowmem_jax.envelope import ENVELOPES, Envelope
 from lowmem_jax.plan import Plan
 from lowmem_jax.plan_descent import descend
-from lowmem_jax.plan_flags import analyze_argv
-from lowmem_jax.plan_search import MIB, SPLIT, Search, calibration_key, plan_name, plan_of
+from lowmem_jax.plan_search import (
+    AXES,
+    MIB,
+    SPLIT,
+    NoPlanFits,
+    Search,
+    calibration_key,
+    explicit,
+    plan_name,
+    plan_of,
+)
 from lowmem_jax.plan_space import (
     applicable,
     axes_in,
     class_corners,
     class_name,
     compute_classes,
-    least_stored,
     mildest_first,
     most_microbatches,
     named_class,
+    over_devices,
+    refuse_below_the_least_state,
 )
 from lowmem_jax.recipes import Recipe
 from lowmem_jax.techniques import TECHNIQUES
-from lowmem_jax.workloads import Workload, build, workload
+from lowmem_jax.workloads import Workload, workload
 
 __all__ = [
     "OBJECTIVES",
@@ -95,10 +110,6 @@ SPACE = {
 #: What "cheapest" means: FLOPs counted from the jaxpr (recomputation included), or the
 #: measured step time of the first plan that fits in each of the cheapest classes.
 OBJECTIVES = ("flops", "time")
-
-
-class NoPlanFits(ValueError):
-    """No plan in the envelope fits the budget; the message names the smallest found."""
 
 
 @dataclasses.dataclass
@@ -135,6 +146,7 @@ def plan_for_budget(
     objective: str = "flops",
     time_candidates: int = 3,
     repeats: int = 3,
+    devices: int = 1,
     log: Callable[[str], None] | None = None,
 ) -> BudgetPlan:
     """The plan with the fewest FLOPs whose compiled step on ``work`` fits ``budget_bytes``
@@ -150,9 +162,12 @@ def plan_for_budget(
     and the fastest is the answer; plans not among them are not timed. ``"flops"``: the
     first of those, nothing runs.
 
+    ``devices > 1``: a budget per device, every plan over all ``devices`` (JAX must see
+    exactly that many; the module docstring); FLOPs are the whole step's.
+
     Raises:
-      ValueError: an unknown envelope or objective, a budget that is not positive, or
-        ``time_candidates`` / ``repeats`` below 1.
+      ValueError: an unknown envelope or objective, a budget that is not positive,
+        ``time_candidates`` / ``repeats`` below 1, or ``devices`` not those JAX sees.
       NoPlanFits: no plan fits; the message names the smallest XLA total found and its flags.
     """
     if envelope not in ENVELOPES:
@@ -165,13 +180,19 @@ def plan_for_budget(
         raise ValueError(
             f"time_candidates and repeats must be at least 1, got {time_candidates}, {repeats}"
         )
+    base.check_int(devices, "devices", 1)
     start = time.perf_counter()
     env = ENVELOPES[envelope]
-    axes = axes_in(env, work.batch_size, SPACE if space is None else space)
+    space = SPACE if space is None else space
+    if devices > 1:
+        space = over_devices(space, work.batch_size, devices)
+    axes = axes_in(env, work.batch_size, space)
     search = Search(work, budget_bytes, env, log, recipe, timed=objective == "time")
     if work.task == "custom":
         axes = applicable(search, axes)
-    _refuse_below_the_least_state(search, axes)
+    elif devices > 1:  # e.g. the pipeline's stage counts that divide none of the stacks
+        axes = applicable(search, axes, keys=tuple(a.key for a in AXES if a.over_devices))
+    refuse_below_the_least_state(search, axes)
     reference = search.flops(Plan())
     classes = compute_classes(search, axes)
     fitting = _first_fit_per_class(search, axes, classes, reference)
@@ -184,32 +205,6 @@ def plan_for_budget(
     if found is None:
         raise NoPlanFits(_smallest_message(search, budget_bytes, env))
     return _answer(search, found, reference, start)
-
-
-def _refuse_below_the_least_state(search: Search, axes: dict[str, tuple]) -> None:
-    """Refuses, before anything compiles, a budget under what the step's arguments alone take
-    at their smallest (:func:`~lowmem_jax.plan_space.least_stored`: e.g. each precision at
-    the most sparsity, the last state format and factorization the search allows): the
-    stored parameters, optimizer state and batch. XLA's total (argument + output + temp -
-    alias) is never below its arguments.
-
-    Raises:
-      NoPlanFits: naming the least argument bytes and the plan that has them.
-    """
-    least, smallest = None, None
-    for plan in least_stored(axes):
-        setup = build(search.work, plan, recipe=search.recipe)
-        total = memory.tree_bytes(setup.abstract_state()) + memory.tree_bytes(search.work.batch)
-        if least is None or total < least:
-            least, smallest = total, plan
-    if least > search.budget:
-        argv = analyze_argv(search.work.name, search.work.batch_size, smallest, search.seq_len())
-        raise NoPlanFits(
-            f"budget {search.budget / MIB:.3f} MiB is below what the step's arguments alone take "
-            f"at their smallest in the {search.envelope.name!r} envelope: {least / MIB:.3f} MiB "
-            f"of parameters, optimizer state and batch (`lowmem analyze {shlex.join(argv)}`); "
-            "nothing was compiled"
-        )
 
 
 def _first_fit_per_class(
@@ -231,7 +226,9 @@ def _first_fit_per_class(
         named = named_class(point)  # family members are many: logged when compiled
         if search.log and named:
             search.log(f"class {class_name(point)}: FLOPs {flops / reference:.3f} of the fp32 step")
-        corners = class_corners(axes, point, most)
+        corners = _corners(search, axes, point, most)
+        if not corners:
+            continue
         if _class_may_fit(search, corners, flops, probes=0):
             found = next(_fits_in_class(search, axes, point, flops), None)
             if found is not None:
@@ -256,20 +253,26 @@ def _probe_deferred(
     fit of each class a probe admits."""
     while deferred and deferred[0][0] < below:
         flops, point = deferred.pop(0)
-        if _class_may_fit(search, class_corners(axes, point, most), flops, _PROBES):
+        if _class_may_fit(search, _corners(search, axes, point, most), flops, _PROBES):
             yield from itertools.islice(_fits_in_class(search, axes, point, flops), 1)
 
 
 def _fits_in_class(search: Search, axes, point, flops) -> Iterator[tuple[Plan, float]]:
     key = SPLIT.key
     for micro in axes[key]:
-        corners = class_corners(axes, point, micro)
+        corners = _corners(search, axes, point, micro)
         if all(search.predict(c, bound=True) > search.budget for c in corners):
             continue
         for storage in mildest_first(axes):
             plan = plan_of({**point, key: micro, **storage})
-            if _fits_verified(search, plan, flops):
+            if search.outside(plan) is None and _fits_verified(search, plan, flops):
                 yield plan, flops
+
+
+def _corners(search: Search, axes: dict[str, tuple], point, micro: int) -> list[Plan]:
+    """The class's corners (:func:`~lowmem_jax.plan_space.class_corners`) inside the
+    envelope: a pipeline's rule reads the whole plan (its microbatches, the data devices)."""
+    return [c for c in class_corners(axes, point, micro) if search.outside(c) is None]
 
 
 def _fastest(search: Search, fits: list[tuple[Plan, float]], repeats: int):
@@ -338,13 +341,13 @@ def _fits_verified(search: Search, plan: Plan, flops: float) -> bool:
 
 
 def _answer(search: Search, plan: Plan, reference: float, start: float) -> BudgetPlan:
-    exact = search.flops(plan)
+    exact = search.flops(plan.on_one_device())  # the whole step's, over a mesh too
     if plan not in search.noted:  # one of the least predicted, compiled before the descent
         search.note(plan, exact, "fits (compiled)")
     search.considered[search.noted[plan]]["verdict"] = "chosen"
     return BudgetPlan(
-        plan=plan,
-        argv=analyze_argv(search.work.name, search.work.batch_size, plan, search.seq_len()),
+        plan=explicit(plan),
+        argv=search.argv(plan),
         budget_bytes=search.budget,
         envelope=search.envelope.name,
         xla=search.compiled[plan],
@@ -361,7 +364,7 @@ def _answer(search: Search, plan: Plan, reference: float, start: float) -> Budge
 def _smallest_message(search: Search, budget: int, env: Envelope) -> str:
     """Names the least XLA total compiled (after :func:`~lowmem_jax.plan_descent.descend`)."""
     plan, xla = min(search.compiled.items(), key=lambda kv: kv[1]["total_bytes"])
-    argv = analyze_argv(search.work.name, search.work.batch_size, plan, search.seq_len())
+    argv = search.argv(plan)
     more = "" if env.name == "any" else "; --envelope any allows more"
     return (
         f"no plan in the {env.name!r} envelope fits {budget / MIB:.1f} MiB: the smallest "
@@ -380,10 +383,12 @@ def plan_for_model(
     seq_len: int = 40,
     space: dict[str, tuple] | None = None,
     objective: str = "flops",
+    devices: int = 1,
     log: Callable[[str], None] | None = None,
 ) -> BudgetPlan:
     """:func:`plan_for_budget` for a registered model (:func:`lowmem_jax.workloads.workload`)."""
     work = workload(model, batch_size, seq_len=seq_len)
     return plan_for_budget(
-        work, budget_bytes, envelope=envelope, space=space, objective=objective, log=log
-    )
+        work, budget_bytes, envelope=envelope, space=space, objective=objective,
+        devices=devices, log=log,
+    )  # fmt: skip

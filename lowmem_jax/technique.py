@@ -175,6 +175,9 @@ class Axis:
       stored_falls: later values store no more parameter, optimizer-state and batch bytes
         (the planner's least arguments are at the last value); ``False``: values in another
         order (precision: mixed precisions keep float32 weights), each one is tried.
+      over_devices: ``over_devices(n) -> values``: the axis lays the step out over a device
+        mesh, searched (over these values) only where the planner is given ``n > 1`` devices
+        and a budget per device; ``None``: a setting of one device's step.
     """
 
     key: str
@@ -190,6 +193,7 @@ class Axis:
     corner: str = "each"
     in_default_space: bool = True
     stored_falls: bool = True
+    over_devices: Callable[[int], tuple] | None = None
 
     @property
     def families(self) -> tuple:

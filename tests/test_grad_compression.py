@@ -52,7 +52,7 @@ def test_a_raw_optax_optimizer_is_refused_naming_wrap_optimizer():
         ({"grad_compression": "int8", "shard": "dp", "powersgd_rank": 2},
          "powersgd_rank=2 applies to grad_compression='powersgd' only"),
         ({"grad_compression": "topk", "shard": "dp", "topk_fraction": 0.0},
-         "topk_fraction must be in \\(0, 1\\], got 0.0"),
+         "topk_fraction must be a number in \\(0, 1\\], got 0.0"),
         ({"grad_compression": "topk", "shard": "dp", "topk_fraction": "1%"},
          "topk_fraction must be a number in \\(0, 1\\], got '1%'"),
         ({"grad_compression": "int8", "shard": "dp", "topk_fraction": 0.1},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 import lowmem_jax as lm
@@ -284,6 +285,24 @@ def test_a_deferred_class_is_probed_only_for_a_real_saving(monkeypatch):
     monkeypatch.setattr(planner, "_PROBE_GAIN", 0.0)
     result = planner.plan_for_budget(work, budget, space=space)
     assert result.plan == lm.Plan() and result.flops_overhead == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "more, message",
+    [(None, "devices must be an int >= 1, got 0"),
+     (1, "JAX sees {} cpu device(s) and the planner lays its plans over all of them")],
+)  # fmt: skip
+def test_plan_over_devices_it_cannot_have_exits_2_with_one_line(capsys, more, message):
+    """Over several devices the planner compiles over every device JAX sees: a count it cannot
+    have (JAX has started, with fewer) is refused before anything compiles."""
+    visible = len(jax.devices())  # started: no more host devices can be had
+    devices = "0" if more is None else str(visible + more)
+    message = message.format(visible)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--model", MODEL, "--budget", "4MiB", "--devices", devices])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
 
 
 def test_a_budget_below_the_least_state_is_refused_before_compiling(monkeypatch):

@@ -19,10 +19,10 @@ import functools
 import jax
 from jax.sharding import PartitionSpec
 
+from lowmem_jax import base, scanned_blocks
 from lowmem_jax import pipeline as pipeline_lib
-from lowmem_jax import scanned_blocks
 from lowmem_jax import sharding as sharding_lib
-from lowmem_jax.technique import EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 
 __all__ = ["TECHNIQUE", "state_specs"]
 
@@ -33,9 +33,7 @@ REST = ("replicate", "partition")
 
 def _validate(plan) -> None:
     for field, least in (("pipeline", 1), ("pipeline_microbatches", 0)):
-        value = getattr(plan, field)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{field} must be an int >= {least}, got {value!r}")
+        base.check_int(getattr(plan, field), field, least)
     if plan.pipeline_rest not in REST:
         raise ValueError(
             f"Unknown pipeline_rest={plan.pipeline_rest!r}; allowed values: {list(REST)}"
@@ -287,7 +285,22 @@ TECHNIQUE = Technique(
         _outside,
         lambda limit: f"pipeline microbatches of at least {limit} examples" if limit > 1 else "",
     ),
-    axis=None,  # not searched: the planner plans one device
+    # Searched where the planner has several devices: the stage counts that divide them (the
+    # rest, data devices). Inside an envelope only if it is at the batch's one microbatch and
+    # one data device; the whole plan's rule is the planner's check
+    axis=Axis(
+        "pipeline",
+        (1, 2, 4, 8),
+        plan_fields=lambda stages: {"pipeline": stages},
+        within=lambda stages, limit, batch_size: (
+            _outside({"pipeline": stages, "batch_size": batch_size}, limit) is None
+        ),
+        parts=("stored", "activations"),  # the stacks' layout; each device's examples
+        own_ratio=True,
+        in_default_space=False,
+        stored_falls=False,  # more stages leave fewer data devices for ZeRO to split over
+        over_devices=lambda devices: tuple(s for s in range(1, devices + 1) if devices % s == 0),
+    ),
     wrap_loss=_pipelined_loss,
     wrap_stored_loss=_gathered,
     wrap_step=_laid_out,

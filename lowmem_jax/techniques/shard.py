@@ -9,12 +9,10 @@ state. ``optimizer_memory="pinned_host"``: the optimizer state lives in host mem
 steps, moved to the device for the update and back; with ``optimizer_update="host"`` it stays
 there and the update runs there (ZeRO-Offload's way, :mod:`lowmem_jax.host_update`).
 
-With ``grad_compression`` (``dp`` or ``zero1``) each device computes the gradient of its own
-examples inside a ``shard_map`` (the microbatch loop included) and the optimizer
-(:class:`~lowmem_jax.grad_compression.CompressedGradients`, outermost) reduces it compressed,
-with error feedback, once per step; BatchNorm then normalises with each device's examples (as
-PyTorch's DistributedDataParallel), the float model state and metrics averaged over the devices
-after the step, dropout drawn from ``fold_in(rng, device)``.
+With ``grad_compression`` (``dp`` or ``zero1``) each device's gradient, computed in a
+``shard_map``, is reduced compressed with error feedback once per step by the outermost optimizer
+(:class:`~lowmem_jax.grad_compression.CompressedGradients`); BatchNorm normalises with each
+device's examples (as PyTorch's DistributedDataParallel), dropout from ``fold_in(rng, device)``.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from lowmem_jax import base, scanned_blocks, sharding_report
 from lowmem_jax import grad_compression as compression_lib
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.host_update import HOST_UPDATE, HostUpdate
-from lowmem_jax.technique import PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, PlanField, Technique, Verdict
 
 __all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
 
@@ -43,9 +41,7 @@ UPDATES = ("device", "host")
 
 def _validate(plan) -> None:
     sharding_lib.stage(plan.shard)
-    devices = plan.devices
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 0:
-        raise ValueError(f"devices must be an int >= 0 (0: all visible), got {devices!r}")
+    devices = base.check_int(plan.devices, "devices", 0, " (0: all visible)")
     if devices and plan.shard == "none":
         raise ValueError(
             f"devices={devices} needs shard (dp, zero1, zero2 or zero3): without it the step "
@@ -67,14 +63,11 @@ def _validate(plan) -> None:
             f"{plan.shard!r}): it reduces each device's whole gradient"
             + (", which zero2 and zero3 partition" if plan.shard != "none" else "")
         )
-    rank = plan.powersgd_rank
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"powersgd_rank must be an int >= 1, got {rank!r}")
+    base.check_int(plan.powersgd_rank, "powersgd_rank", 1)
     fraction = plan.topk_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+    number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+    if not number or not 0 < fraction <= 1:
         raise ValueError(f"topk_fraction must be a number in (0, 1], got {fraction!r}")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"topk_fraction must be in (0, 1], got {fraction!r}")
     for field, default, method in (
         ("powersgd_rank", 4, "powersgd"),
         ("topk_fraction", 0.01, "topk"),
@@ -119,9 +112,8 @@ def state_shardings(state: Any, plan: Any) -> Any:
 
 
 def _mesh_axis(plan):
-    """``("data", devices)`` (``0``: the visible devices the mesh's other axes leave); with
-    ``shard="none"``, one device when ``optimizer_memory`` needs a sharding to name its
-    memory."""
+    """``("data", devices)`` (``0``: the visible devices the other axes leave); with
+    ``shard="none"``, one device where ``optimizer_memory`` needs a sharding to name it."""
     if plan.shard != "none":
         return (sharding_lib.AXIS, plan.devices)
     if plan.optimizer_memory != "device":
@@ -129,15 +121,13 @@ def _mesh_axis(plan):
     return None
 
 
-def _mesh(plan):
-    """The plan's mesh where ``shard`` lays the step out (:func:`_mesh_axis`), else ``None``."""
+def _mesh(plan):  # where shard lays the step out
     return plan.mesh() if _mesh_axis(plan) is not None else None
 
 
 def _one_device(plan):
-    if plan.shard == "none":
-        return {}
-    return {"shard": "none", "devices": 0, "grad_compression": "none"}
+    off = {"shard": "none", "devices": 0, "grad_compression": "none"}
+    return {} if plan.shard == "none" else off
 
 
 def _configure_model(model, plan):
@@ -383,8 +373,19 @@ TECHNIQUE = Technique(
         ),
     ),
     validate=_validate,
+    label=lambda plan: None if plan.shard == "none" else plan.shard,
     envelope=None,  # the same step over more devices: no accuracy limit
-    axis=None,  # not searched: the planner plans one device
+    axis=Axis(  # searched where the planner has several devices (a budget per device)
+        "shard",
+        sharding_report.SHARD_STAGES,
+        plan_fields=lambda stage: {"shard": stage},
+        within=lambda stage, limit, batch_size: True,
+        parts=("stored", "activations"),  # the state's layout; each device's examples
+        own_ratio=True,
+        corner="last",  # zero3 stores the least
+        in_default_space=False,
+        over_devices=lambda devices: sharding_report.SHARD_STAGES,
+    ),
     configure_model=_configure_model,
     wrap_stored_loss=_gathered,
     wrap_grad_fn=_partitioned_grads,
