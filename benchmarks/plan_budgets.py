@@ -36,9 +36,13 @@ def run_budget(
     if devices > 1:
         cmd += ["--devices", str(devices)]
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    result = json.loads(done.stdout)
+    if done.returncode == 2 and "no plan in the" in done.stderr:  # kept: where the floor is
+        result = {"no_plan_fits": done.stderr.strip().splitlines()[-1].split("error: ", 1)[-1]}
+    else:
+        done.check_returncode()
+        result = json.loads(done.stdout)
     result["wall_seconds"] = wall
     result["command"] = "lowmem " + " ".join(cmd[3:])
     with open(f"{out}.json", "w") as f:
@@ -84,6 +88,10 @@ def table(
         f"|---|---|---:|---:|---:|---:|---:|{'---|' if timed else ''}",
     ]
     for budget, r in results.items():
+        if "no_plan_fits" in r:
+            lines.append(f"| {budget} | {r['no_plan_fits']} | - | - | - | - | "
+                         f"{r['wall_seconds']:.0f} |" + (" - |" if timed else ""))  # fmt: skip
+            continue
         flags = " ".join(r["argv"][4:]) or "(no technique)"
         compiles = sum(c["xla_total_bytes"] is not None for c in r["considered"])
         lines.append(
@@ -123,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         results[budget] = run_budget(args.model, args.batch_size, budget, args.envelope,
                                      args.objective, f"{stem}_{budget}_{backend}",
                                      args.devices)  # fmt: skip
-        print(f"{budget}: {' '.join(results[budget]['argv'][4:])} "
-              f"({results[budget]['wall_seconds']:.0f} s)", flush=True)  # fmt: skip
+        answer = results[budget].get("no_plan_fits") or " ".join(results[budget]["argv"][4:])
+        print(f"{budget}: {answer} ({results[budget]['wall_seconds']:.0f} s)", flush=True)
     with open(f"{stem}_{backend}.md", "w") as f:
         f.write(table(args.model, args.batch_size, results, backend, args.objective, at,
                       args.devices))  # fmt: skip

@@ -48,7 +48,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if "single_device" in result:
         one, ratio = result["single_device"]["xla"], result["xla_vs_single_device"]
         print(
-            f"  per device of {result['config']['devices']}; one "
+            f"  per device of {result['config']['mesh_devices']}; one "
             f"device: argument {one['argument_bytes'] / MIB:.2f} MiB, total "
             f"{one['total_bytes'] / MIB:.2f} MiB (x{ratio['argument_bytes']:.3f}, "
             f"x{ratio['total_bytes']:.3f})"

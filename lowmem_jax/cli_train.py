@@ -30,22 +30,29 @@ _TRAIN_FIELDS = (
 def _train_config(args: argparse.Namespace):
     from lowmem_jax.loop import DEFAULT_PLAN, TrainConfig
     from lowmem_jax.plan_flags import parse_bytes
+    from lowmem_jax.sharding import set_cpu_devices
 
     fields = {k: getattr(args, k) for k in _TRAIN_FIELDS if getattr(args, k) is not None}
-    plan, budget = plan_from_args(args, DEFAULT_PLAN), None
-    if args.memory_budget is not None:
+    plan, budget, devices = DEFAULT_PLAN, None, 1
+    if args.memory_budget is None:
+        plan = plan_from_args(args, DEFAULT_PLAN)
+    else:
         budget = parse_bytes(args.memory_budget)
-        given = given_technique_flags(args)
+        # --devices N: the devices to plan over (a budget per device), not a technique
+        given = [flag for flag in given_technique_flags(args) if flag != "--devices"]
         if given:
             raise ValueError(
                 f"--memory-budget chooses the techniques; it takes no {', '.join(given)}"
             )
-        plan = DEFAULT_PLAN
+        devices = args.devices or 1
+        if devices > 1:  # before JAX starts: on CPU, that many host devices
+            set_cpu_devices(devices, require=False)
     return TrainConfig(
         **fields,
         plan=plan,
         memory_budget=budget,
         memory_envelope=args.envelope,
+        memory_devices=devices,
         learning_rate=args.lr,
         lr_schedule=args.lr_schedule,
         resume=args.resume,
@@ -198,7 +205,8 @@ def add_train_flags(train: argparse.ArgumentParser) -> None:
         "--memory-budget",
         metavar="SIZE",
         help="choose the techniques: the plan with the fewest FLOPs whose compiled step fits SIZE "
-        "(e.g. 48MiB; what lowmem plan answers), instead of technique flags",
+        "(e.g. 48MiB; what lowmem plan answers), instead of technique flags; with --devices N, "
+        "per device over N devices (ZeRO's and pipeline stages searched too)",
     )
     budget.add_argument(
         "--envelope",

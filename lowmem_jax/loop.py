@@ -108,12 +108,14 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     plan, dense = config.plan, None
     if config.memory_budget is not None:
         chosen = plan_for_budget(
-            work, config.memory_budget, envelope=config.memory_envelope, recipe=recipe
-        )
+            work, config.memory_budget, envelope=config.memory_envelope, recipe=recipe,
+            devices=config.memory_devices,
+        )  # fmt: skip
         plan = chosen.plan
         if log:
+            each = " per device" if config.memory_devices > 1 else ""
             log(
-                f"memory budget {config.memory_budget / 2**20:.1f} MiB: "
+                f"memory budget {config.memory_budget / 2**20:.1f} MiB{each}: "
                 f"{' '.join(chosen.argv[4:]) or 'no technique'} "
                 f"({chosen.xla['source']} {chosen.xla['total_bytes'] / 2**20:.1f} MiB, FLOPs "
                 f"{chosen.flops_overhead:.3f} of the fp32 step)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lowmem_jax import base
 from lowmem_jax import tasks as tasks_lib
 from lowmem_jax.plan import Plan
 from lowmem_jax.recipes import Recipe
@@ -64,6 +65,9 @@ class TrainConfig:
         :func:`lowmem_jax.planner.plan_for_budget` (fewest FLOPs that fits, inside
         ``memory_envelope``: ``report`` or ``any``) and replaces ``plan``, which must be left at
         its default.
+      memory_devices: the devices ``memory_budget`` plans over (``> 1``: the budget is per
+        device, ZeRO's and a pipeline's stages are searched too, and the run uses every one of
+        them; JAX must see exactly that many).
       max_consecutive_skips: stop with :class:`NoProgressError` after this many skipped steps
         in a row (``0``: never).
       tensorboard: also write the records as TensorBoard scalars.
@@ -107,6 +111,7 @@ class TrainConfig:
     decompose_from: str | None = None
     memory_budget: int | None = None
     memory_envelope: str = "report"
+    memory_devices: int = 1
     max_consecutive_skips: int = 100
     tensorboard: bool = True
     progress: bool = True
@@ -157,6 +162,10 @@ class TrainConfig:
             )
         if self.memory_budget is not None and self.plan != DEFAULT_PLAN:
             raise ValueError("memory_budget chooses the plan: leave plan at its default")
+        if base.check_int(self.memory_devices, "memory_devices", 1) > 1 and (
+            self.memory_budget is None
+        ):
+            raise ValueError("memory_devices plans over several devices: it needs memory_budget")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs a checkpoint_dir")
         if self.overwrite and (self.resume or not self.checkpoint_dir):
@@ -191,6 +200,8 @@ class TrainConfig:
         and the seed. Not the run's length, evaluation, checkpointing or output settings: a
         resumed run may change those."""
         out = {name: getattr(self, name) for name in _IDENTITY}
+        if self.memory_devices > 1:  # left out at its default: runs recorded before it resume
+            out["memory_devices"] = self.memory_devices
         out["model"] = self.model_name
         out["plan"] = self.plan.to_dict()
         return out

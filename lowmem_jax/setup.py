@@ -168,11 +168,15 @@ class Setup:
         (``compiling``: see :func:`lowmem_jax.memory.analyze`).
 
         Over several devices (a plan that is not :meth:`Plan.on_one_device`), XLA's figures
-        are per device (the partitioned program one device runs) and ``config["devices"]`` is
-        the mesh's size; the analytic figures stay those of one device running the whole
-        batch."""
+        are per device (the partitioned program one device runs), ``config["mesh_devices"]``
+        is the mesh's size and ``config["devices"]`` its data axis' (as ``--devices`` means
+        it, ``0`` written out); the analytic figures stay those of one device running the
+        whole batch."""
         mesh = self.plan.mesh() if self.plan.on_one_device() != self.plan else None
-        config = self.config if mesh is None else {**self.config, "devices": mesh.size}
+        config = self.config
+        if mesh is not None:
+            data = sharding_lib.data_devices(mesh) if self.plan.shard != "none" else 0
+            config = {**config, "devices": data, "mesh_devices": mesh.size}
         report = memory.analyze(
             self.step,
             self.abstract_state(),

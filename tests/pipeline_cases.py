@@ -231,7 +231,7 @@ def test_lowmem_analyze_gives_the_per_device_bytes_of_the_stages(capsys):
                      "--json"])  # fmt: skip
     assert code == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["config"]["devices"] == 2
+    assert result["config"]["mesh_devices"] == 2 and result["config"]["devices"] == 0
     assert result["xla_vs_single_device"]["argument_bytes"] < 0.75
     (verdict,) = [v for v in result["verdicts"] if v["technique"] == "pipeline"]
     assert verdict["took_effect"] and "split over 2 stages" in verdict["evidence"]

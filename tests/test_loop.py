@@ -90,3 +90,9 @@ def test_config_defaults_per_task():
         TrainConfig(lr_schedule="linear")
     with pytest.raises(ValueError, match="image_size=8 applies to dataset='digits' only"):
         TrainConfig(dataset="cifar10", image_size=8)
+    with pytest.raises(ValueError, match="memory_devices plans over several devices: it needs"):
+        TrainConfig(memory_devices=2)
+    with pytest.raises(ValueError, match="memory_devices must be an int >= 1, got 0"):
+        TrainConfig(memory_devices=0, memory_budget=2**20)
+    # At its default it is not part of the run's identity: runs recorded before it resume
+    assert "memory_devices" not in digits.identity()
