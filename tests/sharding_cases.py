@@ -443,6 +443,39 @@ def test_train_with_a_memory_budget_over_eight_devices_trains_over_them(capsys):
     assert summary["steps"] == 2
 
 
+class UserConvNet(nn.Module):
+    """A user's Linen model (no scanned stacks, no ``param_layout``)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.relu(nn.Conv(32, (3, 3))(x))
+        x = nn.BatchNorm(use_running_average=not train)(nn.Conv(32, (3, 3))(x))
+        return nn.Dense(10)(nn.relu(x).mean((1, 2)))
+
+
+def test_the_planner_over_devices_plans_a_user_s_model():
+    """A model nobody here wrote, with a raw optax optimizer (``lm.custom_workload``): over the
+    eight devices the planner's answer fits a per-device budget the one-device plain step
+    misses, every technique it turns on says it took effect, and the pipeline's stage counts
+    are left out in one line each (the model has no scanned stack)."""
+    batch = {"image": jnp.zeros((32, 16, 16, 3)), "label": jnp.zeros((32,), jnp.int32)}
+    work = lm.custom_workload(
+        "user-convnet", UserConvNet(), batch, loss=lm.classifier_loss_fn,
+        init=lambda model, rng, b: model.init(rng, b["image"][:2], train=False),
+        optimizer=optax.adam(1e-3),
+    )  # fmt: skip
+    plain = lm.workloads.build_plain(work).analyze().xla["total_bytes"]
+    log: list[str] = []
+    space = {"remat": ("none",), "precision": ("fp32",), "optimizer_state": ("auto",)}
+    found = lm.plan_for_budget(
+        work, plain // 4, envelope="any", space=space, devices=DEVICES, log=log.append
+    )
+    assert found.xla["total_bytes"] <= plain // 4
+    assert found.plan.shard != "none" and found.plan.devices == DEVICES
+    assert sum("left out: pipeline=" in line for line in log) == 3, log  # 2, 4 and 8 stages
+    assert all(v.took_effect for v in lm.build(work, found.plan).verdicts())
+
+
 def _analyze_argv(capsys, argv):
     assert cli.main(["analyze", *argv, "--json"]) == 0
     return capsys.readouterr().out
