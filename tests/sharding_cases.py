@@ -408,17 +408,14 @@ def test_bad_sharding_flags_exit_2_with_one_line(capsys, flags, message):
 
 def test_the_planner_over_eight_devices_fits_a_budget_per_device(capsys):
     """``lowmem plan --devices 8``: a per-device budget is met by a plan over the eight devices
-    (ZeRO's stages searched as storage axes) that misses it several times over on one device,
-    verified by compiling; its flags name the devices, and analysing them gives the same
-    bytes. The pipeline's stage counts that divide none of WRN-10-1's stacks are left out
-    with their reason."""
-    budget = 2.1 * 2**20  # dp over 8: 2.27 MiB, zero1 2.01, one device 11.27 (XLA:CPU)
-    code = cli.main(["plan", "--model", "wrn-10-1", "--batch-size", "16", "--budget", "2.1MiB",
-                     "--devices", "8", "--envelope", "any", "--cache-dir", ""])  # fmt: skip
+    that misses it several times over on one device, verified by compiling; its flags name the
+    devices, and analysing them gives the same bytes."""
+    budget = 2.5 * 2**20  # dp over 8: 2.27 MiB, zero1 2.01, one device 11.27 (XLA:CPU)
+    code = cli.main(["plan", "--model", "wrn-10-1", "--batch-size", "16", "--budget", "2.5MiB",
+                     "--devices", "8", "--cache-dir", ""])  # fmt: skip
     assert code == 0
     out = capsys.readouterr().out
-    assert "budget 2.1 MiB per device over 8 devices" in out, out
-    assert "pipeline=2 left out: pipeline=2 divides none of the model's block stacks" in out
+    assert "budget 2.5 MiB per device over 8 devices" in out, out
     flags = next(line for line in out.splitlines() if line.startswith("plan: lowmem analyze"))
     assert "--devices 8" in flags and "--shard" in flags
     chosen = json.loads(_analyze_argv(capsys, flags.split()[3:]))
@@ -431,15 +428,23 @@ def test_the_planner_over_eight_devices_fits_a_budget_per_device(capsys):
 
 def test_train_with_a_memory_budget_over_eight_devices_trains_over_them(capsys):
     """``lowmem train --memory-budget SIZE --devices 8``: the plan chosen per device over the
-    eight devices (``--devices`` is the planner's here, not a technique flag) is trained over
-    all of them."""
+    eight devices (``--devices`` is the planner's here, not a technique flag; a technique flag
+    is refused) is trained over all of them; a budget the fp32 step fits gets no technique
+    but the devices."""
     common = ["train", "--model", "wrn-10-1", "--image-size", "8", "--batch-size", "16",
-              "--steps", "2", "--no-progress", "--json", "--envelope", "any"]  # fmt: skip
-    assert cli.main([*common, "--memory-budget", "2MiB", "--devices", "8"]) == 0
+              "--steps", "2", "--no-progress", "--json"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*common, "--memory-budget", "8MiB", "--devices", "8", "--precision", "fp16"])
+    assert exit_info.value.code == 2
+    assert "--memory-budget chooses the techniques; it takes no --precision" in (
+        capsys.readouterr().err
+    )
+    assert cli.main([*common, "--memory-budget", "1GiB", "--devices", "8"]) == 0
     out = capsys.readouterr()
     summary = json.loads(out.out)
-    assert "memory budget 2.0 MiB per device: " in out.err
-    assert summary["plan"]["shard"] != "none" and summary["plan"]["devices"] == 8
+    assert "memory budget 1024.0 MiB per device: --shard dp --devices 8 (" in out.err
+    assert summary["plan"]["shard"] == "dp" and summary["plan"]["devices"] == 8
+    assert summary["plan"]["precision"] == "fp32" and summary["plan"]["remat"] == "none"
     assert summary["steps"] == 2
 
 

@@ -114,24 +114,6 @@ def test_a_budget_below_every_plan_names_the_smallest(capsys, small_space, monke
     assert "budget 'lots' is not a positive size" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_train_with_a_memory_budget_trains_the_planned_step(capsys):
-    common = ["train", "--model", MODEL, "--image-size", "8", "--no-progress", "--json"]
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main([*common, "--memory-budget", "8MiB", "--precision", "fp16"])
-    assert exit_info.value.code == 2
-    assert "--memory-budget chooses the techniques; it takes no --precision" in (
-        capsys.readouterr().err
-    )
-    # A budget the fp32 step fits: the plan is the fp32 step with no technique.
-    assert cli.main([*common, "--epochs", "1", "--memory-budget", "1GiB"]) == 0
-    out = capsys.readouterr()
-    summary = json.loads(out.out)
-    assert "memory budget 1024.0 MiB: no technique" in out.err
-    assert summary["plan"]["precision"] == "fp32" and summary["plan"]["microbatches"] == 1
-    assert summary["plan"]["remat"] == "none" and summary["steps"] > 0
-
-
 def test_a_budget_between_remat_none_and_full_gets_a_per_block_schedule(monkeypatch):
     """WRN-10-1 batch 8 (one microbatch in the report envelope), fp32 only: halfway between
     the compiled totals of remat none and full, the answer is a ``blocks:`` schedule of the
