@@ -129,7 +129,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         paths.check_writable_file(args.plot, "--plot")
     if args.devices > 1:  # before JAX starts: on CPU, that many host devices
         set_cpu_devices(args.devices, require=False)
-    log = None if args.json else print
+    # With --json the search's log goes to stderr (stdout holds exactly one JSON object)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
     over = f" per device over {args.devices} devices" if args.devices > 1 else ""
     if log:
         log(f"lowmem plan: {args.model}, budget {budget / MIB:.1f} MiB{over}, envelope "
@@ -278,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
         "stages (the rest data-parallel) are searched too, each plan compiled over all N (on "
         "CPU, N host devices). Default: %(default)s",
     )
-    plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    plan.add_argument(
+        "--json", action="store_true", help="print exactly one JSON object (the log on stderr)"
+    )
     plan.add_argument(
         "--plot", metavar="PATH", help="write a PNG of the plans compiled: bytes vs FLOPs"
     )

@@ -86,7 +86,9 @@ def test_plan_json_gives_flags_whose_compiled_step_fits(capsys, tmp_path, small_
     plot = tmp_path / "considered.png"
     assert cli.main(["plan", "--model", MODEL, "--batch-size", str(BATCH), "--budget", "8MiB",
                      "--json", "--plot", str(plot)]) == 0  # fmt: skip
-    result = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    result = json.loads(printed.out)
+    assert "lowmem plan: wrn-10-1, budget 8.0 MiB" in printed.err  # the search's log
     assert plot.stat().st_size > 0
     assert set(result) >= {"plan", "argv", "xla", "flops_overhead", "considered"}
     assert result["xla"]["total_bytes"] <= budget
