@@ -80,11 +80,17 @@ def _use_compilation_cache(cache_dir: str) -> None:
 
 
 def _use_host_devices(args: argparse.Namespace) -> None:
-    """The host devices the techniques' flags ask for (e.g. ``--devices N`` with ``--shard``,
-    ``lowmem report --shard-devices``), asked of XLA:CPU before JAX starts."""
+    """The host devices the flags ask for (the techniques': e.g. ``--devices N`` with
+    ``--shard``, ``lowmem report --shard-devices``; the planner's: ``--devices N`` with
+    ``lowmem plan`` or ``--memory-budget``), asked of XLA:CPU before JAX starts."""
     for technique in TECHNIQUES:
         if technique.host_devices is not None:
             technique.host_devices(args)
+    planned = args.command == "plan" or getattr(args, "memory_budget", None) is not None
+    if planned and (getattr(args, "devices", None) or 1) > 1:
+        from lowmem_jax.sharding import set_cpu_devices
+
+        set_cpu_devices(args.devices, require=False)  # the planner checks what JAX then sees
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -122,19 +128,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from lowmem_jax.plan_flags import parse_bytes
     from lowmem_jax.planner import plan_for_model
-    from lowmem_jax.sharding import set_cpu_devices
 
     budget = parse_bytes(args.budget)
     if args.plot:
         paths.check_writable_file(args.plot, "--plot")
-    if args.devices > 1:  # before JAX starts: on CPU, that many host devices
-        set_cpu_devices(args.devices, require=False)
     # With --json the search's log goes to stderr (stdout holds exactly one JSON object)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
     over = f" per device over {args.devices} devices" if args.devices > 1 else ""
-    if log:
-        log(f"lowmem plan: {args.model}, budget {budget / MIB:.1f} MiB{over}, envelope "
-            f"{args.envelope}")  # fmt: skip
+    log(f"lowmem plan: {args.model}, budget {budget / MIB:.1f} MiB{over}, envelope {args.envelope}")
     result = plan_for_model(args.model, args.batch_size, budget, envelope=args.envelope,
                             seq_len=args.seq_len, objective=args.objective, devices=args.devices,
                             log=log)  # fmt: skip

@@ -30,7 +30,6 @@ _TRAIN_FIELDS = (
 def _train_config(args: argparse.Namespace):
     from lowmem_jax.loop import DEFAULT_PLAN, TrainConfig
     from lowmem_jax.plan_flags import parse_bytes
-    from lowmem_jax.sharding import set_cpu_devices
 
     fields = {k: getattr(args, k) for k in _TRAIN_FIELDS if getattr(args, k) is not None}
     plan, budget, devices = DEFAULT_PLAN, None, 1
@@ -44,9 +43,7 @@ def _train_config(args: argparse.Namespace):
             raise ValueError(
                 f"--memory-budget chooses the techniques; it takes no {', '.join(given)}"
             )
-        devices = args.devices or 1
-        if devices > 1:  # before JAX starts: on CPU, that many host devices
-            set_cpu_devices(devices, require=False)
+        devices = args.devices or 1  # host devices on CPU: asked for by lowmem_jax.cli
     return TrainConfig(
         **fields,
         plan=plan,
