@@ -23,6 +23,12 @@ microbatched gradient therefore differs from the full-batch one; without it, it 
 
 Gradients are summed in float32 (whatever the parameter dtype) and returned in the dtype that
 ``grad_fn`` returns them in.
+
+On XLA:CPU the step compiles without XLA's while-loop-invariant code motion
+(:func:`compiler_options`): the loop reads the parameters every iteration, and that pass moves
+what is computed from them alone (e.g. XLA:CPU's float32 copies of half-precision weights for
+its dots and convolutions) out of the loop, where it stays live across
+all ``k`` microbatches instead of one layer's use.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import jax.numpy as jnp
 PyTree = Any
 GradFn = Callable[[PyTree, PyTree, PyTree, Any], tuple[PyTree, PyTree, PyTree]]
 
-__all__ = ["accumulate_gradients", "split_batch", "check_num_microbatches"]
+__all__ = ["accumulate_gradients", "split_batch", "check_num_microbatches", "compiler_options"]
 
 
 def check_num_microbatches(num_microbatches: int) -> int:
@@ -46,6 +52,18 @@ def check_num_microbatches(num_microbatches: int) -> int:
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     return num_microbatches
+
+
+def compiler_options(num_microbatches: int, backend: str | None = None) -> dict[str, str]:
+    """XLA options for a step that accumulates over ``num_microbatches`` on ``backend`` (default:
+    JAX's default): on CPU with ``num_microbatches > 1``,
+    ``{"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}`` (module docstring: the
+    loop's parameter-only values are computed per microbatch, not held across the loop; the
+    arithmetic is the same); otherwise ``{}``."""
+    k = check_num_microbatches(num_microbatches)
+    if k > 1 and (backend or jax.default_backend()) == "cpu":
+        return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+    return {}
 
 
 def split_batch(batch: PyTree, num_microbatches: int, shards: int = 1) -> PyTree:

@@ -190,11 +190,18 @@ class _PlanMethods:
 
     def compiler_options(self) -> dict[str, str]:
         """XLA options the jitted step needs for this plan: every registered technique's
-        (e.g. :func:`lowmem_jax.remat.compiler_options`)."""
+        (e.g. :func:`lowmem_jax.remat.compiler_options`), their ``xla_disable_hlo_passes``
+        lists joined."""
         options: dict[str, str] = {}
+        passes: list[str] = []
         for technique in TECHNIQUES:
             if technique.compiler_options is not None:
-                options.update(technique.compiler_options(self))
+                wanted = dict(technique.compiler_options(self))
+                disabled = wanted.pop("xla_disable_hlo_passes", "")
+                passes += [p for p in disabled.split(",") if p and p not in passes]
+                options.update(wanted)
+        if passes:
+            options["xla_disable_hlo_passes"] = ",".join(passes)
         return options
 
     def compile_cost(self) -> float:

@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import MLP, BNNet, assert_trees_close, classification_batch
 from hypothesis import given, settings
@@ -89,3 +90,36 @@ def test_indivisible_batch_raises_before_tracing_the_model():
 def test_bad_k_raises(k):
     with pytest.raises(ValueError, match="num_microbatches"):
         lm.accumulate_gradients(lambda *a: a, k)
+
+
+def test_cpu_step_holds_no_parameter_copy_across_the_microbatch_loop():
+    """XLA:CPU computes half-precision dots in float32; with its loop-invariant code motion the
+    float32 copy of a weight is hoisted out of the accumulation loop and held across it. The
+    plan's options (joined with remat's) leave it inside: less temp, the same update."""
+    width = 512
+
+    def loss_fn(params, model_state, batch, rng):
+        out = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
+        return jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2), (model_state, {})
+
+    params = {"w1": jnp.ones((width, width)) / width, "w2": jnp.ones((width, width)) / width}
+    batch = {"x": jax.random.normal(jax.random.key(0), (32, width)), "y": jnp.zeros((32, width))}
+    plan = lm.Plan(precision="mixed_fp16", microbatches=4)
+    tx = optax.sgd(0.1)
+    state = lm.TrainState.create(params=params, tx=tx, plan=plan)
+    step = lm.make_train_step(loss_fn, tx, plan, jit=False)
+    assert plan.compiler_options() == lm.microbatch.compiler_options(4, "cpu")
+    assert (
+        "while-loop-invariant-code-motion"
+        in lm.microbatch.compiler_options(4, "cpu")["xla_disable_hlo_passes"]
+    )
+    assert lm.microbatch.compiler_options(1, "cpu") == {}
+    joined = lm.Plan(microbatches=2, remat="full").compiler_options()["xla_disable_hlo_passes"]
+    assert sorted(joined.split(",")) == ["cse_barrier_expander", "while-loop-invariant-code-motion"]
+    temp, updated = {}, {}
+    for name, options in (("plan", plan.compiler_options()), ("hoisted", None)):
+        jitted = jax.jit(step, compiler_options=options)
+        temp[name] = lm.memory.xla_memory(jitted.lower(state, batch).compile())["temp_bytes"]
+        updated[name] = jitted(state, batch)[0].params
+    assert temp["plan"] <= temp["hoisted"] - width * width * 4  # at least one float32 weight
+    assert_trees_close(updated["plan"], updated["hoisted"], rtol=1e-6, atol=0)

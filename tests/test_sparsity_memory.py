@@ -32,19 +32,21 @@ def _temp_bytes(sparse):
 @pytest.mark.slow
 def test_compressed_dsr_rewiring_temporaries_stay_within_the_dense_step():
     """Before per-layer rewiring, sorts / scatters over every layer's dense size were alive at
-    once: 2.48 MB of temporaries against the dense step's 0.99 MB here (1.13 MB now). Two
-    compiles; RigL (same regrowth code, [capacity] prune sort) would cost a third."""
+    once: 2.48 MB of temporaries against the dense step's 0.99 MB here (1.02 MB now, against
+    0.68 since the microbatch loop no longer holds hoisted weight copies). Two compiles; RigL
+    (same regrowth code, [capacity] prune sort) would cost a third."""
     dense, _ = _temp_bytes(None)
     cfg = sparsity.SparseConfig(
         algorithm="dsr", density=0.1, distribution="uniform", compressed=True
     )
     sparse, setup = _temp_bytes(cfg)
     # The one honest extra: the compressed step scatters the dense weights of the sparse leaves
-    # transiently (arguments, not temporaries, of the dense step): at most 4 bytes per weight.
-    # The rewiring itself must fit in what the dense step already needs.
+    # transiently (arguments, not temporaries, of the dense step): float32 from the compressed
+    # values, then their float16 copy, at most 6 bytes per weight. The rewiring itself must fit
+    # in what the dense step already needs.
     model_params = jax.eval_shape(lambda s: lm.model_params(s, setup.tx), setup.abstract_state())
     layout = make_layout(model_params, cfg)
-    materialized = 4 * sum(s.size for s in layout.leaves)
+    materialized = 6 * sum(s.size for s in layout.leaves)
     assert sparse <= dense + materialized, (sparse, dense, materialized)
 
 

@@ -76,6 +76,7 @@ TECHNIQUE = Technique(
     # As the flag reads (--microbatches 4: a count); a report row's "mb k" is k examples each.
     label=lambda plan: f"microbatches {plan.microbatches}" if plan.microbatches > 1 else None,
     wrap_grad_fn=_accumulate,
+    compiler_options=lambda plan: microbatch_lib.compiler_options(plan.microbatches),
     # The report kept accuracy down to microbatches of about 8 examples (BatchNorm statistics
     # per microbatch); applied to every model, which is conservative for those without it.
     envelope=EnvelopeRule(
