@@ -369,9 +369,10 @@ def test_the_accuracy_quoted_is_the_committed_study_s():
     root = pathlib.Path(__file__).parents[1]
     result = json.loads((root / "experiments/results/envelope_accuracy/accuracy.json").read_text())
     page = " ".join((root / "docs" / "techniques.md").read_text().split())
-    for task, scale in (("digits", 100), ("translation", 1)):  # points; BLEU
+    # points; BLEU (the translation study at 1,200 steps reran int8 only)
+    for task, scale, formats in (("digits", 100, ("int8", "int2")), ("translation", 1, ("int8",))):
         rows = {r["name"]: r for r in result["tasks"][task]}
-        for fmt in ("int8", "int2"):
+        for fmt in formats:
             delta = rows[f"act_{fmt}"]["delta_vs_baseline"]
             low, high = (scale * x for x in delta["ci95"])
             assert f"`{fmt}` {scale * delta['mean']:+.2f} [{low:+.2f}, {high:+.2f}]" in page
