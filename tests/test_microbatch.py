@@ -122,4 +122,7 @@ def test_cpu_step_holds_no_parameter_copy_across_the_microbatch_loop():
         temp[name] = lm.memory.xla_memory(jitted.lower(state, batch).compile())["temp_bytes"]
         updated[name] = jitted(state, batch)[0].params
     assert temp["plan"] <= temp["hoisted"] - width * width * 4  # at least one float32 weight
+    said = {v.technique: v for v in lm.verdicts(step, state, batch, plan=plan, tx=tx)}
+    assert said["microbatches"].took_effect
+    assert "no loop-invariant code motion" in said["microbatches"].evidence
     assert_trees_close(updated["plan"], updated["hoisted"], rtol=1e-6, atol=0)

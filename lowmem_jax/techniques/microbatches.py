@@ -38,10 +38,11 @@ def _took_effect(evidence, plan):
         if eqn.primitive.name == "scan" and eqn.params.get("length") == k
     ]  # fmt: skip
     examples = jax.tree.leaves(evidence.batch)[0].shape[0] // k
+    hoisting = "; no loop-invariant code motion" if microbatch_lib.compiler_options(k) else ""
     return Verdict(
         "microbatches",
         bool(loops),
-        f"gradients accumulated over {k} microbatches of {examples} examples (lax.scan)",
+        f"gradients accumulated over {k} microbatches of {examples} examples (lax.scan{hoisting})",
     )
 
 
