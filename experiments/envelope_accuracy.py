@@ -107,7 +107,19 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
             rows[1],
         ),
     ]
-    if task == "fashion":  # the baseline and the headline's two rows (an epoch: 26 of digits')
+    if digits:  # the in-envelope row with its optimizer state in int8
+        out.append(
+            (
+                study.Variant(
+                    "in_envelope_int8",
+                    "combined",
+                    f"mixed_fp16 + mb 8 + remat full + state int8 + DSR 70%{suffix}",
+                    dataclasses.replace(inside, optimizer_state="int8"),
+                ),
+                f"mixed_fp16 + mb 8 + remat full + state int8 + sparse 70%{suffix}",
+            )
+        )
+    if task == "fashion":  # the baseline and the headline's rows (an epoch: 26 of digits')
         return out
     # Compressed activations alone, at two widths.
     out += [
@@ -147,6 +159,15 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
                     least,
                 ),
                 "mixed_fp16 + mb 10 + remat sqrt + state bf16 + sparse 70%",
+            ),
+            (
+                study.Variant(
+                    "in_envelope_least_int8",
+                    "combined",
+                    "mixed_fp16 + mb 8 per batch + remat sqrt + state int8 + DSR 70%",
+                    dataclasses.replace(least, optimizer_state="int8"),
+                ),
+                "mixed_fp16 + mb 10 + remat sqrt + state int8 + sparse 70%",
             ),
             (
                 study.Variant(

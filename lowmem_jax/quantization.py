@@ -42,6 +42,7 @@ __all__ = [
     "Quantized",
     "quantize",
     "dequantize",
+    "zero_where",
     "quantized_nbytes",
 ]
 
@@ -329,6 +330,24 @@ def dequantize(qx: Quantized, dtype: Any = jnp.float32) -> jax.Array:
     else:
         out = (values.reshape(-1, meta.block_size) * qx.scales[:, None]).reshape(-1)[:n]
     return out.reshape(meta.shape).astype(dtype)
+
+
+def zero_where(qx: Quantized, keep: jax.Array) -> Quantized:
+    """``qx`` with the elements where ``keep`` (bool, ``qx.shape``) is false set to the code of
+    the book's least magnitude (0 in the dynamic maps; the zero-free linear map's smallest,
+    which decodes to ``s / 2**bits``). The scales stay: no float array is made, and an element
+    kept decodes as before."""
+    meta = qx.meta
+    zero = np.uint8(np.argmin(np.abs(code_book(meta.code_book, meta.bits))))
+    per_byte = 8 // meta.bits
+    keep = keep.reshape(-1)
+    keep = jnp.pad(keep, (0, qx.codes.shape[0] * per_byte - keep.shape[0]), constant_values=True)
+    if meta.bits == 8:
+        return qx._replace(codes=jnp.where(keep, qx.codes, zero))
+    pairs = keep.reshape(-1, 2)
+    low = jnp.where(pairs[:, 0], qx.codes & 0xF, zero)
+    high = jnp.where(pairs[:, 1], qx.codes >> 4, zero)
+    return qx._replace(codes=(low | (high << 4)).astype(jnp.uint8))
 
 
 def quantized_nbytes(qx: Quantized) -> int:

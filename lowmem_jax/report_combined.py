@@ -28,7 +28,7 @@ def combined_rows(context: GridContext) -> list[ReportRow]:
     """The rows that combine techniques: the optimizer-state formats with 90% sparsity, Tucker
     with full remat, the study's combinations, the in-envelope ones (microbatches of at least 8
     examples), ``lowmem plan``'s float32 answer for the IWSLT transformer and the least it
-    compiled in the envelope at a smaller budget, and the least-memory
+    compiled in the envelope at a smaller budget (and with its state in int8), and the least-memory
     ones at three sparsities. ``quick``: those the headline comes from (a row whose twin with
     ``uint8 input`` is in the grid leaves it to the twin: fewer bytes, the same compile)."""
     batch = context.batch_size
@@ -63,6 +63,9 @@ def combined_rows(context: GridContext) -> list[ReportRow]:
         combined(name, fields, quick=not uint8)
         if uint8:
             combined(f"{name} + uint8 input", {**fields, **uint8}, quick=True)
+            # With its state in int8 (inside sparse training, updated a group at a time).
+            name = f"mixed_fp16 + mb {size} + remat full + state int8 + sparse 70% + uint8 input"
+            combined(name, {**fields, **uint8, "optimizer_state": "int8"}, quick=True)
         # Compression instead of recomputation: no second forward pass.
         fields = {**fields, "remat": "none", "activations": "int8"}
         combined(f"mixed_fp16 + mb {size} + act int8 + sparse 70%", fields)
@@ -74,6 +77,8 @@ def combined_rows(context: GridContext) -> list[ReportRow]:
         fields = {**fields, "precision": "mixed_fp16", "remat": "sqrt"}
         name = f"mixed_fp16 + mb {size} + remat sqrt + state bf16 + sparse 70%"
         combined(name, fields, quick=not uint8)
+        name = f"mixed_fp16 + mb {size} + remat sqrt + state int8 + sparse 70%"
+        combined(name, {**fields, "optimizer_state": "int8"}, quick=not uint8)
     size = context.examples(2)
     if size:  # the least-memory combination, at three sparsities
         for sparsity in (0.7, 0.8, 0.9):

@@ -327,15 +327,13 @@ def test_sparse_slot_reset_of_regrown_weights_reaches_the_quantized_slots(fmt):
             assert (v[regrown] < v[kept].min()).all()
 
 
-def test_plan_puts_16_bit_slots_inside_and_codes_outside_sparse_training():
+def test_plan_puts_16_bit_slots_inside_sparse_training():
     params = lm.precision.cast_floating(tiny_params(), jnp.bfloat16)
     cfg = sparsity.SparseConfig(algorithm="set", density=0.3, update_period=2, drop_fraction=0.5)
     # Pure bf16, optimizer_state auto: bfloat16 slots, float32 arithmetic, inside.
     inside = lm.Plan(precision="bf16", sparsity=cfg).wrap_optimizer(optax.adam(1e-2), params)
     assert isinstance(inside, sparsity.SparseTraining)
     assert isinstance(inside.inner, lm.optimizer_state.QuantizedStateOptimizer)
-    outside = lm.Plan(sparsity=cfg, optimizer_state="int8").wrap_optimizer(optax.adam(1e-2), params)
-    assert isinstance(outside.inner, sparsity.SparseTraining)
     # bf16 slots inside: sparse training finds them as mirrors and resets the regrown ones.
     stored, state = inside.store(params)
     update = jax.jit(inside.update, compiler_options=FAST_COMPILE)
@@ -353,6 +351,58 @@ def test_plan_puts_16_bit_slots_inside_and_codes_outside_sparse_training():
         assert regrown.any()
         for mirror in mirrors:
             assert not np.asarray(leaves_by_key(mirror, [k])[k], np.float32)[regrown].any()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_plan_puts_codes_inside_sparse_training_resets_them_and_decodes_in_groups(fmt):
+    """Inside sparse training an int8 / int4 state is updated one group of leaves at a time
+    (the inner update is separable; the sparse one is not), and sparse training resets the
+    regrown weights' slots in their codes."""
+    rng = np.random.default_rng(0)
+    params = {
+        name: {"kernel": jnp.asarray(rng.normal(size=(64, 128)), jnp.float32)}
+        for name in ("a", "b", "c")
+    }
+    cfg = sparsity.SparseConfig(
+        algorithm="set", density=0.3, update_period=2, drop_fraction=0.5, regrow_pool="zeros_first"
+    )
+    plan = lm.Plan(sparsity=cfg, optimizer_state=fmt)
+    inside = plan.wrap_optimizer(optax.adam(1e-2), params)
+    assert isinstance(inside, sparsity.SparseTraining)
+    assert isinstance(inside.inner, lm.optimizer_state.QuantizedStateOptimizer)
+    stored, state = inside.store(params)
+    grads = jax.tree.map(jnp.sin, stored)
+    groups, why = inside.inner.schedule(grads, state.inner_state.inner_state, stored)
+    assert groups is not None and len(groups) == 3, why
+    # The same first update as the state quantized around sparse training (no rewiring yet).
+    outside = lm.quantized_state(sparsity.sparse_training(optax.adam(1e-2), cfg, params), fmt)
+    stored_o, state_o = outside.store(params)
+    np.testing.assert_allclose(
+        jax.tree.leaves(jax.jit(outside.update)(grads, state_o, stored_o)[0]),
+        jax.tree.leaves(jax.jit(inside.update)(grads, state, stored)[0]),
+        rtol=1e-6,
+    )
+    update = jax.jit(inside.update, compiler_options=FAST_COMPILE)
+    for _ in range(2):
+        old_masks = state.pattern
+        updates, state = update(grads, state, stored)
+        stored = optax.apply_updates(stored, updates)
+    mu, nu = slots.find_mirrors(state.inner_state.inner_state, stored)
+    for k in inside.layout.keys:
+        regrown = np.asarray(state.pattern[k] & ~old_masks[k]).reshape(-1)
+        kept = np.asarray(state.pattern[k] & old_masks[k]).reshape(-1)
+        assert regrown.any() and kept.any()
+        m_q, v_q = leaves_by_key(mu, [k])[k], leaves_by_key(nu, [k])[k]
+        assert isinstance(m_q, quantization.Quantized) and isinstance(v_q, quantization.Quantized)
+        m = np.asarray(quantization.dequantize(m_q)).reshape(-1)
+        v = np.asarray(quantization.dequantize(v_q)).reshape(-1)
+        assert not m[regrown].any() and m[kept].any()  # the signed maps hold an exact 0
+        if fmt == "int8":
+            assert not v[regrown].any() and v[kept].all()
+        else:  # the zero-free linear map: a reset second moment is its smallest code, s / 16
+            codes = np.asarray(v_q.codes)
+            nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(-1)[: v.size]
+            assert not nibbles[regrown].any() and v[regrown].all()
 
 
 def test_compressed_sparse_storage_quantizes_the_values_slots():

@@ -4,7 +4,9 @@ A *mirror* is a subtree of the optimizer state whose tree structure equals the p
 whose leaves have the parameters' shapes (dtypes may differ): SGD's momentum ``trace``, Adam's
 ``mu`` and ``nu``, the inner state of ``inject_hyperparams``, a user's own transform... No list
 of state classes is involved, so new optimizers work unchanged. (A single-array parameter tree
-makes every same-shaped array a mirror.)
+makes every same-shaped array a mirror.) A quantized slot
+(:class:`lowmem_jax.quantization.Quantized`, of an int8 / int4 stored state) is one leaf of
+its parameter's shape.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from lowmem_jax.quantization import Quantized
 
 PyTree = Any
 
@@ -25,14 +29,18 @@ def mirror_predicate(params: PyTree) -> Callable[[Any], bool]:
     shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
 
     def is_mirror(node) -> bool:
-        if jax.tree.structure(node) != treedef:
+        if jax.tree.structure(node, is_leaf=_is_quantized) != treedef:
             return False
-        leaves = jax.tree.leaves(node)
+        leaves = jax.tree.leaves(node, is_leaf=_is_quantized)
         return all(
             hasattr(x, "shape") and tuple(x.shape) == s for x, s in zip(leaves, shapes, strict=True)
         )
 
     return is_mirror
+
+
+def _is_quantized(x) -> bool:
+    return isinstance(x, Quantized)
 
 
 def find_mirrors(state: PyTree, params: PyTree) -> list[PyTree]:

@@ -33,28 +33,18 @@ def _outside(config, limit):
     return None if state in limit else f"optimizer state {state}"
 
 
-def _float_state(tx, plan, params):
-    """A 16- or 32-bit stored state wraps the user's transformation innermost: under sparse
-    training its slots keep the parameters' shapes (sparse training resets them itself) and
-    the rewiring reads the stored parameters without float32 copies. ``auto`` with 16-bit
-    parameters stores it in bfloat16; with float32 parameters leaves it as ``tx`` makes it."""
+def _stored_state(tx, plan, params):
+    """The stored format wraps the user's transformation innermost: under sparse training its
+    slots keep the stored parameters' shapes (a quantized slot is reset in its codes, so no
+    float32 copy of the state is made when weights regrow) and the update is separable by
+    leaf, so an int8 / int4 state is decoded one group of leaves at a time. ``auto`` with
+    16-bit parameters stores it in bfloat16; with float32 parameters leaves it as ``tx``
+    makes it."""
     fmt = plan.optimizer_state
-    if fmt in optimizer_state_lib.QUANTIZED_FORMATS:
-        return tx
     if fmt == "auto" and plan.policy.param_dtype == jnp.float32:
         return tx
-    return optimizer_state_lib.quantized_state(tx, fmt)
-
-
-def _quantized_state(opt, plan, params):
-    """``int8`` / ``int4`` wrap the optimizer so far (sparse training's reset of regrown
-    weights' slots then runs on the decoded float32 state)."""
-    if plan.optimizer_state not in optimizer_state_lib.QUANTIZED_FORMATS:
-        return opt
     stochastic = plan.optimizer_state_rounding == "stochastic"
-    return optimizer_state_lib.quantized_state(
-        opt, plan.optimizer_state, stochastic_rounding=stochastic
-    )
+    return optimizer_state_lib.quantized_state(tx, fmt, stochastic_rounding=stochastic)
 
 
 def _schedule(evidence) -> str:
@@ -122,7 +112,7 @@ _ROWS = [(f"state {f}", {"optimizer_state": f}) for f in ("bf16", "int8", "int4"
 
 TECHNIQUE = Technique(
     name="optimizer_state",
-    # Order: acts on the optimizer state's stored format (around sparse training)
+    # Order: the stored format of the user's transformation's state (inside sparse training)
     order=60,
     fields=(
         PlanField(
@@ -155,8 +145,7 @@ TECHNIQUE = Technique(
     ),
     validate=_validate,
     label=lambda plan: None if plan.optimizer_state == "auto" else f"state {plan.optimizer_state}",
-    inner_optimizer=_float_state,
-    wrap_optimizer=_quantized_state,
+    inner_optimizer=_stored_state,
     # 8 bits or more: Dettmers et al. 2022 matched 32-bit Adam; 4-bit states lose accuracy.
     envelope=EnvelopeRule(
         "optimizer_states",
