@@ -198,9 +198,7 @@ class CompressedStorage(Storage):
         return out.survivors, out.indices, out.threshold
 
 
-def _scatter(
-    values: jax.Array, positions: jax.Array, size: int, fresh_zeros: bool = False
-) -> jax.Array:
+def _scatter(values: jax.Array, positions: jax.Array, size: int) -> jax.Array:
     """Flat ``[size]``: ``values`` at ``positions``, 0 elsewhere; positions outside
     ``[0, size)`` are dropped (unused slots, other blocks' weights).
 
@@ -208,17 +206,15 @@ def _scatter(
     the scatter may promise unique indices: JAX's derivative of a scatter that cannot (and
     XLA:CPU's lowering of one) tracks which update won with dense int32 maps of the layer.
 
-    ``fresh_zeros``: the zeros it writes into are computed from ``positions`` (``min(p_0, 0)``,
-    always 0), so XLA cannot share one zero array among layers: a shared one is copied per
-    scatter, and XLA:CPU schedules those copies (each layer's dense weights) at the start of the
-    step, which keeps every layer's dense weights live at once.
+    The zeros it writes into are computed from ``positions`` (``min(|p_0|, 0)``, always 0; a
+    block's positions may be negative), so XLA cannot share one zero array among scatters: a
+    shared one is copied per scatter, and XLA:CPU schedules those copies (each layer's dense
+    weights) at the start of the step, which keeps every layer's dense weights live at once.
     """
     slot = jnp.arange(positions.shape[0], dtype=jnp.int32)
     distinct = jnp.where((positions >= 0) & (positions < size), positions, size + slot)
-    if fresh_zeros:
-        zeros = jnp.broadcast_to(jnp.minimum(positions[0], 0).astype(values.dtype), (size,))
-    else:
-        zeros = jnp.zeros((size,), values.dtype)
+    zero = jnp.minimum(jnp.abs(positions[0]), 0).astype(values.dtype)
+    zeros = jnp.broadcast_to(zero, (size,))
     return zeros.at[distinct].set(values, mode="drop", unique_indices=True)
 
 
@@ -249,8 +245,8 @@ class CompressedStack(_Compressed, BlockwiseLeaf):
     """A compressed leaf of ``L`` stacked blocks: ``values`` ``[capacity]`` at the flat
     positions ``indices`` of the dense ``shape = [L, *block_shape]``. Block ``i`` holds the
     positions ``[i * n, (i + 1) * n)``, ``n = prod(block_shape)``; :meth:`block` scatters
-    the ``[capacity]`` values into ``[n]``, dropping the other blocks' (O(capacity) work per
-    block; its gradient w.r.t. ``values`` is a gather)."""
+    the ``[capacity]`` values into ``[n]`` fresh zeros, dropping the other blocks' (O(capacity)
+    work per block; its gradient w.r.t. ``values`` is a gather)."""
 
     def block(self, index):
         n = math.prod(self.shape[1:])
@@ -282,7 +278,7 @@ class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
 
     def dense(self) -> jax.Array:
         size = math.prod(self.shape)
-        return _scatter(self.values, self.indices, size, fresh_zeros=True).reshape(self.shape)
+        return _scatter(self.values, self.indices, size).reshape(self.shape)
 
     def unbox(self) -> jax.Array:
         return self.dense()
