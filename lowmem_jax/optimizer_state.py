@@ -30,9 +30,12 @@ is a *second moment* when its path in the state names one of ``second_moments`` 
 Adagrad's ``sum_of_squares``). The state's structure and dtypes never change between steps, so
 it can be donated, checkpointed and selected leafwise (a skipped step keeps the old state).
 
-Wrapping a sparse optimizer quantizes the compressed values' slots; its reset of the slots of
-regrown weights runs on the float32 state, so it carries over to the quantized state (with the
-zero-free map, a reset second moment decodes to the smallest code, ``scale / 16``).
+Inside sparse training (as :class:`lowmem_jax.Plan` composes it) the state holds the compressed
+values' slots, and sparse training resets a regrown weight's slots in their codes
+(:func:`lowmem_jax.quantization.zero_where`). Wrapped around sparse training instead, the reset
+runs on the decoded float32 state, but the sparse update is not separable by leaf, so the whole
+state is decoded at once. Either way, with the zero-free map a reset second moment decodes to
+the smallest code, ``scale / 16``.
 """
 
 from __future__ import annotations

@@ -405,6 +405,29 @@ def test_plan_puts_codes_inside_sparse_training_resets_them_and_decodes_in_group
             assert not nibbles[regrown].any() and v[regrown].all()
 
 
+def test_snfs_reads_an_int8_momentum_inside_sparse_training():
+    """SNFS regrows by the momentum slot: inside sparse training an int8 one is decoded for
+    it, and the same regrowth counts follow as with the float32 momentum."""
+    rng = np.random.default_rng(0)
+    params = {n: {"kernel": jnp.asarray(rng.normal(size=(64, 128)), jnp.float32)} for n in "ab"}
+    cfg = sparsity.SparseConfig(algorithm="snfs", density=0.3, update_period=2)
+    counts = {}
+    for fmt in ("fp32", "int8"):
+        opt = lm.Plan(sparsity=cfg, optimizer_state=fmt).wrap_optimizer(
+            optax.sgd(1e-2, momentum=0.9), params
+        )
+        stored, state = opt.store(params)
+        update = jax.jit(opt.update, compiler_options=FAST_COMPILE)
+        grads = jax.tree.map(jnp.cos, stored)
+        for _ in range(2):
+            old = state.pattern
+            updates, state = update(grads, state, stored)
+            stored = optax.apply_updates(stored, updates)
+        assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+        counts[fmt] = [int((state.pattern[k] & ~old[k]).sum()) for k in opt.layout.keys]
+    assert counts["int8"] == counts["fp32"] and sum(counts["int8"]) > 0
+
+
 def test_compressed_sparse_storage_quantizes_the_values_slots():
     params = {"dense": {"kernel": jnp.asarray(np.random.default_rng(0).normal(size=(128, 256)))}}
     cfg = sparsity.SparseConfig(density=0.25, compressed=True, is_sparse=lambda p, s: True)

@@ -167,6 +167,36 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbouring_code():
     assert np.all(samples[:, ~inside] == pytest.approx(book[0] * s))
 
 
+@settings(max_examples=8, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 24), min_size=1, max_size=3).map(tuple),
+    book=st.sampled_from(["dynamic", "dynamic_unsigned", "linear"]),
+    bits=st.sampled_from([4, 8]),
+    rank1=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_zero_where_resets_only_the_elements_not_kept(shape, book, bits, rank1, seed):
+    """Kept elements decode as before; the others to the book's least magnitude times their
+    scale (0 in the dynamic maps), whatever the packing (two 4-bit codes a byte) and padding."""
+    if book == "linear" and bits == 8:
+        bits = 4  # the zero-free map is the 4-bit second moments'
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=shape).astype(np.float32)
+    if book != "dynamic":
+        x = np.abs(x)
+    keep = rng.random(shape) < 0.5
+    qx = _quantize(jnp.asarray(x), book, bits, block_size=8, rank1=rank1)
+    before = np.asarray(_dequantize(qx))
+    after = np.asarray(_dequantize(q.zero_where(qx, jnp.asarray(keep))))
+    np.testing.assert_array_equal(after[keep], before[keep])
+    least = np.abs(q.code_book(book, bits)).min()
+    ones = _dequantize(qx._replace(codes=jnp.full_like(qx.codes, 0xFF)))
+    scale = np.asarray(ones) / q.code_book(book, bits).max()  # each element's scale
+    np.testing.assert_allclose(after[~keep], least * scale[~keep], rtol=1e-6)
+    if book != "linear":
+        assert not after[~keep].any()
+
+
 def test_quantize_validates_and_counts_bytes():
     x = jnp.ones((1000,))
     with pytest.raises(ValueError, match="block_size"):

@@ -83,6 +83,7 @@ def test_blockwise_densification_keeps_one_blocks_dense_weights(monkeypatch):
     # Measured 6.49 MB against 6.69 (and 3.54 blockwise): the sliced blocks densify inside the
     # scan, but here, unlike inside nnx.scan, most of the gain needs the named stacks.
     assert blockwise < sliced < whole, (blockwise, sliced, whole)
+
     # Each block scatters into zeros of its own: one zero array shared by every scatter is
     # copied per scatter, and XLA:CPU makes those copies at the start of the step (measured
     # 3.58 MB against 2.61; the IWSLT transformer's in-envelope row 428.9 -> 397.7 MiB).

@@ -77,7 +77,7 @@ def path_names(path) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _is_quantized(x) -> bool:
+def is_quantized_slot(x) -> bool:
     """A quantized slot (:class:`lowmem_jax.quantization.Quantized`) is one leaf: its path
     names the parameter it mirrors."""
     return isinstance(x, Quantized)
@@ -88,7 +88,7 @@ def leaves_by_key(tree: PyTree, keys) -> dict[str, jax.Array]:
     (a quantized slot counts as one leaf)."""
     keys = set(keys)
     out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_quantized)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized_slot)[0]:
         k = "/".join(path_names(path))
         if k in keys:
             out[k] = leaf
@@ -101,7 +101,7 @@ def replace_leaves(tree: PyTree, new: dict[str, jax.Array]) -> PyTree:
     def fn(path, leaf):
         return new.get("/".join(path_names(path)), leaf)
 
-    return jax.tree_util.tree_map_with_path(fn, tree, is_leaf=_is_quantized)
+    return jax.tree_util.tree_map_with_path(fn, tree, is_leaf=is_quantized_slot)
 
 
 def _erk_shape(names: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:

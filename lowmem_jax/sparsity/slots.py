@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from lowmem_jax.quantization import Quantized
+from lowmem_jax.sparsity.layout import is_quantized_slot
 
 PyTree = Any
 
@@ -29,18 +29,14 @@ def mirror_predicate(params: PyTree) -> Callable[[Any], bool]:
     shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
 
     def is_mirror(node) -> bool:
-        if jax.tree.structure(node, is_leaf=_is_quantized) != treedef:
+        if jax.tree.structure(node, is_leaf=is_quantized_slot) != treedef:
             return False
-        leaves = jax.tree.leaves(node, is_leaf=_is_quantized)
+        leaves = jax.tree.leaves(node, is_leaf=is_quantized_slot)
         return all(
             hasattr(x, "shape") and tuple(x.shape) == s for x, s in zip(leaves, shapes, strict=True)
         )
 
     return is_mirror
-
-
-def _is_quantized(x) -> bool:
-    return isinstance(x, Quantized)
 
 
 def find_mirrors(state: PyTree, params: PyTree) -> list[PyTree]:
