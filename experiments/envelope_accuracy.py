@@ -189,6 +189,17 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
             ),
             (
                 study.Variant(
+                    "best_static90",
+                    "combined",
+                    "fp16 + mb 8 per batch + remat full + static sparse 90%",
+                    dataclasses.replace(
+                        best, sparsity=dataclasses.replace(study.dsr(0.9), algorithm="static")
+                    ),
+                ),
+                "fp16 + mb 2 + remat full + static sparse 90%",
+            ),
+            (
+                study.Variant(
                     "best_dense", "combined", "fp16 + mb 8 per batch + remat full (no DSR)", dense
                 ),
                 "fp16 + mb 2 + remat full",
