@@ -88,9 +88,9 @@ def combined_rows(context: GridContext) -> list[ReportRow]:
             combined(name, fields, quick=sparsity == 0.9 and not uint8)
             if sparsity in (0.7, 0.9):  # the mask fixed at initialisation: no rewiring
                 static = dataclasses.replace(fields["sparsity"], algorithm="static")
-                name = f"fp16 + mb {size} + remat full + static sparse {sparsity:.0%}"
                 # The translation headline's row within -1 BLEU; not a WideResNet headline.
-                combined(name, {**fields, "sparsity": static}, quick=not uint8)
+                combined(f"fp16 + mb {size} + remat full + static sparse {sparsity:.0%}",
+                         {**fields, "sparsity": static}, quick=not uint8)  # fmt: skip
         if uint8:
             combined(f"{name} + uint8 input", {**fields, **uint8}, quick=True)
         name = f"fp16 + mb {size} + remat full + sparse 90% + state int4"
