@@ -73,7 +73,7 @@ def combined_rows(context: GridContext) -> list[ReportRow]:
         fields = {"microbatches": batch // size, "remat": "dots", "optimizer_state": "bf16",
                   "sparsity": report_sparsity(0.7)}  # fmt: skip
         combined(f"mb {size} + remat dots + state bf16 + sparse 70%", fields, quick=not uint8)
-        # The least `lowmem plan` compiled in the envelope for it at 413 MiB when none fit (24436b6).
+        # The least `lowmem plan` compiled in the envelope at 413 MiB when none fit (24436b6).
         fields = {**fields, "precision": "mixed_fp16", "remat": "sqrt"}
         name = f"mixed_fp16 + mb {size} + remat sqrt + state bf16 + sparse 70%"
         combined(name, fields, quick=not uint8)
