@@ -75,8 +75,7 @@ def combined_rows(context: GridContext) -> list[ReportRow]:
         combined(f"mb {size} + remat dots + state bf16 + sparse 70%", fields, quick=not uint8)
         # The least `lowmem plan` compiled in the envelope at 413 MiB when none fit (24436b6).
         fields = {**fields, "precision": "mixed_fp16", "remat": "sqrt"}
-        name = f"mixed_fp16 + mb {size} + remat sqrt + state bf16 + sparse 70%"
-        combined(name, fields, quick=not uint8)
+        combined(f"mixed_fp16 + mb {size} + remat sqrt + state bf16 + sparse 70%", fields)
         name = f"mixed_fp16 + mb {size} + remat sqrt + state int8 + sparse 70%"
         combined(name, {**fields, "optimizer_state": "int8"}, quick=not uint8)
     size = context.examples(2)
