@@ -256,10 +256,14 @@ def test_the_time_left_weighs_each_row_by_its_plan_s_compile_cost(monkeypatch):
     from lowmem_jax import report as report_lib
     from lowmem_jax.sparsity import report_sparsity
 
-    now, turn = [0.0], threading.Semaphore(1)  # one analysis per line printed, in order
+    # One analysis per line printed, in grid order: the pool's threads may start any row, so
+    # row i waits for its turn (a semaphore let a later row take the first turn: a deadlock).
+    now, started, printed, turn = [0.0], [0], [0], threading.Condition()
 
     def analyze(model, batch_size, plan, seq_len, compiling):
-        turn.acquire()
+        with turn:
+            turn.wait_for(lambda: grid[started[0]][2] is plan and printed[0] == started[0])
+            started[0] += 1
         now[0] += 1.0 if plan is None else plan.compile_cost()
         config = {"plain": True} if plan is None else plan.to_dict()
         figures = {"total_bytes": 100, "source": "test"}
@@ -277,7 +281,14 @@ def test_the_time_left_weighs_each_row_by_its_plan_s_compile_cost(monkeypatch):
             ("dsr", "sparsity", dsr), ("static", "sparsity", static),
             ("dsr 2", "sparsity", dsr)]  # fmt: skip
     lines: list[str] = []
-    run_report("wrn-10-1", 8, grid=grid, progress=lambda line: (lines.append(line), turn.release()))
+
+    def progress(line):
+        lines.append(line)
+        with turn:
+            printed[0] += 1
+            turn.notify_all()
+
+    run_report("wrn-10-1", 8, grid=grid, progress=progress)
     left = [float(line.split("~")[1].split("s left")[0]) for line in lines]
     assert left == [9, 8, 4, 4, 0]  # 1 + 3.5 + 1 + 3.5, then 3.5 + 1 + 3.5, ...: rounded
 
