@@ -187,6 +187,18 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
                 ),
                 "fp16 + mb 2 + remat full + static sparse 70%",
             ),
+            *(
+                (
+                    study.Variant(
+                        f"best_static70_{fmt}",
+                        "combined",
+                        f"fp16 + mb 8 per batch + remat full + static sparse 70% + state {fmt}",
+                        dataclasses.replace(best, sparsity=static, optimizer_state=fmt),
+                    ),
+                    f"fp16 + mb 2 + remat full + static sparse 70% + state {fmt}",
+                )
+                for fmt in ("int8", "int4")
+            ),
             (
                 study.Variant(
                     "best_static90",
@@ -197,6 +209,15 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
                     ),
                 ),
                 "fp16 + mb 2 + remat full + static sparse 90%",
+            ),
+            (
+                study.Variant(
+                    "best_int4",
+                    "combined",
+                    "fp16 + mb 8 per batch + remat full + DSR 90% + state int4",
+                    dataclasses.replace(best, optimizer_state="int4"),
+                ),
+                "fp16 + mb 2 + remat full + sparse 90% + state int4",
             ),
             (
                 study.Variant(

@@ -102,6 +102,11 @@ def _encode_like(old: Any, new: Any, keys: list, block_size: int) -> Any:
     )
 
 
+def _f32(tree: PyTree) -> PyTree:
+    """``tree``'s shapes, floating leaves as float32 (what the update computes in)."""
+    return None if tree is None else cast_floating(shapes(tree), jnp.float32)
+
+
 def _restrict(params_def, leaves: list, chosen: dict[int, Any]) -> PyTree:
     """The tree of ``leaves`` with leaf ``i`` from ``chosen`` where given, else a placeholder."""
     return params_def.unflatten(
@@ -187,15 +192,15 @@ class QuantizedStateOptimizer(Wrapper):
         moments are live at a time. The numbers are those of the whole-tree update; a NaN
         predicate gives NaN updates (a skipped step)."""
         reference = grads if params is None else params
-        grads32 = cast_floating(grads, jnp.float32)
-        params32 = None if params is None else cast_floating(params, jnp.float32)
         old, treedef = jax.tree.flatten(state.inner_state, is_leaf=is_quantized)
         rng, keys = state.rng, [None] * len(old)
         if rng is not None:
             rng, sub = jax.random.split(rng)
             keys = list(jax.random.split(sub, max(len(old), 1)))
-        schedule, _ = self.schedule(grads32, state.inner_state, params32)
+        schedule, _ = self.schedule(_f32(grads), state.inner_state, _f32(params))
         if schedule is None:
+            grads32 = cast_floating(grads, jnp.float32)
+            params32 = None if params is None else cast_floating(params, jnp.float32)
             updates, inner_state = self.inner.update(
                 grads32, self.decode(state.inner_state), params32
             )
@@ -207,9 +212,8 @@ class QuantizedStateOptimizer(Wrapper):
             stored = jax.tree.unflatten(treedef, leaves)
         else:
             dtypes = [x.dtype for x in jax.tree.leaves(reference)]
-            updates, stored = self._update_in_groups(
-                schedule, grads32, state, params32, keys, dtypes
-            )
+            # cast in each group: cast up front, the float32 copies can live through the backward
+            updates, stored = self._update_in_groups(schedule, grads, state, params, keys, dtypes)
         updates = jax.tree.map(lambda u, r: u.astype(r.dtype), updates, reference)
         return updates, QuantizedState(stored, rng)
 
@@ -256,6 +260,7 @@ class QuantizedStateOptimizer(Wrapper):
         }
         grad_leaves = params_def.flatten_up_to(grads)
         param_leaves = None if params is None else params_def.flatten_up_to(params)
+        placeholders = [_f32(x) for x in (grad_leaves, param_leaves)]  # as the group's leaves
         updates: list = [None] * len(grad_leaves)
         encoded = [list(leaves) for leaves in stored.leaves]
         gate = grad_leaves  # the first group waits for every gradient
@@ -275,6 +280,7 @@ class QuantizedStateOptimizer(Wrapper):
 
             def run(operands, group=group, spots=spots):
                 state_in, keys_in, grads_in, params_in = operands
+                grads_in, params_in = cast_floating((grads_in, params_in), jnp.float32)
                 decoded = {spot: self.decode(x) for spot, x in zip(spots, state_in, strict=True)}
                 for k, x in shared.items():
                     decoded.setdefault((k, 0), x)
@@ -288,12 +294,12 @@ class QuantizedStateOptimizer(Wrapper):
                     ]
                 )
                 new_updates, new_state = self.inner.update(
-                    _restrict(params_def, grad_leaves, dict(zip(group, grads_in, strict=True))),
+                    _restrict(params_def, placeholders[0], dict(zip(group, grads_in, strict=True))),
                     state_g,
                     None
                     if params_in is None
                     else _restrict(
-                        params_def, param_leaves, dict(zip(group, params_in, strict=True))
+                        params_def, placeholders[1], dict(zip(group, params_in, strict=True))
                     ),
                 )
                 new_updates = params_def.flatten_up_to(new_updates)

@@ -226,3 +226,27 @@ def test_an_int8_adam_state_lowers_the_compiled_step_by_most_of_the_bytes_it_sav
     saved = sizes["fp32"][0] - sizes["int8"][0]
     assert saved > 5 * 2**20
     assert sizes["int8"][1] <= sizes["fp32"][1] - 0.9 * saved, sizes
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU buffer assignment")
+def test_a_pure_fp16_step_with_int4_moments_keeps_no_float32_copy_of_the_parameters():
+    """The grouped update casts a group's parameters and gradients to float32 inside the group's
+    conditional. Cast up front, XLA:CPU computed every parameter's float32 copy before the
+    microbatch loop and kept it through the backward pass: here 22.8 MB with int4 moments
+    against 17.5 with the default state (bfloat16 moments in pure fp16), 14.1 now (WRN-28-2 b128
+    `fp16 + mb 2 + remat full + sparse 90%`: 7.55 MiB with int4 against 7.05; 6.84 now). The
+    rule of the int8 test above. Two groups of leaves need over 2**20 parameters: WRN-28-2, on
+    8x8 images."""
+    from lowmem_jax.workloads import build, workload
+
+    sizes = {}
+    for fmt in ("auto", "int4"):
+        plan = lm.Plan(precision="fp16", microbatches=2, remat="full", optimizer_state=fmt)
+        setup = build(workload("wrn-28-2", 16, image_size=8), plan)
+        options = {**memory.analysis_compiler_options(), **FAST_COMPILE}
+        compiled = setup.step.lower(setup.abstract_state(), setup.workload.batch).compile(options)
+        m = memory.xla_memory(compiled)
+        sizes[fmt] = (m["argument_bytes"], m["total_bytes"])
+    saved = sizes["auto"][0] - sizes["int4"][0]
+    assert saved > 0
+    assert sizes["int4"][1] <= sizes["auto"][1] - 0.9 * saved, sizes
