@@ -107,8 +107,8 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
             rows[1],
         ),
     ]
-    if digits:  # the in-envelope row with its optimizer state in int8
-        out.append(
+    if digits:  # the in-envelope row with its state in int8, the best row with int4
+        out += [
             (
                 study.Variant(
                     "in_envelope_int8",
@@ -117,8 +117,18 @@ def variants(task: str) -> list[tuple[study.Variant, str | None]]:
                     dataclasses.replace(inside, optimizer_state="int8"),
                 ),
                 f"mixed_fp16 + mb 8 + remat full + state int8 + sparse 70%{suffix}",
-            )
-        )
+            ),
+            (
+                study.Variant(
+                    "best_int4",
+                    "combined",
+                    f"fp16 + mb 2 + remat full + DSR 90% + state int4{suffix}",
+                    dataclasses.replace(best, optimizer_state="int4"),
+                ),
+                # Not a report row yet (`fp16 + mb 2 + remat full + sparse 90% + state int4`).
+                None,
+            ),
+        ]
     if task == "fashion":  # the baseline and the headline's rows (an epoch: 26 of digits')
         return out
     # Compressed activations alone, at two widths.
