@@ -93,8 +93,7 @@ def combined_rows(context: GridContext) -> list[ReportRow]:
                 }
                 name = f"fp16 + mb {size} + remat full + static sparse {sparsity:.0%}"
                 combined(name, static, quick=sparsity == 0.7 and not uint8)
-            if sparsity == 0.7:  # the translation headline's rows within -1 BLEU
-                for fmt in ("int8", "int4"):
+                for fmt in ("int8", "int4") if sparsity == 0.7 else ():  # within -1 BLEU
                     combined(f"{name} + state {fmt}", {**static, "optimizer_state": fmt},
                              quick=fmt == "int4" and not uint8)  # fmt: skip
         name = f"fp16 + mb {size} + remat full + sparse 90%"
