@@ -5,9 +5,10 @@ there: each step the gradient goes to the host, the update is computed next to t
 only the parameter updates come back. :class:`HostUpdate` does this inside the jitted step
 with JAX's memory spaces and host compute: the gradient and the parameters are moved to host
 memory (``jax.memory.Space.Host``), the inner optimizer's ``update`` runs as one nested
-``jit`` under ``compute_on("device_host")`` (XLA marks its operations
-``_xla_compute_type = "host"``), and the updates are moved back to the device; the state
-never leaves the host (the step's layout keeps it in ``pinned_host``).
+``jit`` under JAX's host compute (``compute_type="device_host"``: XLA marks its operations
+``_xla_compute_type = "host"``) with its results in host memory, and the updates are moved
+back to the device; the state never leaves the host (the step's layout keeps it in
+``pinned_host``).
 
 The step's skip rule is applied on the host too: the new state is kept only where the
 gradient, the updates and the new parameters are all finite (the rule of
@@ -25,15 +26,25 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as compute_on_lib
 
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax.base import Optimizer, PyTree, Wrapper
 
-__all__ = ["HOST_UPDATE", "HostUpdateState", "HostUpdate"]
+__all__ = ["HOST_UPDATE", "HostUpdateState", "HostUpdate", "on_host"]
 
 #: The name of the nested ``jit`` that runs on the host (what a verdict counts).
 HOST_UPDATE = "host_update"
+
+
+# The function transform: ``compute_on2`` in JAX 0.10, renamed ``compute_on`` in 0.11 (whose
+# ``compute_on`` of 0.10, a context manager taking the type alone, is gone).
+_COMPUTE_ON = getattr(compute_on_lib, "compute_on2", compute_on_lib.compute_on)
+
+
+def on_host(fn):
+    """``fn`` run by the host's processor, its results in host memory (``Space.Host``)."""
+    return _COMPUTE_ON(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
 
 
 class HostUpdateState(NamedTuple):
@@ -66,7 +77,7 @@ class HostUpdate(Wrapper):
     def update(self, grads, state: HostUpdateState, params=None):
         inner = self.inner
 
-        @compute_on("device_host")
+        @on_host
         @jax.jit
         def host_update(grads, inner_state, params):  # named HOST_UPDATE in the program
             updates, new_state = inner.update(grads, inner_state, params)
@@ -81,8 +92,6 @@ class HostUpdate(Wrapper):
             state.inner_state,
             None if params is None else jax.device_put(params, to_host),
         )
-        # Host compute's results are not placed by it: the state put back in host memory.
-        inner_state = jax.device_put(inner_state, to_host)
         return jax.device_put(updates, jax.memory.Space.Device), HostUpdateState(inner_state)
 
     def __repr__(self) -> str:

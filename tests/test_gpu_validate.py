@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import BENCHMARKS, load_benchmark
 
@@ -176,17 +177,18 @@ def test_the_gpu_figures_quoted_are_the_committed_run_s():
     assert committed["models"] == json.loads(json.dumps(compare.compare(gpu, reports)))
 
 
-def test_the_headline_run_s_figures_quoted_are_its_own():
-    # benchmarks/results/validate_gpu_headline.*: both benchmarks' headline rows on one H200;
-    # validate_gpu_headline_a8ab060.*: the run before the radix select, kept for its static-mask
-    # and state rows; validate_gpu_headline_75c2b49.*: the first, kept for its act rows.
+def _headline_runs() -> dict:
+    """The committed headline runs' models, each file checked against its JSON: the run of the
+    headline rows of now (validate_gpu_headline.*), the one at 49ad0a3 (the rows of then, after
+    the radix select), a8ab060 (kept for its static-mask and state rows) and 75c2b49 (the first,
+    kept for its act rows)."""
     root = BENCHMARKS.parent
     tables = load_benchmark("validate_results")
     compare = load_benchmark("backend_compare")
     reports = [json.loads((root / p).read_text()) for p in compare.REPORTS]
     runs = {}
-    for stem in ("validate_gpu_headline", "validate_gpu_headline_a8ab060",
-                 "validate_gpu_headline_75c2b49"):  # fmt: skip
+    for stem in ("validate_gpu_headline", "validate_gpu_headline_49ad0a3",
+                 "validate_gpu_headline_a8ab060", "validate_gpu_headline_75c2b49"):  # fmt: skip
         run = json.loads((root / f"benchmarks/results/{stem}.json").read_text())
         assert "H200" in run["device"] and run["backend"] == "gpu"
         assert all(m["configs"][0]["name"] == "plain" and "made_by" in m for m in run["models"])
@@ -194,12 +196,106 @@ def test_the_headline_run_s_figures_quoted_are_its_own():
         vs_cpu = json.loads((root / f"benchmarks/results/{stem}_vs_cpu.json").read_text())
         assert vs_cpu["models"] == json.loads(json.dumps(compare.compare(run, reports)))
         runs[stem] = run["models"]
-    wrn, dc = runs["validate_gpu_headline"]
+    return runs
+
+
+def _config(model, name):
+    return next(c for c in model["configs"] if c["name"] == name)
+
+
+def test_the_headline_rows_of_now_on_a_gpu_are_quoted_from_their_run():
+    root = BENCHMARKS.parent
+    wrn, dc = _headline_runs()["validate_gpu_headline"]
+    # The README headline's rows, as step_cost.json lists them, are the run's rows.
+    cost = json.loads((root / "experiments/results/envelope_accuracy/step_cost.json").read_text())
+    for model, task in ((wrn, "digits"), (dc, "translation")):
+        names = [c["name"] for c in model["configs"]]
+        assert names == ["plain", *(r["name"] for r in cost["tasks"][task])]
+
+    def mib(model, name, key="total"):
+        return _mib(_config(model, name), key)
+
+    def x(model, name, key="reduction_xla_vs_plain"):
+        return _x(_config(model, name), key)
+
+    inside, best = (r["name"] for r in cost["tasks"]["digits"])
+    dc_inside, dc_best, dc_within = (r["name"] for r in cost["tasks"]["translation"])
+    runtime = "reduction_runtime_vs_plain"
+    readme = " ".join((root / "README.md").read_text().split())
+    assert (f"**{x(wrn, best)}** ({mib(wrn, best)} of {mib(wrn, 'plain')} MiB) and "
+            f"**{x(dc, dc_best)}** (transformer, {mib(dc, dc_best)} of "
+            f"{mib(dc, 'plain')} MiB), in-envelope {x(wrn, inside)} and "
+            f"{x(dc, dc_inside)}") in readme  # fmt: skip
+    time = [f"{_config(m, n)['time_vs_plain']:.1f}x" for m, n in ((wrn, inside), (dc, dc_inside))]
+    assert f"at {time[0]} and {time[1]} the plain step's time there" in readme
+    measured = " ".join((root / "docs/measured.md").read_text().split())
+    for quoted in (
+        f"any-envelope row is {mib(wrn, best)} MiB (**{x(wrn, best)}**",
+        f"in-envelope row {mib(wrn, inside)} MiB (**{x(wrn, inside)}**; XLA:CPU 29.2x; runtime "
+        f"peak {mib(wrn, inside, 'peak')} of {mib(wrn, 'plain', 'peak')} MiB, "
+        f"{x(wrn, inside, runtime)})",
+        f"compiles to {mib(dc, 'plain')} MiB there",
+        f"{mib(dc, dc_best)} MiB (**{x(dc, dc_best)}**; XLA:CPU 20.5x; runtime peak "
+        f"{mib(dc, dc_best, 'peak')} of {mib(dc, 'plain', 'peak')} MiB, "
+        f"{x(dc, dc_best, runtime)})",
+        f"in-envelope {mib(dc, dc_inside)} (**{x(dc, dc_inside)}**; XLA:CPU 9.0x; runtime "
+        f"{x(dc, dc_inside, runtime)})",
+        f"{mib(dc, dc_within)} (**{x(dc, dc_within)}**; XLA:CPU 15.4x; runtime "
+        f"{x(dc, dc_within, runtime)})",
+    ):
+        assert quoted in measured, quoted
+
+
+def test_the_offload_and_weight_streaming_runs_figures_quoted_are_their_own():
+    root = BENCHMARKS.parent
+    tables = load_benchmark("validate_results")
+    offload = json.loads((root / "benchmarks/results/validate_gpu_offload.json").read_text())
+    assert "H200" in offload["device"]
+    md = (root / "benchmarks/results/validate_gpu_offload.md").read_text()
+    assert md == tables.to_markdown(offload)
+    sections = {(m["model"], c["name"]): (m, c) for m in offload["models"]
+                for c in m["configs"] if c["name"] != "plain"}  # fmt: skip
+    host = "state and update on the host"
+    dc, row = sections["dynamicconv-iwslt", host]
+    plain = dc["configs"][0]
+    saved = (plain["xla"]["total_bytes"] - row["xla"]["total_bytes"]) / 2**20
+    saved_peak = (plain["runtime_peak_bytes"] - row["runtime_peak_bytes"]) / 2**20
+    measured = " ".join((root / "docs/measured.md").read_text().split())
+    ratios = [_x(row, key, 2) for key in ("reduction_xla_vs_plain", "reduction_runtime_vs_plain")]
+    assert (
+        f"the transformer's falls by {saved:.1f} MiB ({ratios[0]}; runtime peak by "
+        f"{saved_peak:.1f} MiB, {ratios[1]}) at {row['time_vs_plain']:.1f}x"
+    ) in measured
+    for model, plain_mib in (("wrn-28-2", "484.9"), ("dynamicconv-iwslt", "2,338.8")):
+        m, row = sections[model, "state in host memory"]
+        grown = f"{row['xla']['total_bytes'] / 2**20:,.1f}"
+        assert f"{plain_mib} -> {grown}" in measured
+        assert f"{m['configs'][0]['xla']['total_bytes'] / 2**20:,.1f}" == plain_mib
+    stream = json.loads((root / "benchmarks/results/weight_streaming_gpu.json").read_text())
+    rows = {r["config"]: r for r in stream["rows"]}
+    for r in rows.values():  # the same arithmetic wherever the weights live
+        np.testing.assert_allclose(r["losses"], rows["device"]["losses"], atol=1e-7, rtol=0)
+
+    def total(r):
+        x = r["xla"]
+        return (x["argument_size_in_bytes"] + x["output_size_in_bytes"]
+                + x["temp_size_in_bytes"] - x["alias_size_in_bytes"]) / 2**20  # fmt: skip
+
+    assert f"falls from {total(rows['device']):,.1f} to {total(rows['stream']):.1f} MiB" in measured
+    assert f"{total(rows['stream_saved']):.1f} with the move outside" in measured
+    assert f"runtime peak is {rows['stream']['runtime_peak_bytes'] / 2**20:.1f} MiB" in measured
+    ws = load_benchmark("weight_streaming")
+    assert (root / "benchmarks/results/weight_streaming_gpu.md").read_text() == ws._table(stream)
+
+
+def test_the_headline_run_of_49ad0a3_s_figures_quoted_are_its_own():
+    root = BENCHMARKS.parent
+    runs = _headline_runs()
+    wrn, dc = runs["validate_gpu_headline_49ad0a3"]
     _, dc_before = runs["validate_gpu_headline_a8ab060"]
     earlier_wrn, _, dc_act = runs["validate_gpu_headline_75c2b49"]
 
-    def row(model, name):
-        return next(c for c in model["configs"] if c["name"] == name)
+    row = _config
 
     def mib(model, name, key="total"):
         return _mib(row(model, name), key)
@@ -212,10 +308,6 @@ def test_the_headline_run_s_figures_quoted_are_its_own():
     dc_best, dc_inside, dc_static = ("fp16 + mb 2 + remat full + sparse 90%",
                                      "mb 10 + remat dots + state bf16 + sparse 70%",
                                      "fp16 + mb 2 + remat full + static sparse 70%")  # fmt: skip
-    readme = " ".join((root / "README.md").read_text().split())
-    assert (f"**{x(wrn, best)}** ({mib(wrn, best)} of {mib(wrn, 'plain')} MiB) and "
-            f"**{x(dc, dc_best)}** (transformer, {mib(dc, dc_best)} of {mib(dc, 'plain')} MiB), "
-            f"in-envelope {x(wrn, inside)} and {x(dc, dc_inside)}") in readme  # fmt: skip
     measured = " ".join((root / "docs/measured.md").read_text().split())
     runtime = "reduction_runtime_vs_plain"
     assert row(wrn, best)[runtime] is None  # initialisation set that process's peak
@@ -283,8 +375,6 @@ def test_the_act_and_time_runs_figures_quoted_are_their_own():
     assert (f"rows take {t['wrn-28-2', wrn_in]} (WideResNet) and {t[dc, dc_in]} (transformer) the "
             f"plain step's time and the least-memory rows {t['wrn-28-2', wrn_any][:-1]}x and "
             f"{t[dc, dc_static]}") in measured  # fmt: skip
-    readme = " ".join((root / "README.md").read_text().split())
-    assert f"at {t['wrn-28-2', wrn_in]} and {t[dc, dc_in]} the plain step's time there" in readme
 
 
 def _row(name, total, peak=None):

@@ -6,10 +6,11 @@ through donation and checkpoints), not a saving: that is measured on a GPU.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import BNNet, assert_trees_close, classification_batch, to_numpy
+from conftest import BNNet, assert_trees_close, classification_batch, load_benchmark, to_numpy
 
 import lowmem_jax as lm
 from lowmem_jax import checkpointing, cli, memory, workloads
@@ -132,3 +133,32 @@ def test_a_checkpoint_restores_into_host_memory(tmp_path):
     state, _ = setup.step(restored, batch)  # and the step takes it as it is
     assert np.isfinite(float(jax.tree.leaves(state.params)[0].sum()))
     assert memory.host_resident_bytes(state) == memory.host_resident_bytes(restored) > 0
+
+
+def test_on_host_is_one_host_computation_whose_results_are_in_host_memory():
+    """host_update.on_host: JAX's host compute as a function transform (``compute_on2`` in JAX
+    0.10, renamed ``compute_on`` in 0.11, whose 0.10 context-manager form is gone); the
+    primitive itself places every result in host memory."""
+    from lowmem_jax.host_update import on_host
+
+    fn = on_host(jax.jit(lambda x, y: (x * 2, {"y": y + 1})))
+    jaxpr = jax.make_jaxpr(fn)(jnp.ones(3), jnp.ones(2))
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "compute_on"]
+    assert eqn.params["compute_type"] == "device_host"
+    assert eqn.params["out_memory_spaces"] == (jax.memory.Space.Host,) * 2
+    got = fn(jnp.ones(3), jnp.ones(2))
+    np.testing.assert_array_equal(got[0], 2 * np.ones(3))
+    np.testing.assert_array_equal(got[1]["y"], 2 * np.ones(2))
+
+
+def test_the_weight_streaming_probe_trains_the_same_wherever_the_weights_live():
+    """benchmarks/weight_streaming.py: the stack and Adam's moments in host memory, each block
+    moved to the device inside the scan (its gradient moved back), the update on the host: the
+    same losses as the device-resident step, and the state comes back in host memory."""
+    probe = load_benchmark("weight_streaming")
+    rows = {c: probe.measure(c, blocks=3, width=16, batch=4, steps=3) for c in probe.CONFIGS}
+    assert rows["device"]["output_memory_kinds"] == ["device"]
+    assert rows["stream"]["output_memory_kinds"] == ["pinned_host"]
+    for row in rows.values():
+        np.testing.assert_allclose(row["losses"], rows["device"]["losses"], rtol=1e-6)
+    assert rows["device"]["losses"][-1] != rows["device"]["losses"][0]  # it trained

@@ -1,0 +1,231 @@
+"""Weight streaming on the backend JAX has: a scanned stack's weights in host memory, one block at
+a time on the device.
+
+A stack of ``--blocks`` square dense blocks (``h <- tanh(h @ W_l)``, ``W_l`` ``[width, width]``
+float32) trained with Adam, one configuration per fresh process (the runtime peak is a
+per-process high-water mark):
+
+* ``device``: parameters, gradients and Adam's moments on the device (what a user runs);
+* ``stream``: the stack and Adam's moments live in host memory (``pinned_host``) between steps;
+  the scan's body moves its block to the device (``jax.device_put(w, Space.Device)``) inside a
+  ``jax.checkpoint``, so the backward pass moves it again instead of keeping it; the block's
+  gradient goes back to host memory (the transpose of that move) and the update runs on the host
+  (``lowmem_jax.host_update.on_host``), next to the moments;
+* ``stream_saved``: the same move outside the checkpoint (the forward's device copy of every
+  block may be kept for the backward pass): what the checkpoint buys.
+
+Recorded per configuration: XLA's compiled figures (device and host bytes where the backend
+reports them), the runtime peak (``memory_stats()["peak_bytes_in_use"]``, after the steps) and the
+bytes in use after initialisation, the median step time, the losses of the steps (equal across
+configurations: the same initialisation and arithmetic) and where the step's outputs live. The
+CPU backend drops memory kinds (one memory): there the figures do not separate.
+
+Usage::
+
+    python benchmarks/weight_streaming.py --out-dir /tmp/ws          # all three, this backend
+
+Writes ``<out-dir>/weight_streaming_<backend>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+CONFIGS = ("device", "stream", "stream_saved")
+_MARK = "WEIGHT_STREAMING_RESULT "
+MIB = 2**20
+
+
+def _step(config: str, blocks: int, width: int, batch: int):
+    """(jitted step, init state): ``step(params, opt_state, x) -> (params, opt_state, loss)``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import SingleDeviceSharding
+
+    from lowmem_jax.host_update import on_host
+
+    device = jax.devices()[0]
+    stream = config != "device"
+    kind = "pinned_host" if stream else "device"
+    where = SingleDeviceSharding(device, memory_kind=kind)
+    optimizer = optax.adam(1e-3)
+
+    def block(w, h):  # float32 products (not TF32 on a GPU): the losses compare across backends
+        return jnp.tanh(jnp.dot(h, w, precision="highest"))
+
+    def to_device(w):
+        return jax.device_put(w, jax.memory.Space.Device) if stream else w
+
+    if config == "stream":  # the move inside the checkpoint: the backward pass moves it again
+        body = jax.checkpoint(lambda h, w: block(to_device(w), h))
+    else:
+        body = lambda h, w: jax.checkpoint(block)(to_device(w), h)  # noqa: E731
+
+    def loss_fn(stack, x):
+        h, _ = jax.lax.scan(lambda h, w: (body(h, w), None), x, stack)
+        return jnp.mean(h**2)
+
+    def update(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    if stream:  # where the moments are: on the host
+        update = on_host(jax.jit(update))
+
+    def step(params, opt_state, x):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x)
+        if stream:
+            grads = jax.device_put(grads, jax.memory.Space.Host)
+        params, opt_state = update(grads, opt_state, params)
+        return params, opt_state, loss
+
+    key = jax.random.PRNGKey(0)
+    params = jax.random.normal(key, (blocks, width, width), jnp.float32) / width**0.5
+    opt_state = optimizer.init(params)
+    params, opt_state = jax.device_put((params, opt_state), where)
+    x = jax.random.normal(jax.random.PRNGKey(1), (batch, width), jnp.float32)
+    state_where = jax.tree.map(lambda _: where, (params, opt_state))
+    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_where, None))
+    return jitted, params, opt_state, x
+
+
+def measure(config: str, blocks: int, width: int, batch: int, steps: int) -> dict:
+    """One configuration in this process."""
+    import jax
+
+    jitted, params, opt_state, x = _step(config, blocks, width, batch)
+    start = time.perf_counter()
+    compiled = jitted.lower(params, opt_state, x).compile()
+    compile_s = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
+    xla = {
+        name: int(getattr(analysis, name, 0) or 0)
+        for name in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                     "alias_size_in_bytes", "host_argument_size_in_bytes",
+                     "host_output_size_in_bytes", "host_temp_size_in_bytes")
+    }  # fmt: skip
+    device = jax.devices()[0]
+    jax.block_until_ready((params, opt_state, x))
+    at_init = device.memory_stats()
+    losses, seconds = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        params, opt_state, loss = compiled(params, opt_state, x)
+        losses.append(float(loss))  # waits for the step
+        seconds.append(time.perf_counter() - start)
+    stats = device.memory_stats()
+    return {
+        "config": config,
+        "xla": xla,
+        "output_memory_kinds": sorted({str(s.memory_kind) for s in compiled.output_shardings[0:1]}
+                                      | {str(jax.tree.leaves(params)[0].sharding.memory_kind)}),
+        "runtime_peak_bytes": None if stats is None else int(stats["peak_bytes_in_use"]),
+        "runtime_in_use_after_init_bytes": at_init and int(at_init["bytes_in_use"]),
+        "compile_seconds": compile_s,
+        "step_seconds_median": sorted(seconds[1:])[len(seconds[1:]) // 2] if steps > 1 else None,
+        "losses": losses,
+    }  # fmt: skip
+
+
+def _table(result: dict) -> str:
+    blocks, width = result["blocks"], result["width"]
+    block_mib = width * width * 4 / MIB
+    lines = [
+        f"# Weight streaming on {result['device']} ({result['backend']}, JAX {result['jax']})",
+        "",
+        f"{blocks} blocks of `tanh(h @ W)`, W float32 [{width}, {width}] ({block_mib:.0f} MiB per "
+        f"block, {blocks * block_mib:.0f} MiB of parameters), batch {result['batch']}, Adam. "
+        "XLA columns are compiled figures of the device (and host where reported); `runtime "
+        "peak` is the device's `peak_bytes_in_use` after the steps (runtime).",
+        "",
+        f"Made by: `{result['command']}`",
+        "",
+        "| config | XLA device total MiB | XLA host args MiB | runtime after init MiB | "
+        "runtime peak MiB | peak / block | ms / step | losses |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['config']} | error: {row['error'][:160]} | | | | | | |")
+            continue
+        x = row["xla"]
+        total = (x["argument_size_in_bytes"] + x["output_size_in_bytes"]
+                 + x["temp_size_in_bytes"] - x["alias_size_in_bytes"])  # fmt: skip
+        peak = row["runtime_peak_bytes"]
+        init = row["runtime_in_use_after_init_bytes"]
+        ms = row["step_seconds_median"]
+        lines.append(
+            f"| {row['config']} | {total / MIB:.1f} | {x['host_argument_size_in_bytes'] / MIB:.1f}"
+            f" | {'n/a' if init is None else f'{init / MIB:.1f}'}"
+            f" | {'n/a' if peak is None else f'{peak / MIB:.1f}'}"
+            f" | {'n/a' if peak is None else f'{peak / MIB / block_mib:.2f}'}"
+            f" | {'n/a' if ms is None else f'{ms * 1e3:.1f}'}"
+            f" | {', '.join(f'{v:.6f}' for v in row['losses'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    shape = (args.blocks, args.width, args.batch, args.steps)
+    if args.worker:
+        print(_MARK + json.dumps(measure(args.worker, *shape)), flush=True)
+        return 0
+    import jax
+
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
+    rows = []
+    for config in args.configs.split(","):
+        if config not in CONFIGS:
+            print(f"--configs: unknown {config!r}; one of {', '.join(CONFIGS)}", file=sys.stderr)
+            return 2
+        done = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--out-dir", args.out_dir,
+             "--worker", config, "--blocks", str(args.blocks), "--width", str(args.width),
+             "--batch", str(args.batch), "--steps", str(args.steps)],
+            capture_output=True, text=True, env=env, check=False,
+        )  # fmt: skip
+        found = [line for line in done.stdout.splitlines() if line.startswith(_MARK)]
+        if found:
+            rows.append(json.loads(found[-1][len(_MARK) :]))
+        else:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            rows.append({"config": config, "error": tail})
+        print(json.dumps(rows[-1])[:600], flush=True)
+    result = {
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "blocks": args.blocks,
+        "width": args.width,
+        "batch": args.batch,
+        "command": "python benchmarks/weight_streaming.py " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"weight_streaming_{jax.default_backend()}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
