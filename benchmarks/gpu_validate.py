@@ -15,8 +15,9 @@ initialise a state on a random batch of the workload's shapes, compile, run one 
 * with ``--configs offload``, the rows a single device measures that the report grid lacks:
   the optimizer state kept in host memory between steps (``optimizer_memory="pinned_host"``,
   ZeRO-Offload's placement; XLA:CPU has one memory, so only a GPU's runtime peak shows what
-  it saves), alone, with ``remat full``, and with its update computed on the host
-  (``optimizer_update="host"``);
+  it saves), alone, with ``remat full``, with its update computed on the host
+  (``optimizer_update="host"``), and with the stacked blocks' parameters there too (weight
+  streaming, ``weight_memory="pinned_host"``, against the same plan without);
 * with ``--inspect``, XLA's buffers at the compiled step's peak by category (``lm.inspect``).
   The CPU backend keeps no such statistic; there the field is ``null`` and says so;
 * the measured step time (median of ``--repeats``), and each figure's ratio to ``plain``
@@ -81,6 +82,18 @@ OFFLOAD_ROWS = {
     "state in host memory": {"optimizer_memory": "pinned_host"},
     "remat full + state in host memory": {"remat": "full", "optimizer_memory": "pinned_host"},
     "state and update on the host": {"optimizer_memory": "pinned_host", "optimizer_update": "host"},
+    "remat full + state and update on the host": {
+        "remat": "full",
+        "optimizer_memory": "pinned_host",
+        "optimizer_update": "host",
+    },
+    # Weight streaming: the same with the stacked blocks' parameters in host memory too.
+    "remat full + weights, state and update on the host": {
+        "remat": "full",
+        "optimizer_memory": "pinned_host",
+        "optimizer_update": "host",
+        "weight_memory": "pinned_host",
+    },
 }
 
 

@@ -23,6 +23,10 @@ CPU backend drops memory kinds (one memory): there the figures do not separate.
 Usage::
 
     python benchmarks/weight_streaming.py --out-dir /tmp/ws          # all three, this backend
+    python benchmarks/weight_streaming.py --out-dir /tmp/ws --hlo    # and each compiled program
+
+The runtime figures also record the peak before the first step and after it, and the
+allocator's statistics after the steps (whether a peak is held or was transient).
 
 Writes ``<out-dir>/weight_streaming_<backend>.{json,md}``.
 """
@@ -97,8 +101,11 @@ def _step(config: str, blocks: int, width: int, batch: int):
     return jitted, params, opt_state, x
 
 
-def measure(config: str, blocks: int, width: int, batch: int, steps: int) -> dict:
-    """One configuration in this process."""
+def measure(
+    config: str, blocks: int, width: int, batch: int, steps: int, hlo: str | None = None
+) -> dict:
+    """One configuration in this process; with ``hlo``, the compiled program's text written
+    there (where the backend placed each copy between memories)."""
     import jax
 
     jitted, params, opt_state, x = _step(config, blocks, width, batch)
@@ -112,15 +119,19 @@ def measure(config: str, blocks: int, width: int, batch: int, steps: int) -> dic
                      "alias_size_in_bytes", "host_argument_size_in_bytes",
                      "host_output_size_in_bytes", "host_temp_size_in_bytes")
     }  # fmt: skip
+    if hlo:
+        with open(hlo, "w") as f:
+            f.write(compiled.as_text())
     device = jax.devices()[0]
     jax.block_until_ready((params, opt_state, x))
     at_init = device.memory_stats()
-    losses, seconds = [], []
+    losses, seconds, after_first = [], [], None
     for _ in range(steps):
         start = time.perf_counter()
         params, opt_state, loss = compiled(params, opt_state, x)
         losses.append(float(loss))  # waits for the step
         seconds.append(time.perf_counter() - start)
+        after_first = after_first or device.memory_stats()
     stats = device.memory_stats()
     return {
         "config": config,
@@ -129,6 +140,11 @@ def measure(config: str, blocks: int, width: int, batch: int, steps: int) -> dic
                                       | {str(jax.tree.leaves(params)[0].sharding.memory_kind)}),
         "runtime_peak_bytes": None if stats is None else int(stats["peak_bytes_in_use"]),
         "runtime_in_use_after_init_bytes": at_init and int(at_init["bytes_in_use"]),
+        # Whether the peak is held after the steps (buffers kept) or was transient in one step.
+        "runtime_peak_after_init_bytes": at_init and int(at_init["peak_bytes_in_use"]),
+        "runtime_peak_after_first_step_bytes": after_first
+        and int(after_first["peak_bytes_in_use"]),
+        "runtime_stats_after_steps": stats and {k: int(v) for k, v in stats.items()},
         "compile_seconds": compile_s,
         "step_seconds_median": sorted(seconds[1:])[len(seconds[1:]) // 2] if steps > 1 else None,
         "losses": losses,
@@ -181,14 +197,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--hlo", action="store_true", help="also write each compiled program's text to the out dir"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = (args.blocks, args.width, args.batch, args.steps)
     if args.worker:
-        print(_MARK + json.dumps(measure(args.worker, *shape)), flush=True)
+        hlo = args.hlo and os.path.join(args.out_dir, f"weight_streaming_{args.worker}.hlo.txt")
+        print(_MARK + json.dumps(measure(args.worker, *shape, hlo=hlo or None)), flush=True)
         return 0
     import jax
 
+    os.makedirs(args.out_dir, exist_ok=True)
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
     rows = []
     for config in args.configs.split(","):
@@ -198,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         done = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--out-dir", args.out_dir,
              "--worker", config, "--blocks", str(args.blocks), "--width", str(args.width),
-             "--batch", str(args.batch), "--steps", str(args.steps)],
+             "--batch", str(args.batch), "--steps", str(args.steps),
+             *(["--hlo"] if args.hlo else [])],
             capture_output=True, text=True, env=env, check=False,
         )  # fmt: skip
         found = [line for line in done.stdout.splitlines() if line.startswith(_MARK)]
@@ -218,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/weight_streaming.py " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
-    os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"weight_streaming_{jax.default_backend()}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)

@@ -104,6 +104,12 @@ class Optimizer:
     #: state the device never reads: :class:`lowmem_jax.host_update.HostUpdate`).
     selects_state: bool = False
 
+    #: Whether the step calls ``apply(grads, state, params) -> (params, state, grads_finite,
+    #: update_finite)`` instead of :meth:`update` and ``optax.apply_updates``: the parameters
+    #: updated where the state lives, the skip rule applied there
+    #: (:class:`lowmem_jax.host_update.HostUpdate`).
+    applies_updates: bool = False
+
     def init(self, params: PyTree) -> PyTree:
         """optax ``init`` on the stored parameters."""
         raise NotImplementedError

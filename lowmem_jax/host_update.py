@@ -1,4 +1,5 @@
-"""The optimizer's update computed where its state lives: in host memory (ZeRO-Offload).
+"""The optimizer state in host memory between steps: its update computed there (ZeRO-Offload),
+or on the device once the gradient exists.
 
 ZeRO-Offload (Ren et al. 2021) keeps the optimizer state in CPU memory and runs the update
 there: each step the gradient goes to the host, the update is computed next to the state, and
@@ -15,9 +16,17 @@ gradient, the updates and the new parameters are all finite (the rule of
 :func:`lowmem_jax.make_train_step`, which then leaves the state as it comes back:
 :attr:`HostUpdate.selects_state`), so the device never reads the state.
 
+:class:`DeviceUpdate` keeps the state in host memory the same way but runs the update on the
+device: the state comes to the device only once the gradient exists (an optimization barrier
+joins the two, so XLA cannot schedule the copy earlier, where the state would sit on the device
+through the forward and backward passes), and the new state goes back. Moved at the start of
+the step instead, a GPU's compiled step grew by more than the state (WRN-28-2 484.9 -> 523.6
+MiB, benchmarks/results/validate_gpu_offload.md).
+
 On XLA:CPU host and device are one memory and one processor: the step computes the same
 values (tested), the program carries the host annotations, and no byte figure changes. On a
-GPU the state's bytes leave the device and the update's arithmetic runs on the CPU.
+GPU the state's bytes leave the device (and, with :class:`HostUpdate`, the update's arithmetic
+runs on the CPU).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from jax.experimental import compute_on as compute_on_lib
 from lowmem_jax import loss_scale as loss_scale_lib
 from lowmem_jax.base import Optimizer, PyTree, Wrapper
 
-__all__ = ["HOST_UPDATE", "HostUpdateState", "HostUpdate", "on_host"]
+__all__ = ["HOST_UPDATE", "HostUpdateState", "HostUpdate", "DeviceUpdate", "on_host"]
 
 #: The name of the nested ``jit`` that runs on the host (what a verdict counts).
 HOST_UPDATE = "host_update"
@@ -53,15 +62,10 @@ class HostUpdateState(NamedTuple):
     inner_state: Any
 
 
-class HostUpdate(Wrapper):
-    """``inner``'s update computed on the host, its state kept there (module docstring).
+class _StateInHostMemory(Wrapper):
+    """``inner``'s state kept in host memory (:class:`HostUpdateState`)."""
 
-    ``update(grads, state, params)``: ``grads`` and ``params`` on the device in, the updates on
-    the device and the new :class:`HostUpdateState` (on the host) out; where any gradient,
-    update or new parameter is non-finite, the old state comes back.
-    """
-
-    #: The step leaves the returned state as it is on a skipped step: chosen here, on the host.
+    #: The step leaves the returned state as it is on a skipped step: chosen by the update.
     selects_state = True
 
     def __init__(self, inner: Optimizer):
@@ -74,17 +78,60 @@ class HostUpdate(Wrapper):
         stored, inner_state = self.inner.store(params, grads)
         return stored, HostUpdateState(inner_state)
 
-    def update(self, grads, state: HostUpdateState, params=None):
+    def materialize(self, params: PyTree, state: Any, blockwise: bool = False) -> PyTree:
+        # What the model reads of the state (a sparse layer's positions) comes to the device.
+        inner_state = jax.device_put(state.inner_state, jax.memory.Space.Device)
+        return self.inner.materialize(params, inner_state, blockwise)
+
+
+class HostUpdate(_StateInHostMemory):
+    """``inner``'s update computed on the host, its state kept there (module docstring).
+
+    ``update(grads, state, params)`` (the optax protocol): the updates on the device and the new
+    :class:`HostUpdateState` (on the host) out; where any gradient, update or new parameter is
+    non-finite, the old state comes back. The step calls :meth:`apply` instead.
+    """
+
+    #: The step calls :meth:`apply`: the parameters are updated on the host too.
+    applies_updates = True
+
+    def apply(self, grads, state: HostUpdateState, params):
+        """``(params, state, grads_finite, update_finite)``: ``inner``'s update and the new
+        parameters computed on the host, kept only where every gradient, update and new
+        parameter is finite (the step's skip rule, decided there); each parameter back where
+        its old value lives (a block streamed from host memory stays there), the flags (bool
+        scalars) on the device."""
         inner = self.inner
 
         @on_host
         @jax.jit
         def host_update(grads, inner_state, params):  # named HOST_UPDATE in the program
             updates, new_state = inner.update(grads, inner_state, params)
-            finite = loss_scale_lib.all_finite((grads, updates))
-            if params is not None:
-                finite &= loss_scale_lib.all_finite(optax.apply_updates(params, updates))
-            return updates, loss_scale_lib.select_tree(finite, new_state, inner_state)
+            new_params = optax.apply_updates(params, updates)
+            grads_finite = loss_scale_lib.all_finite(grads)
+            update_finite = loss_scale_lib.all_finite((updates, new_params))
+            kept = loss_scale_lib.select_tree(
+                grads_finite & update_finite, (new_params, new_state), (params, inner_state)
+            )
+            return *kept, grads_finite, update_finite
+
+        to_host = jax.memory.Space.Host
+        new_params, inner_state, *flags = host_update(
+            jax.device_put(grads, to_host), state.inner_state, jax.device_put(params, to_host)
+        )
+        new_params = jax.tree.map(
+            lambda new, old: jax.device_put(new, jax.typeof(old).memory_space), new_params, params
+        )
+        grads_finite, update_finite = jax.device_put(flags, jax.memory.Space.Device)
+        return new_params, HostUpdateState(inner_state), grads_finite, update_finite
+
+    def update(self, grads, state: HostUpdateState, params=None):
+        inner = self.inner
+
+        @on_host
+        @jax.jit
+        def host_update(grads, inner_state, params):  # named HOST_UPDATE in the program
+            return _kept_if_finite(inner, grads, inner_state, params)
 
         to_host = jax.memory.Space.Host
         updates, inner_state = host_update(
@@ -96,3 +143,33 @@ class HostUpdate(Wrapper):
 
     def __repr__(self) -> str:
         return f"HostUpdate({self.inner!r})"
+
+
+class DeviceUpdate(_StateInHostMemory):
+    """``inner``'s state kept in host memory, its update computed on the device (module
+    docstring): the state moved to the device after the gradient, the new one back.
+
+    ``update(grads, state, params)``: the updates on the device and the new
+    :class:`HostUpdateState` (in host memory) out; where any gradient, update or new parameter
+    is non-finite, the old state comes back.
+    """
+
+    def update(self, grads, state: HostUpdateState, params=None):
+        # Tied to the gradient, the state cannot come to the device before the backward pass ends.
+        grads, inner_state = jax.lax.optimization_barrier((grads, state.inner_state))
+        inner_state = jax.device_put(inner_state, jax.memory.Space.Device)
+        updates, inner_state = _kept_if_finite(self.inner, grads, inner_state, params)
+        return updates, HostUpdateState(jax.device_put(inner_state, jax.memory.Space.Host))
+
+    def __repr__(self) -> str:
+        return f"DeviceUpdate({self.inner!r})"
+
+
+def _kept_if_finite(inner: Optimizer, grads, inner_state, params):
+    """``inner.update``'s updates and new state, the old state where any gradient, update or new
+    parameter is non-finite (:func:`lowmem_jax.make_train_step`'s skip rule)."""
+    updates, new_state = inner.update(grads, inner_state, params)
+    finite = loss_scale_lib.all_finite((grads, updates))
+    if params is not None:
+        finite &= loss_scale_lib.all_finite(optax.apply_updates(params, updates))
+    return updates, loss_scale_lib.select_tree(finite, new_state, inner_state)

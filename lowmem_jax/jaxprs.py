@@ -17,6 +17,7 @@ __all__ = [
     "scan_dependence",
     "scan_layout",
     "without_checkpoints",
+    "host_memory_reads",
 ]
 
 
@@ -31,6 +32,32 @@ def equations(jaxpr: Any, depth: int = 0) -> Iterator[tuple[Any, int]]:
                 sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
                 if hasattr(sub, "eqns"):
                     yield from equations(sub, inner)
+
+
+def host_memory_reads(jaxpr: Any) -> list[str]:
+    """The equations that compute on the device from a value in host memory (an operand whose
+    aval's ``memory_space`` is ``Host``), as ``"primitive"`` names: every equation but a move
+    or a layout (``device_put``, ``sharding_constraint``), a call, loop or other equation that
+    only passes values to a jaxpr of its own (whose equations are checked in turn), and the
+    host's own computations (``compute_on``), which are not entered."""
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("device_put", "sharding_constraint", "compute_on"):
+            continue
+        subs = [
+            getattr(sub, "jaxpr", sub)
+            for value in eqn.params.values()
+            for sub in (value if isinstance(value, (tuple, list)) else (value,))
+            if hasattr(getattr(sub, "jaxpr", sub), "eqns")
+        ]
+        if subs:
+            for sub in subs:
+                found += host_memory_reads(sub)
+        elif any(getattr(v.aval, "memory_space", None) == jax.memory.Space.Host
+                 for v in eqn.invars):  # fmt: skip
+            found.append(name)
+    return found
 
 
 def traced_equations(fn: Callable[..., Any], *args: Any) -> Iterator[Any]:

@@ -22,7 +22,7 @@ from lowmem_jax.activation_compression import active_spec, compress_residuals
 from lowmem_jax.base import BlockwiseLeaf
 from lowmem_jax.remat import RematSpec, parse_policy
 
-__all__ = ["ScannedBlocks", "STACK", "in_stack", "straight_line"]
+__all__ = ["ScannedBlocks", "STACK", "in_stack", "straight_line", "to_device"]
 
 
 #: The variable name under which :class:`ScannedBlocks` stores its blocks' stacked variables.
@@ -33,6 +33,12 @@ def in_stack(names: Sequence[str]) -> bool:
     """Whether the parameter at path ``names`` belongs to a :class:`ScannedBlocks` stack (its
     leading axis indexes the blocks)."""
     return STACK in names
+
+
+def to_device(block_params: Any) -> Any:
+    """One block's parameters moved to the device: the ``param_layout`` of weight streaming
+    (:mod:`lowmem_jax.techniques.weight_memory`), the stacks kept in host memory."""
+    return jax.device_put(block_params, jax.memory.Space.Device)
 
 
 def straight_line(unroll: bool | None, remat: str | RematSpec, dtype: Any = None) -> bool:
@@ -177,7 +183,7 @@ class ScannedBlocks(nn.Module):
         for spec, start, stop in runs:
             run_xs = jax.tree.map(lambda a, i=start, j=stop: a[i:j], xs) if len(runs) > 1 else xs
             x, run_others = _scan_run(
-                apply_block, x, run_xs, closed, stop - start, spec, self.unroll
+                apply_block, x, run_xs, closed, stop - start, spec, self.unroll, self.param_layout
             )
             outs.append(run_others)
         if outs:
@@ -219,8 +225,14 @@ def _policy_runs(remat: str | RematSpec | tuple[str, ...], length: int) -> list[
     return runs
 
 
-def _scan_run(apply_block, x, xs, closed, length: int, spec: RematSpec, unroll: bool | None):
+def _scan_run(
+    apply_block, x, xs, closed, length: int, spec: RematSpec, unroll: bool | None, layout=None
+):
     """``length`` blocks applied in sequence under ``spec``; ``(x, per-block outputs)``.
+
+    ``layout``: the stack's ``param_layout``; where it is :func:`to_device` (weight streaming),
+    a lone block's parameters (``xs[0]``) are moved before they are taken out of their stack,
+    inside the block's checkpoint, so nothing indexes them in host memory.
 
     ``apply_block(h, xs, *closed)``: ``closed`` are the values every block reads (the context,
     the blockwise-stored weights), passed explicitly so that a compressed-activations wrapper
@@ -240,6 +252,16 @@ def _scan_run(apply_block, x, xs, closed, length: int, spec: RematSpec, unroll: 
                                   iterations=iterations)  # fmt: skip
         return lambda h, block_xs: body(h, block_xs, *closed)
 
+    if length == 1 and layout is to_device:
+        # Streamed from host memory: moved, then taken out of its stack, inside the checkpoint.
+        def lone(h, block_xs, *rest):
+            block_xs = (to_device(block_xs[0]), *block_xs[1:])
+            return apply_block(h, jax.tree.map(lambda a: a[0], block_xs), *rest)
+
+        if spec.enabled:
+            lone = jax.checkpoint(lone, policy=spec.policy, prevent_cse=True)
+        x, out = outermost(lone, 1)(x, xs)
+        return x, jax.tree.map(lambda a: a[None], out)
     if length == 1:
         # A lone block may change the shape (stride, width), which a scan carry cannot;
         # outside a loop, CSE must be prevented explicitly for remat to hold.

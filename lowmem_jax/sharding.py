@@ -247,7 +247,9 @@ def merge_shardings(state: PyTree, layouts: list[PyTree], mesh: Mesh) -> PyTree:
         while dims and not dims[-1]:
             dims.pop()
         spec = PartitionSpec(*(tuple(d) if len(d) > 1 else (d[0] if d else None) for d in dims))
-        kind = next((s.memory_kind for s in shardings if s.memory_kind), None)
+        # A sharding made without a kind reports the device's: only host memory is a choice.
+        kind = next((s.memory_kind for s in shardings if s.memory_kind not in (None, "device")),
+                    None)  # fmt: skip
         return NamedSharding(mesh, spec, memory_kind=kind)
 
     return jax.tree.map(merged, state, *layouts)

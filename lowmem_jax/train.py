@@ -172,14 +172,21 @@ def make_train_step(
         grad_fn = _fold(scaled_grad_fn(loss, state.loss_scale), "wrap_grad_fn", plan)
         grads, model_state, metrics = grad_fn(wrt, state.model_state, batch, rng)
 
-        grads_finite = loss_scale_lib.all_finite(grads)
-        updates, opt_state = opt.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        # Finite gradients can still give a non-finite update (e.g. 0/0 in a low-precision
-        # optimizer): what is applied is checked too, so nothing non-finite reaches the state.
-        update_finite = loss_scale_lib.all_finite((updates, params))
+        if opt.applies_updates:  # updated where the state lives, the skip rule applied there
+            params, opt_state, grads_finite, update_finite = opt.apply(
+                grads, state.opt_state, state.params
+            )
+        else:
+            grads_finite = loss_scale_lib.all_finite(grads)
+            updates, opt_state = opt.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            # Finite gradients can still give a non-finite update (e.g. 0/0 in a low-precision
+            # optimizer): what is applied is checked too, so nothing non-finite reaches the state.
+            update_finite = loss_scale_lib.all_finite((updates, params))
         applied = grads_finite & update_finite
-        if opt.selects_state:  # the update chose its state by the same rule, where it lives
+        if opt.applies_updates:  # the parameters and state chosen already
+            model_state = loss_scale_lib.select_tree(applied, model_state, state.model_state)
+        elif opt.selects_state:  # the update chose its state by the same rule, where it lives
             params, model_state = loss_scale_lib.select_tree(
                 applied, (params, model_state), (state.params, state.model_state)
             )

@@ -44,13 +44,38 @@ def _states(plan, tx, batches, donate):
 @pytest.mark.parametrize("optimizer_state", ["auto", "int8"])
 def test_host_resident_optimizer_state_computes_what_the_device_one_does(optimizer_state):
     batches = [classification_batch(16, seed=s) for s in range(3)]
+    batches[1] = {**batches[1], "image": batches[1]["image"].at[0, 0].set(np.nan)}  # skipped
     tx = optax.adam(1e-2)
     host = lm.Plan(optimizer_memory="pinned_host", optimizer_state=optimizer_state)
     got = _states(host, tx, batches, donate=True)  # donated: the host buffers are reused
     want = _states(lm.Plan(optimizer_state=optimizer_state), tx, batches, donate=False)
     for (opt_kinds, param_kinds, g), (_, _, w) in zip(got, want, strict=True):
         assert opt_kinds == {"pinned_host"} and param_kinds == {"device"}
-        assert_trees_close(g, w, rtol=0, atol=0)
+        assert_trees_close(g.replace(opt_state=g.opt_state.inner_state), w, rtol=0, atol=0)
+    assert got[1][2].skipped_steps == 1
+
+
+def test_a_device_update_moves_the_state_to_the_device_only_after_the_gradient():
+    """DeviceUpdate (optimizer_memory="pinned_host", the update on the device): the state and
+    the gradient pass one optimization barrier before the state is moved to the device, so the
+    move cannot be scheduled before the backward pass ends; the new state goes back to host."""
+    from lowmem_jax.host_update import DeviceUpdate, HostUpdateState
+
+    tx = DeviceUpdate(lm.base.as_optimizer(optax.adam(1e-2)))
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    state = tx.init(params)
+    assert isinstance(state, HostUpdateState)
+    closed = jax.make_jaxpr(tx.update)(params, state, params)
+    grad_vars = closed.jaxpr.invars[:2]
+    state_vars = closed.jaxpr.invars[2 : 2 + len(jax.tree.leaves(state))]
+    (barrier,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert barrier.invars == [*grad_vars, *state_vars]
+    moves = [e for e in closed.jaxpr.eqns if e.primitive.name == "device_put"]
+    to_device = [e for e in moves if set(e.params["devices"]) == {jax.memory.Space.Device}]
+    # Adam's count and moments: each read on the device only through the barrier's outputs.
+    moved = {v for e in to_device for v in e.invars}
+    assert moved and moved <= set(barrier.outvars[2:])
+    assert any(set(e.params["devices"]) == {jax.memory.Space.Host} for e in moves)
 
 
 def test_an_update_on_the_host_computes_what_the_device_one_does_where_the_state_lives():

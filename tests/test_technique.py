@@ -247,6 +247,12 @@ UNSEARCHED = {
     "loss_scale": lm.Plan(loss_scale="static"),
     "shard": lm.Plan(optimizer_memory="pinned_host"),  # ZeRO's stages: sharding_cases.py
     "input_dtype": lm.Plan(input_dtype="uint8"),
+    "weight_memory": lm.Plan(
+        weight_memory="pinned_host",
+        optimizer_memory="pinned_host",
+        optimizer_update="host",
+        remat="full",
+    ),  # fmt: skip
 }
 
 
@@ -307,11 +313,7 @@ _SPARSE_70 = lm.sparsity.report_sparsity(0.7)
 
 def _pair(a: dict, b: dict):
     """The entry of :data:`_PAIRS` whose two plans set the fields ``a`` and ``b``."""
-    (found,) = [
-        (x, y) for x, y in _PAIRS
-        if all(getattr(x[1], k) == v for k, v in a.items())
-        and all(getattr(y[1], k) == v for k, v in b.items())
-    ]  # fmt: skip
+    (found,) = [(x, y) for x, y in _PAIRS if (x[1], y[1]) == (lm.Plan(**a), lm.Plan(**b))]
     return found
 
 

@@ -6,8 +6,9 @@ With ``plan.shard`` set, the step is one SPMD program over ``plan.mesh()``: the 
 its ``data`` axis, the state laid out by :func:`state_specs` (merged with the other techniques'
 layouts) on the way in and out, from ``zero2`` on the gradients partitioned as the optimizer
 state. ``optimizer_memory="pinned_host"``: the optimizer state lives in host memory between
-steps, moved to the device for the update and back; with ``optimizer_update="host"`` it stays
-there and the update runs there (ZeRO-Offload's way, :mod:`lowmem_jax.host_update`).
+steps, moved to the device for the update (after the gradient) and back; with
+``optimizer_update="host"`` it stays there and the update runs there (ZeRO-Offload's way,
+:mod:`lowmem_jax.host_update`).
 
 With ``grad_compression`` (``dp`` or ``zero1``) each device's gradient, computed in a
 ``shard_map``, is reduced compressed with error feedback once per step by the outermost optimizer
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec
 from lowmem_jax import base, scanned_blocks, sharding_report
 from lowmem_jax import grad_compression as compression_lib
 from lowmem_jax import sharding as sharding_lib
-from lowmem_jax.host_update import HOST_UPDATE, HostUpdate
+from lowmem_jax.host_update import HOST_UPDATE, DeviceUpdate, HostUpdate, HostUpdateState
 from lowmem_jax.technique import Axis, PlanField, Technique, Verdict
 
 __all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
@@ -86,13 +87,17 @@ def state_specs(state: Any, plan: Any, num_shards: int) -> Any:
     (:func:`lowmem_jax.sharding.leaf_spec`), everything else replicated."""
     stage = sharding_lib.stage(plan.shard)
     specs = sharding_lib.tree_specs(state, num_shards, partition=False)
-    opt_specs = sharding_lib.tree_specs(state.opt_state, num_shards, stage.optimizer_state)
-    if isinstance(state.opt_state, compression_lib.CompressionState):  # a row per device
+    opt = state.opt_state
+    in_host = isinstance(opt, HostUpdateState)  # in host memory, updated on the device
+    opt = opt.inner_state if in_host else opt
+    opt_specs = sharding_lib.tree_specs(opt, num_shards, stage.optimizer_state)
+    if isinstance(opt, compression_lib.CompressionState):  # a row per device
         rows = PartitionSpec(sharding_lib.AXIS)
         opt_specs = opt_specs._replace(
-            errors=tuple(rows for _ in state.opt_state.errors),
-            shared=tuple(PartitionSpec() for _ in state.opt_state.shared),
+            errors=tuple(rows for _ in opt.errors),
+            shared=tuple(PartitionSpec() for _ in opt.shared),
         )
+    opt_specs = HostUpdateState(opt_specs) if in_host else opt_specs
     return specs.replace(
         params=sharding_lib.tree_specs(state.params, num_shards, stage.parameters),
         opt_state=opt_specs,
@@ -197,10 +202,15 @@ def _partitioned_grads(grad_fn, plan):
 
 
 def _outermost_optimizer(tx, plan, params):
-    """The optimizer outermost, reducing each device's gradient in
-    ``plan.grad_compression``; or updating on the host (``optimizer_update="host"``)."""
+    """The optimizer outermost, reducing each device's gradient in ``plan.grad_compression``;
+    its state in host memory (``optimizer_memory``), updated on the device or the host."""
     if plan.optimizer_update == "host":
         return HostUpdate(base.as_optimizer(tx))
+    tx = _compressed(tx, plan, params)
+    return tx if plan.optimizer_memory == "device" else DeviceUpdate(base.as_optimizer(tx))
+
+
+def _compressed(tx, plan, params):
     if plan.grad_compression == "none":
         return tx
     if params is None:
@@ -225,37 +235,26 @@ def _outermost_optimizer(tx, plan, params):
 
 def _laid_out(step, plan):
     """The state laid out over the mesh on the way in and out, the batch split over the
-    devices; the optimizer state moved from and back to ``plan.optimizer_memory``."""
+    devices; the optimizer state in ``plan.optimizer_memory`` (moved to the device, if at all,
+    by its update: :mod:`lowmem_jax.host_update`)."""
     mesh = _mesh(plan)
     if mesh is None:
         return step
-    # The state comes in from host memory for an update on the device; updated on the host
-    # (host_update), it stays there, laid out with its memory kind.
-    offload = plan.optimizer_memory != "device" and plan.optimizer_update == "device"
 
     @functools.wraps(step)  # the program keeps the step's name
     def laid_out_step(state, batch):
         shardings = plan.state_shardings(state)  # every technique's layout over the mesh, merged
         specs = jax.tree.map(lambda s: s.spec, shardings)
 
-        def laid_out(tree):  # updated on the host, the state keeps its memory kind
-            if plan.optimizer_update == "host":
+        def laid_out(tree):  # in host memory, the state keeps its memory kind
+            if plan.optimizer_memory != "device":
                 return jax.lax.with_sharding_constraint(tree, shardings)
             return sharding_lib.constrain(tree, mesh, specs)
 
-        if offload:  # the update runs on the device: the state comes in from host memory
-            opt_state = sharding_lib.to_memory(state.opt_state, mesh, specs.opt_state, "device")
-            state = state.replace(opt_state=opt_state)
         state = laid_out(state)
         batch = sharding_lib.constrain(batch, mesh, sharding_lib.batch_spec(batch))
         new_state, metrics = step(state, batch)
-        new_state = laid_out(new_state)
-        if offload:
-            opt_state = sharding_lib.to_memory(
-                new_state.opt_state, mesh, specs.opt_state, plan.optimizer_memory
-            )
-            new_state = new_state.replace(opt_state=opt_state)
-        return new_state, metrics
+        return laid_out(new_state), metrics
 
     return laid_out_step
 
@@ -321,8 +320,8 @@ TECHNIQUE = Technique(
             "device",
             "the memory the optimizer state stays in between steps (a "
             ":data:`lowmem_jax.sharding.MEMORY_KINDS` name): ``device``, or ``pinned_host`` "
-            "(host memory; the step moves it to the device for the update and the new state "
-            "back).",
+            "(host memory; the step moves it to the device for the update, once the gradient "
+            "exists, and the new state back: :class:`lowmem_jax.host_update.DeviceUpdate`).",
             help="where the optimizer state lives between steps: device, or pinned_host (host "
             "memory, moved to the device for the update and back, as ZeRO-Offload places it; "
             "XLA:CPU has one memory, so the device bytes it saves show on a GPU only)",

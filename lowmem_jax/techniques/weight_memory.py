@@ -1,0 +1,151 @@
+"""Weight streaming (``weight_memory``): the stacked blocks' parameters in host memory between
+steps, each block's moved to the device when its stack's loop reaches it.
+
+With ``weight_memory="pinned_host"`` every leaf of a :class:`~lowmem_jax.ScannedBlocks` stack
+(``[n, ...]``, its leading axis the ``n > 1`` blocks a loop runs) lives in page-locked host
+memory between steps, laid out by :func:`state_shardings`; the model's ``param_layout`` (the
+bundled WideResNet and DynamicConv Transformer take one) moves one block's parameters to the
+device inside the loop (``jax.device_put(p, Space.Device)``), inside the block's checkpoint
+(remat is required), so the backward pass moves them again rather than keeping every block's
+device copy; the transpose of that move sends each block's gradient back to host memory. The
+update runs where the state and the stacks live (``optimizer_memory="pinned_host"``,
+``optimizer_update="host"``: :class:`lowmem_jax.host_update.HostUpdate` applies it there too).
+The rest of the parameters (stem, head, embeddings, a stack of one block, run outside a loop)
+stays on the device: between steps the device holds those, during a loop one block more.
+
+The check (:func:`_took_effect`) reads the traced step: every equation outside the host's
+computation that reads host memory must be a move (:func:`lowmem_jax.jaxprs.host_memory_reads`),
+so no part of the step brings a whole stack to the device. XLA:CPU has one memory, so the bytes
+show only on a GPU (``benchmarks/weight_streaming.py`` probes the same arrangement there).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lowmem_jax import jaxprs, scanned_blocks
+from lowmem_jax import sharding as sharding_lib
+from lowmem_jax.technique import PlanField, Technique, Verdict
+
+__all__ = ["TECHNIQUE", "state_shardings"]
+
+MIB = 2**20
+
+
+def _validate(plan) -> None:
+    sharding_lib.check_memory_kind(plan.weight_memory, "weight_memory")
+    if plan.weight_memory == "device":
+        return
+    needs = {
+        "optimizer_memory": ("pinned_host", "the update runs where the streamed weights live"),
+        "optimizer_update": ("host", "the update runs where the streamed weights live"),
+        "shard": ("none", "streaming runs on one device"),
+        "pipeline": (1, "streaming runs on one device"),
+        "precision": ("fp32", "the loss casts the whole parameter tree before the model runs"),
+        "microbatches": (1, "the microbatch loop would add the host gradients up on the device"),
+        "sparsity": (None, "a sparse layer's stored form is read outside its block's loop"),
+        "factorize": (None, "factorized layers are not streamed"),
+    }
+    for field, (value, why) in needs.items():
+        if getattr(plan, field) != value:
+            raise ValueError(
+                f"weight_memory='pinned_host' needs {field}={value!r} (got "
+                f"{getattr(plan, field)!r}): {why}"
+            )
+    if plan.remat == "none":
+        raise ValueError(
+            "weight_memory='pinned_host' needs remat (e.g. full): each block's weights are "
+            "moved again in the backward pass, not kept on the device"
+        )
+
+
+def _configure_model(model, plan):
+    if plan.weight_memory == "device":
+        return model
+    if isinstance(model, nnx.Module) or not hasattr(model, "param_layout"):
+        raise ValueError(
+            f"weight_memory='pinned_host' needs a model whose stacks take a param_layout "
+            f"(ScannedBlocks: the bundled WideResNet and DynamicConv); "
+            f"{type(model).__name__} has none"
+        )
+    return model.clone(param_layout=scanned_blocks.to_device)
+
+
+def _streamed(path, leaf) -> bool:
+    """A leaf of a stack (a lone block's too: ``[1, ...]``, moved before it is indexed)."""
+    return scanned_blocks.in_stack([getattr(key, "key", None) for key in path])
+
+
+def state_shardings(state, plan):
+    """The stacks' parameters in ``plan.weight_memory``, every other leaf as placed by default;
+    ``None`` where the weights live on the device."""
+    if plan.weight_memory == "device":
+        return None
+    mesh = plan.mesh()
+    host = NamedSharding(mesh, PartitionSpec(), memory_kind=plan.weight_memory)
+    default = NamedSharding(mesh, PartitionSpec())
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: host if _streamed(path, leaf) else default, state.params
+    )
+    return jax.tree.map(lambda _: default, state).replace(params=params)
+
+
+def _took_effect(evidence, plan):
+    """The stacks' bytes in host memory, the moves in the loops, and no device computation
+    reading host memory."""
+    if plan.weight_memory == "device":
+        return None
+    leaves = jax.tree_util.tree_flatten_with_path(evidence.state.params)[0]
+    stacked = [leaf for path, leaf in leaves if _streamed(path, leaf)]
+    streamed = sum(x.size * x.dtype.itemsize for x in stacked)
+    resident = sum(x.size * x.dtype.itemsize for _, x in leaves) - streamed
+    moves = [
+        loops for eqn, loops in evidence.equations()
+        if eqn.primitive.name == "device_put"
+        and any(v.aval.memory_space == jax.memory.Space.Host for v in eqn.invars)
+    ]  # fmt: skip
+    reads = jaxprs.host_memory_reads(evidence.jaxpr)
+    said = (
+        f"{len(stacked)} stacked parameter arrays ({streamed / MIB:.2f} MiB) streamed from "
+        f"{plan.weight_memory}, {len(moves)} moves to the device ({sum(map(bool, moves))} "
+        f"inside loops); {resident / MIB:.3f} MiB of parameters stay on the device"
+    )
+    if reads:
+        said += f"; but {len(reads)} device computations read host memory ({reads[0]})"
+    return Verdict("weight_memory", bool(stacked and moves) and not reads, said)
+
+
+TECHNIQUE = Technique(
+    name="weight_memory",
+    # Order: acts on where the stacked parameters live (the model's param_layout, the layout)
+    order=85,
+    fields=(
+        PlanField(
+            "weight_memory",
+            str,
+            "device",
+            "where the stacked blocks' parameters live between steps: ``device``, or "
+            "``pinned_host`` (weight streaming: each block's moved to the device when its "
+            "stack's loop reaches it, its gradient back; needs "
+            "``optimizer_memory='pinned_host'``, ``optimizer_update='host'`` and remat: "
+            ":mod:`lowmem_jax.techniques.weight_memory`).",
+            help="where the stacked blocks' parameters live between steps: device, or "
+            "pinned_host (streamed to the device a block at a time; needs --optimizer-memory "
+            "pinned_host --optimizer-update host and --remat; XLA:CPU has one memory, so the "
+            "bytes it saves show on a GPU only)",
+            choices=sharding_lib.MEMORY_KINDS,
+            omit_default=True,
+        ),
+    ),
+    validate=_validate,
+    label=lambda plan: None if plan.weight_memory == "device" else "weights streamed",
+    # The same arithmetic with the weights elsewhere between steps: inside every envelope.
+    envelope=None,
+    # Not searched: XLA:CPU, where the planner compiles, drops memory kinds (one memory).
+    axis=None,
+    configure_model=_configure_model,
+    state_shardings=state_shardings,
+    took_effect=_took_effect,
+)

@@ -1,0 +1,126 @@
+"""Weight streaming (Plan.weight_memory="pinned_host"): the stacked blocks' parameters in host
+memory between steps, moved to the device a block at a time inside the loop.
+
+XLA:CPU has one memory, so these tests check what it can show: the same values as the step with
+the weights on the device, where each leaf lives between steps, and, in the traced step, that
+nothing but a move reads host memory outside the host's own computation (JAX's avals carry each
+value's memory space)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_trees_close, to_numpy
+from jax.sharding import SingleDeviceSharding
+
+import lowmem_jax as lm
+from lowmem_jax import cli, jaxprs, workloads
+from lowmem_jax.host_update import on_host
+from lowmem_jax.techniques import weight_memory
+
+HOST = {"optimizer_memory": "pinned_host", "optimizer_update": "host", "remat": "full"}
+STREAMED = lm.Plan(weight_memory="pinned_host", **HOST)
+
+
+def _kinds(tree):
+    return [leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)]
+
+
+def test_streamed_weights_train_as_the_device_resident_ones_and_stay_in_host_memory():
+    """Three steps of WRN-22-1 (its stacks stream, a group's lone first block too; the stem and
+    head stay), the second with a NaN pixel (skipped on the host): the same states as the
+    plan without streaming, the stacks' leaves in pinned_host before and after every step."""
+    work = workloads.workload("wrn-22-1", batch_size=8, image_size=8)
+    runs = []
+    for plan in (lm.Plan(**HOST), STREAMED):
+        setup = workloads.build(work, plan)
+        batch = setup.example_batch()
+        state = setup.init_state(batch)
+        states = []
+        for i in range(3):
+            nan = batch if i != 1 else {**batch, "image": batch["image"].at[0, 0, 0, 0].set(np.nan)}
+            state, _ = setup.step(state, nan)  # donated: kept as numpy
+            states.append(to_numpy(state))
+        runs.append((states, state))
+    for plain, streamed in zip(runs[0][0], runs[1][0], strict=True):
+        assert_trees_close(streamed, plain, rtol=1e-6, atol=1e-7)
+    last = runs[1][1]
+    assert last.skipped_steps == 1
+    leaves = jax.tree_util.tree_flatten_with_path(last.params)[0]
+    streamed = [leaf for path, leaf in leaves if weight_memory._streamed(path, leaf)]
+    assert {x.sharding.memory_kind for x in streamed} == {"pinned_host"}
+    assert len(streamed) == _kinds(last.params).count("pinned_host") == len(leaves) - 5
+    assert set(_kinds(last.opt_state)) == {"pinned_host"}
+    assert set(_kinds(runs[0][1].params)) == {"device"}
+
+
+@pytest.mark.parametrize("model", ["wrn-22-1", "dynamicconv-small"])
+def test_the_verdict_counts_the_moves_and_finds_no_device_computation_on_host_memory(model):
+    setup = workloads.build(workloads.workload(model, batch_size=8, seq_len=6), STREAMED)
+    (verdict,) = [v for v in setup.verdicts() if v.technique == "weight_memory"]
+    assert verdict.took_effect, verdict.evidence
+    assert "streamed from pinned_host" in verdict.evidence and "read host" not in verdict.evidence
+
+
+def test_the_verdict_says_so_when_a_device_computation_reads_the_streamed_weights(monkeypatch):
+    """A layout that computes on a block's weights before moving them (here a multiply by one)
+    reads host memory on the device: the check finds it and the technique did not take effect
+    (a value mixing host and device memory JAX refuses itself, at trace time)."""
+
+    def computes_first(p):
+        return jax.device_put(jax.tree.map(lambda a: a * 1.0, p), jax.memory.Space.Device)
+
+    monkeypatch.setattr(lm.scanned_blocks, "to_device", computes_first)
+    setup = workloads.build(workloads.workload("wrn-22-1", batch_size=8, image_size=8), STREAMED)
+    (verdict,) = [v for v in setup.verdicts() if v.technique == "weight_memory"]
+    assert not verdict.took_effect
+    assert "device computations read host memory (mul)" in verdict.evidence
+
+
+def test_host_memory_reads_finds_device_computation_on_host_values_only():
+    host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    x = jax.device_put(jnp.ones(3), host)
+
+    def moved(a):
+        return jax.device_put(a, jax.memory.Space.Device) * 2
+
+    def scanned(stack):  # a loop over a host stack, each slice moved first
+        return jax.lax.scan(lambda h, w: (h + moved(w), None), jnp.zeros(3), stack)[0]
+
+    assert jaxprs.host_memory_reads(jax.make_jaxpr(moved)(x).jaxpr) == []
+    assert jaxprs.host_memory_reads(jax.make_jaxpr(on_host(lambda a: a * 2))(x).jaxpr) == []
+    stack = jax.device_put(jnp.ones((4, 3)), host)
+    assert jaxprs.host_memory_reads(jax.make_jaxpr(scanned)(stack).jaxpr) == []
+    unmoved = jax.make_jaxpr(lambda s: jax.lax.scan(lambda h, w: (h + w, None), 0.0 * s[0], s))
+    assert "add" in jaxprs.host_memory_reads(unmoved(stack).jaxpr)
+
+
+@pytest.mark.parametrize(
+    "fields, needs",
+    [
+        ({}, "optimizer_memory='pinned_host'"),
+        ({"optimizer_memory": "pinned_host"}, "optimizer_update='host'"),
+        ({**HOST, "remat": "none"}, "needs remat"),
+        ({**HOST, "microbatches": 2}, "microbatches=1"),
+        ({**HOST, "precision": "mixed_fp16"}, "precision='fp32'"),
+    ],
+)
+def test_a_setting_it_cannot_stream_under_is_refused_in_one_line(fields, needs):
+    with pytest.raises(ValueError, match="weight_memory='pinned_host' needs") as raised:
+        lm.Plan(weight_memory="pinned_host", **fields)
+    assert needs in str(raised.value) and "\n" not in str(raised.value)
+    with pytest.raises(ValueError, match=r"Unknown weight_memory='disk'; allowed values"):
+        lm.Plan(weight_memory="disk")
+
+
+def test_lowmem_analyze_streams_the_weights_and_refuses_a_bad_flag(capsys):
+    flags = ["--model", "wrn-22-1", "--batch-size", "8", "--weight-memory", "pinned_host"]
+    with pytest.raises(SystemExit) as exited:  # no --optimizer-memory pinned_host
+        cli.main(["analyze", *flags])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "weight_memory='pinned_host' needs optimizer_memory" in err
+    host_flags = ["--optimizer-memory", "pinned_host", "--optimizer-update", "host"]
+    assert cli.main(["analyze", *flags, *host_flags, "--remat", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "weight_memory" in out and "streamed from pinned_host" in out
