@@ -124,3 +124,20 @@ def test_lowmem_analyze_streams_the_weights_and_refuses_a_bad_flag(capsys):
     assert cli.main(["analyze", *flags, *host_flags, "--remat", "full"]) == 0
     out = capsys.readouterr().out
     assert "weight_memory" in out and "streamed from pinned_host" in out
+
+
+def test_the_transformer_s_streamed_layers_train_as_the_device_resident_ones():
+    """The small DynamicConv Transformer (encoder and decoder stacks, each kernel size a stack,
+    embeddings outside them): two steps equal to the plan without streaming."""
+    work = workloads.workload("dynamicconv-small", batch_size=8, seq_len=6)
+    got = []
+    for plan in (lm.Plan(**HOST), STREAMED):
+        setup = workloads.build(work, plan)
+        batch = setup.example_batch()
+        state = setup.init_state(batch)
+        for _ in range(2):
+            state, metrics = setup.step(state, batch)
+        got.append((to_numpy(state), float(metrics["loss"]), _kinds(state.params)))
+    assert_trees_close(got[1][0], got[0][0], rtol=1e-6, atol=1e-7)
+    assert got[1][1] == pytest.approx(got[0][1], rel=1e-6)
+    assert "pinned_host" in got[1][2] and "device" in got[1][2]  # the embeddings stay
