@@ -29,6 +29,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from lowmem_jax.base import PyTree, cast_floating
@@ -89,6 +90,10 @@ def get_policy(name: str | Policy) -> Policy:
         ) from None
 
 
+def _in_host_memory(x: Any) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
 def cast_loss_fn(loss_fn: Callable[..., Any], policy: Policy | str) -> Callable[..., Any]:
     """Runs ``loss_fn`` in the policy's compute dtype and returns its outputs in float32.
 
@@ -104,8 +109,13 @@ def cast_loss_fn(loss_fn: Callable[..., Any], policy: Policy | str) -> Callable[
     policy = get_policy(policy)
 
     def wrapped(params, model_state, batch, rng):
+        # A parameter in host memory (weight streaming) is cast where the model uses it, on the
+        # device: cast here, the whole of it would be read in host memory.
+        params = jax.tree.map(
+            lambda x: x if _in_host_memory(x) else policy.cast_to_compute(x), params
+        )
         loss, (new_model_state, metrics) = loss_fn(
-            policy.cast_to_compute(params), model_state, policy.cast_to_compute(batch), rng
+            params, model_state, policy.cast_to_compute(batch), rng
         )
         return policy.cast_to_output(loss), (new_model_state, policy.cast_to_output(metrics))
 

@@ -9,6 +9,7 @@ parameter layout does not depend on the policy.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,10 +20,10 @@ import jax.numpy as jnp
 
 from lowmem_jax import pipeline as pipeline_lib
 from lowmem_jax.activation_compression import active_spec, compress_residuals
-from lowmem_jax.base import BlockwiseLeaf
+from lowmem_jax.base import BlockwiseLeaf, cast_floating
 from lowmem_jax.remat import RematSpec, parse_policy
 
-__all__ = ["ScannedBlocks", "STACK", "in_stack", "straight_line", "to_device"]
+__all__ = ["ScannedBlocks", "STACK", "ToDevice", "in_stack", "straight_line"]
 
 
 #: The variable name under which :class:`ScannedBlocks` stores its blocks' stacked variables.
@@ -35,10 +36,18 @@ def in_stack(names: Sequence[str]) -> bool:
     return STACK in names
 
 
-def to_device(block_params: Any) -> Any:
-    """One block's parameters moved to the device: the ``param_layout`` of weight streaming
-    (:mod:`lowmem_jax.techniques.weight_memory`), the stacks kept in host memory."""
-    return jax.device_put(block_params, jax.memory.Space.Device)
+@dataclasses.dataclass(frozen=True)
+class ToDevice:
+    """One block's parameters moved to the device, then their floating leaves cast to
+    ``dtype`` (``None``: as stored): the ``param_layout`` of weight streaming
+    (:mod:`lowmem_jax.techniques.weight_memory`), the stacks kept in host memory and cast, as
+    the loss casts the parameters it holds, once on the device."""
+
+    dtype: Any = None
+
+    def __call__(self, block_params: Any) -> Any:
+        moved = jax.device_put(block_params, jax.memory.Space.Device)
+        return moved if self.dtype is None else cast_floating(moved, self.dtype)
 
 
 def straight_line(unroll: bool | None, remat: str | RematSpec, dtype: Any = None) -> bool:
@@ -230,7 +239,7 @@ def _scan_run(
 ):
     """``length`` blocks applied in sequence under ``spec``; ``(x, per-block outputs)``.
 
-    ``layout``: the stack's ``param_layout``; where it is :func:`to_device` (weight streaming),
+    ``layout``: the stack's ``param_layout``; where it is a :class:`ToDevice` (weight streaming),
     a lone block's parameters (``xs[0]``) are moved before they are taken out of their stack,
     inside the block's checkpoint, so nothing indexes them in host memory.
 
@@ -252,10 +261,10 @@ def _scan_run(
                                   iterations=iterations)  # fmt: skip
         return lambda h, block_xs: body(h, block_xs, *closed)
 
-    if length == 1 and layout is to_device:
+    if length == 1 and isinstance(layout, ToDevice):
         # Streamed from host memory: moved, then taken out of its stack, inside the checkpoint.
         def lone(h, block_xs, *rest):
-            block_xs = (to_device(block_xs[0]), *block_xs[1:])
+            block_xs = (layout(block_xs[0]), *block_xs[1:])
             return apply_block(h, jax.tree.map(lambda a: a[0], block_xs), *rest)
 
         if spec.enabled:

@@ -67,10 +67,10 @@ def test_the_verdict_says_so_when_a_device_computation_reads_the_streamed_weight
     reads host memory on the device: the check finds it and the technique did not take effect
     (a value mixing host and device memory JAX refuses itself, at trace time)."""
 
-    def computes_first(p):
+    def computes_first(self, p):
         return jax.device_put(jax.tree.map(lambda a: a * 1.0, p), jax.memory.Space.Device)
 
-    monkeypatch.setattr(lm.scanned_blocks, "to_device", computes_first)
+    monkeypatch.setattr(lm.scanned_blocks.ToDevice, "__call__", computes_first)
     setup = workloads.build(workloads.workload("wrn-22-1", batch_size=8, image_size=8), STREAMED)
     (verdict,) = [v for v in setup.verdicts() if v.technique == "weight_memory"]
     assert not verdict.took_effect
@@ -102,7 +102,7 @@ def test_host_memory_reads_finds_device_computation_on_host_values_only():
         ({"optimizer_memory": "pinned_host"}, "optimizer_update='host'"),
         ({**HOST, "remat": "none"}, "needs remat"),
         ({**HOST, "microbatches": 2}, "microbatches=1"),
-        ({**HOST, "precision": "mixed_fp16"}, "precision='fp32'"),
+        ({**HOST, "precision": "mixed_fp16"}, "precision in ['fp32', 'bf16', 'mixed_bf16']"),
     ],
 )
 def test_a_setting_it_cannot_stream_under_is_refused_in_one_line(fields, needs):
@@ -126,12 +126,15 @@ def test_lowmem_analyze_streams_the_weights_and_refuses_a_bad_flag(capsys):
     assert "weight_memory" in out and "streamed from pinned_host" in out
 
 
-def test_the_transformer_s_streamed_layers_train_as_the_device_resident_ones():
+@pytest.mark.parametrize("precision", ["fp32", "mixed_bf16"])
+def test_the_transformer_s_streamed_layers_train_as_the_device_resident_ones(precision):
     """The small DynamicConv Transformer (encoder and decoder stacks, each kernel size a stack,
-    embeddings outside them): two steps equal to the plan without streaming."""
+    embeddings outside them): two steps equal to the plan without streaming; in mixed bfloat16
+    each block's float32 parameters are cast after their move, as the loss casts the others."""
     work = workloads.workload("dynamicconv-small", batch_size=8, seq_len=6)
     got = []
-    for plan in (lm.Plan(**HOST), STREAMED):
+    for plan in (lm.Plan(**HOST, precision=precision),
+                 lm.Plan(weight_memory="pinned_host", **HOST, precision=precision)):  # fmt: skip
         setup = workloads.build(work, plan)
         batch = setup.example_batch()
         state = setup.init_state(batch)

@@ -2,16 +2,18 @@
 steps, each block's moved to the device when its stack's loop reaches it.
 
 With ``weight_memory="pinned_host"`` every leaf of a :class:`~lowmem_jax.ScannedBlocks` stack
-(``[n, ...]``, its leading axis the ``n > 1`` blocks a loop runs) lives in page-locked host
-memory between steps, laid out by :func:`state_shardings`; the model's ``param_layout`` (the
-bundled WideResNet and DynamicConv Transformer take one) moves one block's parameters to the
-device inside the loop (``jax.device_put(p, Space.Device)``), inside the block's checkpoint
-(remat is required), so the backward pass moves them again rather than keeping every block's
-device copy; the transpose of that move sends each block's gradient back to host memory. The
-update runs where the state and the stacks live (``optimizer_memory="pinned_host"``,
+(``[n, ...]``, its leading axis the blocks) lives in page-locked host memory between steps, laid
+out by :func:`state_shardings`; the model's ``param_layout`` (the bundled WideResNet and
+DynamicConv Transformer take one) is a :class:`~lowmem_jax.scanned_blocks.ToDevice`: inside the
+loop it moves one block's parameters to the device and casts them to the compute dtype, inside
+the block's checkpoint (remat is required), so the backward pass moves them again rather than
+keeping every block's copy; the transpose of the move sends each block's gradient back to host
+memory. A stack of one block (run outside a loop) is moved before it is indexed. The update runs
+where the state and the stacks live (``optimizer_memory="pinned_host"``,
 ``optimizer_update="host"``: :class:`lowmem_jax.host_update.HostUpdate` applies it there too).
-The rest of the parameters (stem, head, embeddings, a stack of one block, run outside a loop)
-stays on the device: between steps the device holds those, during a loop one block more.
+The other parameters (stem, head, embeddings) stay on the device: between steps the device holds
+those, during a loop one block more. Precisions with loss scaling (float16) are refused: the
+scale would be taken off the host gradients on the device.
 
 The check (:func:`_took_effect`) reads the traced step: every equation outside the host's
 computation that reads host memory must be a move (:func:`lowmem_jax.jaxprs.host_memory_reads`),
@@ -32,6 +34,9 @@ from lowmem_jax.technique import PlanField, Technique, Verdict
 __all__ = ["TECHNIQUE", "state_shardings"]
 
 MIB = 2**20
+#: The precisions it streams under: those without loss scaling (the model casts a block's
+#: parameters where it uses them, after their move).
+STREAMED_PRECISIONS = ("fp32", "bf16", "mixed_bf16")
 
 
 def _validate(plan) -> None:
@@ -43,7 +48,6 @@ def _validate(plan) -> None:
         "optimizer_update": ("host", "the update runs where the streamed weights live"),
         "shard": ("none", "streaming runs on one device"),
         "pipeline": (1, "streaming runs on one device"),
-        "precision": ("fp32", "the loss casts the whole parameter tree before the model runs"),
         "microbatches": (1, "the microbatch loop would add the host gradients up on the device"),
         "sparsity": (None, "a sparse layer's stored form is read outside its block's loop"),
         "factorize": (None, "factorized layers are not streamed"),
@@ -54,6 +58,12 @@ def _validate(plan) -> None:
                 f"weight_memory='pinned_host' needs {field}={value!r} (got "
                 f"{getattr(plan, field)!r}): {why}"
             )
+    if plan.precision not in STREAMED_PRECISIONS:
+        raise ValueError(
+            f"weight_memory='pinned_host' needs precision in {list(STREAMED_PRECISIONS)} (got "
+            f"{plan.precision!r}): float16's loss scaling would rescale the host gradients on "
+            "the device"
+        )
     if plan.remat == "none":
         raise ValueError(
             "weight_memory='pinned_host' needs remat (e.g. full): each block's weights are "
@@ -70,7 +80,7 @@ def _configure_model(model, plan):
             f"(ScannedBlocks: the bundled WideResNet and DynamicConv); "
             f"{type(model).__name__} has none"
         )
-    return model.clone(param_layout=scanned_blocks.to_device)
+    return model.clone(param_layout=scanned_blocks.ToDevice(plan.policy.compute_dtype))
 
 
 def _streamed(path, leaf) -> bool:
