@@ -22,7 +22,8 @@ consecutive forward passes over ``batch_0 .. batch_{k-1}`` would leave. With Bat
 microbatched gradient therefore differs from the full-batch one; without it, it does not.
 
 Gradients are summed in float32 (whatever the parameter dtype) and returned in the dtype that
-``grad_fn`` returns them in.
+``grad_fn`` returns them in. The gradient of a parameter in host memory (weight streaming) is
+summed there, by the host (:func:`lowmem_jax.host_update.on_host`).
 
 On XLA:CPU the step compiles without XLA's while-loop-invariant code motion
 (:func:`compiler_options`): the loop reads the parameters every iteration, and that pass moves
@@ -38,6 +39,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from lowmem_jax.host_update import on_host
 
 PyTree = Any
 GradFn = Callable[[PyTree, PyTree, PyTree, Any], tuple[PyTree, PyTree, PyTree]]
@@ -118,23 +121,43 @@ def accumulate_gradients(grad_fn: GradFn, num_microbatches: int, shards: int = 1
         microbatches = split_batch(batch, k, shards)
         first = jax.tree.map(lambda x: x[0], microbatches)
         grads_shape, _, _ = jax.eval_shape(grad_fn, params, model_state, first, rng)
-        grad_sum = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)), grads_shape
-        )
+        # The gradients have the parameters' structure; one in host memory is summed there.
+        in_host = jax.tree.map(_in_host_memory, params)
+
+        def zeros(s, host):
+            make = lambda: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))  # noqa: E731
+            return _on_host(make)() if host else make()
+
+        def add(a, g, host):
+            return (_on_host(jnp.add) if host else jnp.add)(a, g.astype(a.dtype))
+
+        def mean(a, s, host):
+            fn = lambda a: (a / k).astype(s.dtype)  # noqa: E731
+            return (_on_host(fn) if host else fn)(a)
+
+        grad_sum = jax.tree.map(zeros, grads_shape, in_host)
 
         def body(carry, xs):
             grad_sum, state = carry
             microbatch, index = xs
             mb_rng = None if rng is None else jax.random.fold_in(rng, index)
             grads, state, metrics = grad_fn(params, state, microbatch, mb_rng)
-            grad_sum = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)
+            grad_sum = jax.tree.map(add, grad_sum, grads, in_host)
             return (grad_sum, state), metrics
 
         (grad_sum, model_state), metrics = jax.lax.scan(
             body, (grad_sum, model_state), (microbatches, jnp.arange(k))
         )
-        grads = jax.tree.map(lambda a, s: (a / k).astype(s.dtype), grad_sum, grads_shape)
+        grads = jax.tree.map(mean, grad_sum, grads_shape, in_host)
         metrics = jax.tree.map(lambda m: m.mean(axis=0), metrics)
         return grads, model_state, metrics
 
     return accumulated
+
+
+def _in_host_memory(x: Any) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def _on_host(fn: Callable) -> Callable:
+    return on_host(jax.jit(fn))

@@ -48,7 +48,6 @@ def _validate(plan) -> None:
         "optimizer_update": ("host", "the update runs where the streamed weights live"),
         "shard": ("none", "streaming runs on one device"),
         "pipeline": (1, "streaming runs on one device"),
-        "microbatches": (1, "the microbatch loop would add the host gradients up on the device"),
         "sparsity": (None, "a sparse layer's stored form is read outside its block's loop"),
         "factorize": (None, "factorized layers are not streamed"),
     }
