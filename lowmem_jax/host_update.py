@@ -7,14 +7,15 @@ only the parameter updates come back. :class:`HostUpdate` does this inside the j
 with JAX's memory spaces and host compute: the gradient and the parameters are moved to host
 memory (``jax.memory.Space.Host``), the inner optimizer's ``update`` runs as one nested
 ``jit`` under JAX's host compute (``compute_type="device_host"``: XLA marks its operations
-``_xla_compute_type = "host"``) with its results in host memory, and the updates are moved
-back to the device; the state never leaves the host (the step's layout keeps it in
-``pinned_host``).
+``_xla_compute_type = "host"``) with its results in host memory, the updates are applied
+there too (:meth:`HostUpdate.apply`), and the new parameters are moved back to the device (those
+of a block streamed from host memory stay there: weight streaming); the state never leaves the
+host (the step's layout keeps it in ``pinned_host``).
 
-The step's skip rule is applied on the host too: the new state is kept only where the
-gradient, the updates and the new parameters are all finite (the rule of
-:func:`lowmem_jax.make_train_step`, which then leaves the state as it comes back:
-:attr:`HostUpdate.selects_state`), so the device never reads the state.
+The step's skip rule is applied on the host too: the new parameters and state are kept only
+where the gradient, the updates and the new parameters are all finite (the rule of
+:func:`lowmem_jax.make_train_step`, which then takes them as they come back:
+:attr:`~lowmem_jax.base.Optimizer.applies_updates`), so the device never reads the state.
 
 :class:`DeviceUpdate` keeps the state in host memory the same way but runs the update on the
 device: the state comes to the device only once the gradient exists (an optimization barrier
