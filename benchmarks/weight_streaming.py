@@ -133,11 +133,11 @@ def measure(
         seconds.append(time.perf_counter() - start)
         after_first = after_first or device.memory_stats()
     stats = device.memory_stats()
+    kinds = sorted({str(leaf.sharding.memory_kind) for leaf in jax.tree.leaves(params)})
     return {
         "config": config,
         "xla": xla,
-        "output_memory_kinds": sorted({str(s.memory_kind) for s in compiled.output_shardings[0:1]}
-                                      | {str(jax.tree.leaves(params)[0].sharding.memory_kind)}),
+        "output_memory_kinds": kinds,  # where the step's new parameters live
         "runtime_peak_bytes": None if stats is None else int(stats["peak_bytes_in_use"]),
         "runtime_in_use_after_init_bytes": at_init and int(at_init["bytes_in_use"]),
         # Whether the peak is held after the steps (buffers kept) or was transient in one step.

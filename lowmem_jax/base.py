@@ -305,6 +305,12 @@ def shapes(tree: PyTree) -> PyTree:
     )
 
 
+def in_host_memory(x: Any) -> bool:
+    """Whether the array (or tracer) ``x`` lives in host memory (its aval's ``memory_space``):
+    a parameter streamed from there (``Plan.weight_memory``)."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
     """Casts every floating-point leaf of ``tree`` to ``dtype``; other leaves unchanged.
 

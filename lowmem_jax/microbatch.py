@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax.base import in_host_memory
 from lowmem_jax.host_update import on_host
 
 PyTree = Any
@@ -122,7 +123,7 @@ def accumulate_gradients(grad_fn: GradFn, num_microbatches: int, shards: int = 1
         first = jax.tree.map(lambda x: x[0], microbatches)
         grads_shape, _, _ = jax.eval_shape(grad_fn, params, model_state, first, rng)
         # The gradients have the parameters' structure; one in host memory is summed there.
-        in_host = jax.tree.map(_in_host_memory, params)
+        in_host = jax.tree.map(in_host_memory, params)
 
         def zeros(s, host):
             make = lambda: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))  # noqa: E731
@@ -153,10 +154,6 @@ def accumulate_gradients(grad_fn: GradFn, num_microbatches: int, shards: int = 1
         return grads, model_state, metrics
 
     return accumulated
-
-
-def _in_host_memory(x: Any) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
 def _on_host(fn: Callable) -> Callable:

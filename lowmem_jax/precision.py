@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax.base import PyTree, cast_floating
+from lowmem_jax.base import PyTree, cast_floating, in_host_memory
 
 __all__ = ["Policy", "POLICIES", "get_policy", "cast_floating", "cast_loss_fn"]
 
@@ -90,10 +90,6 @@ def get_policy(name: str | Policy) -> Policy:
         ) from None
 
 
-def _in_host_memory(x: Any) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-
-
 def cast_loss_fn(loss_fn: Callable[..., Any], policy: Policy | str) -> Callable[..., Any]:
     """Runs ``loss_fn`` in the policy's compute dtype and returns its outputs in float32.
 
@@ -112,7 +108,7 @@ def cast_loss_fn(loss_fn: Callable[..., Any], policy: Policy | str) -> Callable[
         # A parameter in host memory (weight streaming) is cast where the model uses it, on the
         # device: cast here, the whole of it would be read in host memory.
         params = jax.tree.map(
-            lambda x: x if _in_host_memory(x) else policy.cast_to_compute(x), params
+            lambda x: x if in_host_memory(x) else policy.cast_to_compute(x), params
         )
         loss, (new_model_state, metrics) = loss_fn(
             params, model_state, policy.cast_to_compute(batch), rng

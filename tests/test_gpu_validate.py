@@ -203,6 +203,16 @@ def _config(model, name):
     return next(c for c in model["configs"] if c["name"] == name)
 
 
+def _config_mib(model, name, key="total"):
+    """:func:`_mib` of ``model``'s configuration ``name`` (a run's model section)."""
+    return _mib(_config(model, name), key)
+
+
+def _config_x(model, name, key="reduction_xla_vs_plain"):
+    """:func:`_x` of ``model``'s configuration ``name``."""
+    return _x(_config(model, name), key)
+
+
 def test_the_headline_rows_of_now_on_a_gpu_are_quoted_from_their_run():
     root = BENCHMARKS.parent
     wrn, dc = _headline_runs()["validate_gpu_headline"]
@@ -212,11 +222,7 @@ def test_the_headline_rows_of_now_on_a_gpu_are_quoted_from_their_run():
         names = [c["name"] for c in model["configs"]]
         assert names == ["plain", *(r["name"] for r in cost["tasks"][task])]
 
-    def mib(model, name, key="total"):
-        return _mib(_config(model, name), key)
-
-    def x(model, name, key="reduction_xla_vs_plain"):
-        return _x(_config(model, name), key)
+    mib, x = _config_mib, _config_x
 
     inside, best = (r["name"] for r in cost["tasks"]["digits"])
     dc_inside, dc_best, dc_within = (r["name"] for r in cost["tasks"]["translation"])
@@ -295,13 +301,7 @@ def test_the_headline_run_of_49ad0a3_s_figures_quoted_are_its_own():
     _, dc_before = runs["validate_gpu_headline_a8ab060"]
     earlier_wrn, _, dc_act = runs["validate_gpu_headline_75c2b49"]
 
-    row = _config
-
-    def mib(model, name, key="total"):
-        return _mib(row(model, name), key)
-
-    def x(model, name, key="reduction_xla_vs_plain"):
-        return _x(row(model, name), key)
+    row, mib, x = _config, _config_mib, _config_x
 
     best, inside = ("fp16 + mb 2 + remat full + sparse 90% + uint8 input",
                     "mixed_fp16 + mb 8 + remat full + sparse 70% + uint8 input")  # fmt: skip

@@ -51,7 +51,9 @@ def test_host_resident_optimizer_state_computes_what_the_device_one_does(optimiz
     want = _states(lm.Plan(optimizer_state=optimizer_state), tx, batches, donate=False)
     for (opt_kinds, param_kinds, g), (_, _, w) in zip(got, want, strict=True):
         assert opt_kinds == {"pinned_host"} and param_kinds == {"device"}
-        assert_trees_close(g.replace(opt_state=g.opt_state.inner_state), w, rtol=0, atol=0)
+        # Two programs (moves and a barrier around the update): the same values to float32
+        # rounding, which another CPU's fusion may order differently.
+        assert_trees_close(g.replace(opt_state=g.opt_state.inner_state), w, rtol=1e-6, atol=1e-7)
     assert got[1][2].skipped_steps == 1
 
 

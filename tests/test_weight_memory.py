@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, to_numpy
+from conftest import BNNet, assert_trees_close, to_numpy
 from jax.sharding import SingleDeviceSharding
 
 import lowmem_jax as lm
@@ -146,3 +146,43 @@ def test_the_transformer_s_streamed_layers_train_as_the_device_resident_ones(
     assert_trees_close(got[1][0], got[0][0], rtol=1e-6, atol=1e-7)
     assert got[1][1] == pytest.approx(got[0][1], rel=1e-6)
     assert "pinned_host" in got[1][2] and "device" in got[1][2]  # the embeddings stay
+
+
+def test_a_model_without_stacks_to_stream_is_refused_in_one_line():
+    """A Linen model we did not write has no ``param_layout``: nothing would move its weights,
+    so the plan is refused where it configures the model, not ignored."""
+    with pytest.raises(ValueError, match=r"needs a model whose stacks take a param_layout") as e:
+        STREAMED.configure_model(BNNet())
+    assert "BNNet has none" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_readme_s_weight_streaming_figures_are_the_benchmarks():
+    """The README's technique row and distributed.md quote the parameters each benchmark keeps
+    on the device with streaming (analytic: the state's shapes, as laid out) and its largest
+    block: recomputed here from the models."""
+    import pathlib
+
+    root = pathlib.Path(__file__).parent.parent
+    readme = " ".join((root / "README.md").read_text().split())
+    docs = " ".join((root / "docs/distributed.md").read_text().split())
+    mib = 2**20
+    figures = {}
+    for model, batch in (("wrn-28-2", 128), ("dynamicconv-iwslt", 100)):
+        state = workloads.build(workloads.workload(model, batch), STREAMED).abstract_state()
+        leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
+        total = sum(x.size * x.dtype.itemsize for _, x in leaves)
+        host = [(p, x) for p, x in leaves if x.sharding.memory_kind == "pinned_host"]
+        assert [p for p, x in leaves if weight_memory._streamed(p, x)] == [p for p, _ in host]
+        blocks = {}  # bytes of one block of each stack
+        for path, x in host:
+            stack = jax.tree_util.keystr(path[: [k.key for k in path].index("stack")])
+            blocks[stack] = blocks.get(stack, 0) + x.size * x.dtype.itemsize / x.shape[0]
+        resident = total - sum(x.size * x.dtype.itemsize for _, x in host)
+        figures[model] = (resident / mib, total / mib, max(blocks.values()) / mib)
+    (wrn, wrn_total, wrn_block), (dc, dc_total, dc_block) = figures.values()
+    assert (f"WRN-28-2 keeps {wrn:.3f} of its {wrn_total:.2f} MiB of parameters there, the IWSLT "
+            f"transformer {dc:.1f} of {dc_total:.1f}") in readme  # fmt: skip
+    assert f"WRN-28-2 {wrn:.3f} of its {wrn_total:.2f} MiB" in docs
+    assert f"(its largest {wrn_block:.2f} MiB)" in docs
+    assert f"{dc / dc_block:.1f} times its largest layer's {dc_block:.1f} MiB" in docs
+    assert wrn <= 2 * wrn_block < dc  # the issue's 2 blocks: WideResNet yes, transformer no
