@@ -21,8 +21,9 @@ where the gradient, the updates and the new parameters are all finite (the rule 
 device: the state comes to the device only once the gradient exists (an optimization barrier
 joins the two, so XLA cannot schedule the copy earlier, where the state would sit on the device
 through the forward and backward passes), and the new state goes back. Moved at the start of
-the step instead, a GPU's compiled step grew by more than the state (WRN-28-2 484.9 -> 523.6
-MiB, benchmarks/results/validate_gpu_offload.md).
+the step instead, a GPU's compiled step grew by more than the state
+(benchmarks/results/validate_gpu_offload_b8fa9e8.md; after the gradient:
+benchmarks/results/validate_gpu_offload.md).
 
 On XLA:CPU host and device are one memory and one processor: the step computes the same
 values (tested), the program carries the host annotations, and no byte figure changes. On a
