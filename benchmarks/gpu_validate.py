@@ -97,6 +97,18 @@ OFFLOAD_ROWS = {
 }
 
 
+def split_names(text: str, names: list[str]) -> list[str]:
+    """``--configs``' comma-separated names, a name with a comma of its own (``remat full +
+    weights, state and update on the host``) kept whole where the pieces make one."""
+    found, piece = [], ""
+    for part in text.split(","):
+        piece = f"{piece},{part}" if piece else part
+        if piece in names or (piece and not any(n.startswith(piece + ",") for n in names)):
+            found.append(piece)
+            piece = ""
+    return found + ([piece] if piece else [])
+
+
 def headline_names(model: str, path: str = STEP_COST) -> list[str]:
     """``plain``, ``baseline`` and the README headline's rows of ``model`` (as ``step_cost.json``
     lists them): what ``--configs headline`` measures.
@@ -335,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.configs == OFFLOAD:
             headline = [PLAIN, "baseline", *OFFLOAD_ROWS]
-        wanted = headline or [c for c in args.configs.split(",") if c] or names
+        wanted = headline or split_names(args.configs, names) or names
         unknown = [c for c in wanted if c not in names]
         if unknown:
             print(

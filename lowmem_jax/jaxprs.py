@@ -37,13 +37,14 @@ def equations(jaxpr: Any, depth: int = 0) -> Iterator[tuple[Any, int]]:
 def host_memory_reads(jaxpr: Any) -> list[str]:
     """The equations that compute on the device from a value in host memory (an operand whose
     aval's ``memory_space`` is ``Host``), as ``"primitive"`` names: every equation but a move
-    or a layout (``device_put``, ``sharding_constraint``), a call, loop or other equation that
+    or a layout (``device_put``, ``sharding_constraint``), an ordering that passes values
+    through unchanged (``optimization_barrier``), a call, loop or other equation that
     only passes values to a jaxpr of its own (whose equations are checked in turn), and the
     host's own computations (``compute_on``), which are not entered."""
     found = []
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name in ("device_put", "sharding_constraint", "compute_on"):
+        if name in ("device_put", "sharding_constraint", "optimization_barrier", "compute_on"):
             continue
         subs = [
             getattr(sub, "jaxpr", sub)

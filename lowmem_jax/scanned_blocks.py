@@ -23,7 +23,15 @@ from lowmem_jax.activation_compression import active_spec, compress_residuals
 from lowmem_jax.base import BlockwiseLeaf, cast_floating
 from lowmem_jax.remat import RematSpec, parse_policy
 
-__all__ = ["ScannedBlocks", "STACK", "ToDevice", "in_stack", "straight_line"]
+__all__ = [
+    "ScannedBlocks",
+    "STACK",
+    "ToDevice",
+    "in_stack",
+    "straight_line",
+    "with_layout",
+    "at_use",
+]
 
 
 #: The variable name under which :class:`ScannedBlocks` stores its blocks' stacked variables.
@@ -48,6 +56,26 @@ class ToDevice:
     def __call__(self, block_params: Any) -> Any:
         moved = jax.device_put(block_params, jax.memory.Space.Device)
         return moved if self.dtype is None else cast_floating(moved, self.dtype)
+
+
+def at_use(layout: Callable[[Any], Any], param: Any, after: Any = None) -> tuple[Any, Any]:
+    """(``param`` through ``layout``, ``after``), the layout applied not before ``after`` exists
+    (a model's ``outer_param_layout``): an optimization barrier joins the two, so XLA cannot
+    schedule a move to the device at the step's start, where the copy would stay on it through
+    the passes before its use. Use the ``after`` returned: the barrier's differentiation would
+    otherwise materialise a zero cotangent for it."""
+    param, after = jax.lax.optimization_barrier((param, after))
+    return layout(param), after
+
+
+def with_layout(module: type[nn.Module], layout: Callable[[Any], Any] | None, initializing: bool):
+    """``module`` (a Linen class) whose parameters pass through ``layout`` where it runs (a
+    model's ``outer_param_layout``, for its layers outside the stacks): ``nn.map_variables``, so
+    the stored parameters and their paths are unchanged; ``module`` itself when ``layout`` is
+    None. ``initializing``: the caller's ``self.is_initializing()``."""
+    if layout is None:
+        return module
+    return nn.map_variables(module, "params", trans_in_fn=layout, init=initializing)
 
 
 def straight_line(unroll: bool | None, remat: str | RematSpec, dtype: Any = None) -> bool:

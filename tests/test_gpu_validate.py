@@ -480,3 +480,13 @@ def test_merged_runs_keep_each_section_s_own_plain_and_command(tmp_path):
     (tmp_path / "r1.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match=r"differ in \['device'\]"):
         tables.merge([json.loads(open(p).read()) for p in runs], [], "c")
+
+
+def test_configs_names_with_a_comma_of_their_own_are_kept_whole():
+    gv = load_benchmark("gpu_validate")
+    names = gv.grid_names("wrn-28-2", 128)
+    streamed = "remat full + weights, state and update on the host"
+    assert streamed in names
+    got = gv.split_names(f"plain,{streamed},remat full", names)
+    assert got == ["plain", streamed, "remat full"]
+    assert gv.split_names("plain,,remat full", names) == ["plain", "remat full"]

@@ -31,7 +31,7 @@ decompose-and-fine-tune start from the same map.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -296,11 +296,15 @@ class LowRankDense(nn.Module):
         return y if bias is None else y + bias
 
 
-def conv_layer(config: FactorConfig | None, **kwargs: Any) -> nn.Module:
-    """:class:`lowmem_jax.ops.Conv` (``config=None``) or :class:`FactorizedConv` with ``kwargs``."""
+def conv_layer(
+    config: FactorConfig | None, wrap: Callable[[type], type] | None = None, **kwargs: Any
+) -> nn.Module:
+    """:class:`lowmem_jax.ops.Conv` (``config=None``) or :class:`FactorizedConv` with ``kwargs``;
+    ``wrap``: applied to the class first (e.g. :func:`lowmem_jax.scanned_blocks.with_layout`)."""
+    wrap = wrap or (lambda cls: cls)
     if config is None:
-        return Conv(**kwargs)
-    return FactorizedConv(config=config, **kwargs)
+        return wrap(Conv)(**kwargs)
+    return wrap(FactorizedConv)(config=config, **kwargs)
 
 
 def apply_dense(params: dict, x: jax.Array, dtype: Any = None) -> jax.Array:
@@ -314,11 +318,18 @@ def apply_dense(params: dict, x: jax.Array, dtype: Any = None) -> jax.Array:
     return x if bias is None else x + bias
 
 
-def dense_layer(config: FactorConfig | None, features: int, **kwargs: Any) -> nn.Module:
-    """``flax.linen.Dense`` (``config=None``) or :class:`LowRankDense` with ``kwargs``."""
+def dense_layer(
+    config: FactorConfig | None,
+    features: int,
+    wrap: Callable[[type], type] | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """``flax.linen.Dense`` (``config=None``) or :class:`LowRankDense` with ``kwargs``; ``wrap``
+    as :func:`conv_layer`'s."""
+    wrap = wrap or (lambda cls: cls)
     if config is None:
-        return nn.Dense(features, **kwargs)
-    return LowRankDense(features, config=config, **kwargs)
+        return wrap(nn.Dense)(features, **kwargs)
+    return wrap(LowRankDense)(features, config=config, **kwargs)
 
 
 class _NNXFactor(nnx.Module):

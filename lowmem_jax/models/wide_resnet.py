@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lowmem_jax.factorization import FactorConfig, conv_layer, dense_layer
 from lowmem_jax.models.layers import BatchNorm
 from lowmem_jax.remat import CONV_OUT, stack_policies
-from lowmem_jax.scanned_blocks import ScannedBlocks
+from lowmem_jax.scanned_blocks import ScannedBlocks, with_layout
 
 __all__ = ["WideResNet", "PreActBlock"]
 
@@ -107,6 +107,8 @@ class WideResNet(nn.Module):
         (and, unless ``keep_first_last``, the stem and the classifier) are factorized.
       param_layout: applied to each block's parameters inside its stack's loop
         (:class:`~lowmem_jax.ScannedBlocks`; ZeRO-3 gathers them there).
+      outer_param_layout: applied to the parameters of each layer outside the stacks (stem,
+        final BatchNorm, classifier) where it runs (weight streaming moves them to the device).
       pixel_mean, pixel_std: per-channel statistics (one value, or one per channel) of integer
         images: an integer batch (raw pixels, e.g. uint8 ``[B, H, W, C]``) is normalised first,
         ``(x - pixel_mean) / pixel_std`` in float32, then cast to ``dtype``, so the batch is
@@ -124,6 +126,7 @@ class WideResNet(nn.Module):
     bn_momentum: float = 0.9
     factorize: FactorConfig | None = None
     param_layout: Callable[[Any], Any] | None = None
+    outer_param_layout: Callable[[Any], Any] | None = None
     pixel_mean: tuple[float, ...] | None = None
     pixel_std: tuple[float, ...] | None = None
 
@@ -171,8 +174,12 @@ class WideResNet(nn.Module):
             factorize=self.factorize,
         )
         ends = None if self.factorize is None or self.factorize.keep_first_last else self.factorize
+        outer = functools.partial(
+            with_layout, layout=self.outer_param_layout, initializing=self.is_initializing()
+        )
         x = conv_layer(
             ends,
+            outer,
             features=16,
             kernel_size=(3, 3),
             padding=((1, 1), (1, 1)),
@@ -191,7 +198,7 @@ class WideResNet(nn.Module):
             if n > 1:
                 rest = functools.partial(block, features=features)
                 x = stack(rest, n - 1, next(policies), name=f"group{g}_rest")(x, train=train)
-        x = BatchNorm(
+        x = outer(BatchNorm)(
             use_running_average=not train,
             momentum=self.bn_momentum,
             epsilon=1e-5,
@@ -199,4 +206,4 @@ class WideResNet(nn.Module):
             name="bn_final",
         )(x)
         x = jnp.mean(nn.relu(x), axis=(1, 2))
-        return dense_layer(ends, self.num_classes, dtype=self.dtype, name="classifier")(x)
+        return dense_layer(ends, self.num_classes, outer, dtype=self.dtype, name="classifier")(x)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from lowmem_jax.base import in_host_memory
 from lowmem_jax.checkpoint_averaging import average_last_checkpoints
 from lowmem_jax.checkpointing import param_checksum
 from lowmem_jax.data import synthetic
@@ -284,13 +285,19 @@ class Evaluator:
             _, (_, out) = loss_fn(policy.cast_to_compute(params), model_state, batch, None)
             return out
 
+        def decoded(params):  # decoding reads the parameters whole, on the device (streamed
+            # ones too: Plan.weight_memory moves them only inside the training step's layers)
+            on_device = [jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
+                         for x in jax.tree.leaves(params)]  # fmt: skip
+            return policy.cast_to_compute(jax.tree.unflatten(jax.tree.structure(params), on_device))
+
         def greedy(params, src, max_len):
-            return greedy_decode(model, policy.cast_to_compute(params), src, max_len)
+            return greedy_decode(model, decoded(params), src, max_len)
 
         def beam(params, src, max_len):
             return beam_search(
                 model,
-                policy.cast_to_compute(params),
+                decoded(params),
                 src,
                 max_len=max_len,
                 beam_size=config.beam_size,

@@ -1,19 +1,21 @@
-"""Weight streaming (``weight_memory``): the stacked blocks' parameters in host memory between
-steps, each block's moved to the device when its stack's loop reaches it.
+"""Weight streaming (``weight_memory``): every parameter in host memory between steps, each
+moved to the device where the step uses it: a stack's blocks one at a time in its loop.
 
-With ``weight_memory="pinned_host"`` every leaf of a :class:`~lowmem_jax.ScannedBlocks` stack
-(``[n, ...]``, its leading axis the blocks) lives in page-locked host memory between steps, laid
-out by :func:`state_shardings`; the model's ``param_layout`` (the bundled WideResNet and
-DynamicConv Transformer take one) is a :class:`~lowmem_jax.scanned_blocks.ToDevice`: inside the
-loop it moves one block's parameters to the device and casts them to the compute dtype, inside
-the block's checkpoint (remat is required), so the backward pass moves them again rather than
-keeping every block's copy; the transpose of the move sends each block's gradient back to host
-memory. A stack of one block (run outside a loop) is moved before it is indexed. The update runs
-where the state and the stacks live (``optimizer_memory="pinned_host"``,
-``optimizer_update="host"``: :class:`lowmem_jax.host_update.HostUpdate` applies it there too).
-The other parameters (stem, head, embeddings) stay on the device: between steps the device holds
-those, during a loop one block more. Precisions with loss scaling (float16) are refused: the
-scale would be taken off the host gradients on the device.
+With ``weight_memory="pinned_host"`` every parameter lives in page-locked host memory between
+steps, laid out by :func:`state_shardings`. The model moves them in through two layouts, both a
+:class:`~lowmem_jax.scanned_blocks.ToDevice` (move, then cast to the compute dtype):
+``param_layout`` for a :class:`~lowmem_jax.ScannedBlocks` stack (``[n, ...]``, its leading axis
+the blocks): inside the loop it moves one block's parameters, inside the block's checkpoint
+(remat is required), so the backward pass moves them again rather than keeping every block's
+copy; a stack of one block (run outside a loop) is moved before it is indexed.
+``outer_param_layout`` for the layers outside the stacks (stem, classifier, embedding tables,
+output projection): moved where each is used (the bundled WideResNet and DynamicConv Transformer
+take both). The transpose of a move sends the gradient back to host memory. The update runs where
+the state and the parameters live (``optimizer_memory="pinned_host"``, ``optimizer_update="host"``:
+:class:`lowmem_jax.host_update.HostUpdate` applies it there too). Between steps the device holds
+no parameter; during a step, one unit at a time: a stack's block or an outer layer
+(:func:`units`). Precisions with loss scaling (float16) are refused: the scale would be taken
+off the host gradients on the device.
 
 The check (:func:`_took_effect`) reads the traced step: every equation outside the host's
 computation that reads host memory must be a move (:func:`lowmem_jax.jaxprs.host_memory_reads`),
@@ -31,7 +33,7 @@ from lowmem_jax import jaxprs, scanned_blocks
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.technique import PlanField, Technique, Verdict
 
-__all__ = ["TECHNIQUE", "state_shardings"]
+__all__ = ["TECHNIQUE", "state_shardings", "units"]
 
 MIB = 2**20
 #: The precisions it streams under: those without loss scaling (the model casts a block's
@@ -73,43 +75,55 @@ def _validate(plan) -> None:
 def _configure_model(model, plan):
     if plan.weight_memory == "device":
         return model
-    if isinstance(model, nnx.Module) or not hasattr(model, "param_layout"):
+    fields = ("param_layout", "outer_param_layout")
+    if isinstance(model, nnx.Module) or not all(hasattr(model, f) for f in fields):
         raise ValueError(
-            f"weight_memory='pinned_host' needs a model whose stacks take a param_layout "
-            f"(ScannedBlocks: the bundled WideResNet and DynamicConv); "
-            f"{type(model).__name__} has none"
+            f"weight_memory='pinned_host' needs a model that moves its parameters where it uses "
+            f"them (fields param_layout and outer_param_layout: the bundled WideResNet and "
+            f"DynamicConv); {type(model).__name__} has not both"
         )
-    return model.clone(param_layout=scanned_blocks.ToDevice(plan.policy.compute_dtype))
+    to_device = scanned_blocks.ToDevice(plan.policy.compute_dtype)
+    return model.clone(param_layout=to_device, outer_param_layout=to_device)
 
 
-def _streamed(path, leaf) -> bool:
-    """A leaf of a stack (a lone block's too: ``[1, ...]``, moved before it is indexed)."""
-    return scanned_blocks.in_stack([getattr(key, "key", None) for key in path])
+def units(params) -> dict[str, int]:
+    """Bytes of each unit the step moves to the device at once: one block of each stack (its
+    leaves' bytes over the blocks), each layer outside the stacks (a top-level entry), by path."""
+    sizes: dict[str, int] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [getattr(key, "key", None) for key in path]
+        if scanned_blocks.in_stack(names):
+            unit, blocks = names[: names.index(scanned_blocks.STACK)], x.shape[0]
+        else:
+            unit, blocks = names[:1], 1
+        key = "/".join(map(str, unit))
+        sizes[key] = sizes.get(key, 0) + x.size * x.dtype.itemsize // blocks
+    return sizes
 
 
 def state_shardings(state, plan):
-    """The stacks' parameters in ``plan.weight_memory``, every other leaf as placed by default;
+    """Every parameter in ``plan.weight_memory``, every other leaf as placed by default;
     ``None`` where the weights live on the device."""
     if plan.weight_memory == "device":
         return None
     mesh = plan.mesh()
     host = NamedSharding(mesh, PartitionSpec(), memory_kind=plan.weight_memory)
     default = NamedSharding(mesh, PartitionSpec())
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: host if _streamed(path, leaf) else default, state.params
-    )
+    params = jax.tree.map(lambda _: host, state.params)
     return jax.tree.map(lambda _: default, state).replace(params=params)
 
 
 def _took_effect(evidence, plan):
-    """The stacks' bytes in host memory, the moves in the loops, and no device computation
-    reading host memory."""
+    """The parameters in host memory, the moves (in the loops and outside), and no device
+    computation reading host memory."""
     if plan.weight_memory == "device":
         return None
-    leaves = jax.tree_util.tree_flatten_with_path(evidence.state.params)[0]
-    stacked = [leaf for path, leaf in leaves if _streamed(path, leaf)]
-    streamed = sum(x.size * x.dtype.itemsize for x in stacked)
-    resident = sum(x.size * x.dtype.itemsize for _, x in leaves) - streamed
+    leaves = jax.tree.leaves(evidence.state.params)
+    host = [x for x in leaves if getattr(x, "sharding", None) is not None
+            and x.sharding.memory_kind == plan.weight_memory]  # fmt: skip
+    streamed = sum(x.size * x.dtype.itemsize for x in host)
+    sizes = units(evidence.state.params)
+    largest = max(sizes, key=sizes.get)
     moves = [
         loops for eqn, loops in evidence.equations()
         if eqn.primitive.name == "device_put"
@@ -117,13 +131,15 @@ def _took_effect(evidence, plan):
     ]  # fmt: skip
     reads = jaxprs.host_memory_reads(evidence.jaxpr)
     said = (
-        f"{len(stacked)} stacked parameter arrays ({streamed / MIB:.2f} MiB) streamed from "
+        f"{len(host)} of {len(leaves)} parameter arrays ({streamed / MIB:.2f} MiB) streamed from "
         f"{plan.weight_memory}, {len(moves)} moves to the device ({sum(map(bool, moves))} "
-        f"inside loops); {resident / MIB:.3f} MiB of parameters stay on the device"
+        f"inside loops), a unit at a time (a stack's block, a layer outside the stacks), the "
+        f"largest {largest} ({sizes[largest] / MIB:.2f} MiB)"
     )
     if reads:
         said += f"; but {len(reads)} device computations read host memory ({reads[0]})"
-    return Verdict("weight_memory", bool(stacked and moves) and not reads, said)
+    ok = len(host) == len(leaves) and bool(moves) and not reads
+    return Verdict("weight_memory", ok, said)
 
 
 TECHNIQUE = Technique(

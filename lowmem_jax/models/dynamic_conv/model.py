@@ -41,7 +41,7 @@ from lowmem_jax.models.dynamic_conv.layers import (
     sinusoidal_positions,
 )
 from lowmem_jax.remat import parse_policy, stack_policies
-from lowmem_jax.scanned_blocks import ScannedBlocks
+from lowmem_jax.scanned_blocks import ScannedBlocks, at_use
 
 __all__ = ["DynamicConvTransformer"]
 
@@ -73,6 +73,8 @@ class DynamicConvTransformer(nn.Module):
         projection and DynamicConv's ``weight_linear`` stay dense.
       param_layout: applied to each layer's parameters inside its stack's loop
         (:class:`~lowmem_jax.ScannedBlocks`; ZeRO-3 gathers them there).
+      outer_param_layout: applied to the embedding tables and output projection where each is
+        used (:func:`~lowmem_jax.scanned_blocks.at_use`; weight streaming moves them there).
     """
 
     src_vocab_size: int
@@ -95,6 +97,7 @@ class DynamicConvTransformer(nn.Module):
     unroll: bool = False
     factorize: FactorConfig | None = None
     param_layout: Callable[[Any], Any] | None = None
+    outer_param_layout: Callable[[Any], Any] | None = None
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size", "embed_dim", "ffn_dim", "num_heads"):
@@ -206,10 +209,17 @@ class DynamicConvTransformer(nn.Module):
         runs = layer_runs(self.encoder_kernel_sizes) + layer_runs(self.decoder_kernel_sizes)
         return [n for _, n in runs]
 
-    def _embed(self, embed: nn.Embed, tokens: jax.Array, train: bool) -> jax.Array:
-        x = embed(tokens) * math.sqrt(self.embed_dim)
+    def _embed(self, embed: nn.Embed, tokens: jax.Array, train: bool, after: Any = None):
+        """(embedded ``tokens``, ``after``): with ``outer_param_layout``, the table laid out
+        once ``after`` exists and ``after`` as :func:`at_use` returns it (use that one)."""
+        if self.outer_param_layout is None:
+            x = embed(tokens)
+        else:  # nn.Embed's lookup on the table as laid out
+            table, after = at_use(self.outer_param_layout, embed.embedding, after)
+            x = jnp.take(table.astype(self.dtype or table.dtype), tokens, axis=0)
+        x = x * math.sqrt(self.embed_dim)
         x = x + sinusoidal_positions(tokens, self.embed_dim, self.pad_id).astype(x.dtype)
-        return self.embed_dropout(x, deterministic=_deterministic(self, train))
+        return self.embed_dropout(x, deterministic=_deterministic(self, train)), after
 
     def encode(self, src_tokens: jax.Array, train: bool = False) -> tuple[jax.Array, jax.Array]:
         """``src_tokens [B, S]`` -> (``memory [B, S, C]``, ``src_mask [B, S]`` bool, True = real).
@@ -217,7 +227,7 @@ class DynamicConvTransformer(nn.Module):
         ``memory`` at padded positions is not meaningful; ``src_mask`` masks it in attention.
         """
         src_mask = src_tokens != self.pad_id
-        x = self._embed(self.src_embed, src_tokens, train)
+        x, _ = self._embed(self.src_embed, src_tokens, train)
         for stack in self.encoder_stacks:
             x = stack(x, src_mask, train=train)
         return x, src_mask
@@ -233,16 +243,18 @@ class DynamicConvTransformer(nn.Module):
 
         Causal: logits at ``t`` depend on ``tgt_in_tokens[:, :t + 1]`` only.
         """
-        x = self._embed(self.tgt_embed, tgt_in_tokens, train)
+        x, memory = self._embed(self.tgt_embed, tgt_in_tokens, train, after=memory)
         for stack in self.decoder_stacks:
             x = stack(x, memory.astype(x.dtype), src_mask, train=train)
         return self._output_logits(x)
 
     def _output_logits(self, x: jax.Array) -> jax.Array:
         """Decoder output ``[B, T, C]`` -> logits ``[B, T, V_tgt]``."""
-        if self.share_decoder_embeddings:
+        if self.share_decoder_embeddings and self.outer_param_layout is None:
             return self.tgt_embed.attend(x)
-        w = self.embed_out
+        w = self.tgt_embed.embedding if self.share_decoder_embeddings else self.embed_out
+        if self.outer_param_layout is not None:
+            w, x = at_use(self.outer_param_layout, w, x)
         dtype = self.dtype or jnp.result_type(x, w)
         return jnp.einsum("btc,vc->btv", x.astype(dtype), w.astype(dtype))
 
