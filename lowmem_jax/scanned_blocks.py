@@ -72,10 +72,11 @@ def with_layout(module: type[nn.Module], layout: Callable[[Any], Any] | None, in
     """``module`` (a Linen class) whose parameters pass through ``layout`` where it runs (a
     model's ``outer_param_layout``, for its layers outside the stacks): ``nn.map_variables``, so
     the stored parameters and their paths are unchanged; ``module`` itself when ``layout`` is
-    None. ``initializing``: the caller's ``self.is_initializing()``."""
-    if layout is None:
+    None or while initialising (``initializing``: the caller's ``self.is_initializing()``;
+    mapped there, the stored parameters would be the laid-out ones, a cast's rounding kept)."""
+    if layout is None or initializing:
         return module
-    return nn.map_variables(module, "params", trans_in_fn=layout, init=initializing)
+    return nn.map_variables(module, "params", trans_in_fn=layout)
 
 
 def straight_line(unroll: bool | None, remat: str | RematSpec, dtype: Any = None) -> bool:

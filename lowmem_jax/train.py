@@ -36,7 +36,15 @@ import optax
 from flax import struct
 
 from lowmem_jax import loss_scale as loss_scale_lib
-from lowmem_jax.base import LossFn, Optimizer, PyTree, as_optimizer, differentiated_loss
+from lowmem_jax.base import (
+    LossFn,
+    Optimizer,
+    PyTree,
+    as_optimizer,
+    differentiated_loss,
+    in_host_memory,
+)
+from lowmem_jax.host_update import on_host
 from lowmem_jax.plan import Plan
 from lowmem_jax.techniques import TECHNIQUES
 
@@ -123,7 +131,8 @@ def scaled_grad_fn(loss_fn: LossFn, loss_scale: loss_scale_lib.LossScale):
     """``grad_fn(params, model_state, batch, rng) -> (grads, model_state, metrics)``.
 
     ``grads = grad(S * loss) / S`` with ``S`` from ``loss_scale``; non-finite values propagate
-    (the caller decides what to do with them).
+    (the caller decides what to do with them). A gradient in host memory (a streamed
+    parameter's, ``Plan.weight_memory``) is divided there, by the host.
     """
 
     def grad_fn(params, model_state, batch, rng):
@@ -132,9 +141,24 @@ def scaled_grad_fn(loss_fn: LossFn, loss_scale: loss_scale_lib.LossScale):
             return loss_scale.scale(loss), aux
 
         grads, (new_model_state, metrics) = jax.grad(scaled, has_aux=True)(params)
-        return loss_scale.unscale(grads), new_model_state, metrics
+        return _unscaled(loss_scale, grads), new_model_state, metrics
 
     return grad_fn
+
+
+def _unscaled(loss_scale: loss_scale_lib.LossScale, grads: PyTree) -> PyTree:
+    leaves, treedef = jax.tree.flatten(grads)
+    host = [in_host_memory(g) for g in leaves]
+    if not any(host) or isinstance(loss_scale, loss_scale_lib.NoOpLossScale):
+        return loss_scale.unscale(grads)
+    on_device = loss_scale.unscale([g for g, h in zip(leaves, host, strict=True) if not h])
+    on_the_host = on_host(jax.jit(lambda scale, g: scale.unscale(g)))(
+        jax.device_put(loss_scale, jax.memory.Space.Host),
+        [g for g, h in zip(leaves, host, strict=True) if h],
+    )
+    on_device, on_the_host = iter(on_device), iter(on_the_host)
+    merged = [next(on_the_host) if h else next(on_device) for h in host]
+    return jax.tree.unflatten(treedef, merged)
 
 
 def make_train_step(

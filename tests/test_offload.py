@@ -189,3 +189,15 @@ def test_the_weight_streaming_probe_trains_the_same_wherever_the_weights_live():
     for row in rows.values():
         np.testing.assert_allclose(row["losses"], rows["device"]["losses"], rtol=1e-6)
     assert rows["device"]["losses"][-1] != rows["device"]["losses"][0]  # it trained
+
+
+def test_a_quantized_state_updated_on_the_host_is_refused_in_one_line():
+    """Quantizing on the host mixes host memory with device constants (the code book's
+    gather, the block scales' indices), which JAX refuses while tracing: the plan says so at
+    construction, naming what runs instead."""
+    for fmt in ("int8", "int4"):
+        with pytest.raises(ValueError, match=f"optimizer_state='{fmt}' runs with") as raised:
+            lm.Plan(optimizer_state=fmt, optimizer_memory="pinned_host", optimizer_update="host")
+        assert "optimizer_update='device'" in str(raised.value)
+        assert "\n" not in str(raised.value)
+    lm.Plan(optimizer_state="int8", optimizer_memory="pinned_host")  # the update on the device

@@ -21,6 +21,13 @@ def _validate(plan) -> None:
             f"Unknown optimizer_state_rounding={rounding!r}; allowed values: {list(ROUNDING)}"
         )
     quantized = optimizer_state_lib.QUANTIZED_FORMATS
+    if plan.optimizer_state in quantized and plan.optimizer_update == "host":
+        raise ValueError(
+            f"optimizer_state={plan.optimizer_state!r} runs with optimizer_update='device' only "
+            "(got 'host'): quantizing on the host mixes host memory with the constants and "
+            "indices JAX makes on the device; the state still lives in pinned_host with the "
+            "update on the device, or use optimizer_state in ['auto', 'fp32', 'bf16']"
+        )
     if rounding != "nearest" and plan.optimizer_state not in quantized:
         raise ValueError(
             f"optimizer_state_rounding={rounding!r} applies to optimizer_state in "

@@ -14,8 +14,8 @@ take both). The transpose of a move sends the gradient back to host memory. The 
 the state and the parameters live (``optimizer_memory="pinned_host"``, ``optimizer_update="host"``:
 :class:`lowmem_jax.host_update.HostUpdate` applies it there too). Between steps the device holds
 no parameter; during a step, one unit at a time: a stack's block or an outer layer
-(:func:`units`). Precisions with loss scaling (float16) are refused: the scale would be taken
-off the host gradients on the device.
+(:func:`units`). Under float16's loss scaling the streamed gradients are unscaled on the host
+(:func:`lowmem_jax.train.scaled_grad_fn`).
 
 The check (:func:`_took_effect`) reads the traced step: every equation outside the host's
 computation that reads host memory must be a move (:func:`lowmem_jax.jaxprs.host_memory_reads`),
@@ -36,9 +36,6 @@ from lowmem_jax.technique import PlanField, Technique, Verdict
 __all__ = ["TECHNIQUE", "state_shardings", "units"]
 
 MIB = 2**20
-#: The precisions it streams under: those without loss scaling (the model casts a block's
-#: parameters where it uses them, after their move).
-STREAMED_PRECISIONS = ("fp32", "bf16", "mixed_bf16")
 
 
 def _validate(plan) -> None:
@@ -59,12 +56,6 @@ def _validate(plan) -> None:
                 f"weight_memory='pinned_host' needs {field}={value!r} (got "
                 f"{getattr(plan, field)!r}): {why}"
             )
-    if plan.precision not in STREAMED_PRECISIONS:
-        raise ValueError(
-            f"weight_memory='pinned_host' needs precision in {list(STREAMED_PRECISIONS)} (got "
-            f"{plan.precision!r}): float16's loss scaling would rescale the host gradients on "
-            "the device"
-        )
     if plan.remat == "none":
         raise ValueError(
             "weight_memory='pinned_host' needs remat (e.g. full): each block's weights are "
