@@ -87,8 +87,24 @@ OFFLOAD_ROWS = {
         "optimizer_memory": "pinned_host",
         "optimizer_update": "host",
     },
-    # Weight streaming: the same with the stacked blocks' parameters in host memory too.
+    # Weight streaming: the same with every parameter in host memory too.
     "remat full + weights, state and update on the host": {
+        "remat": "full",
+        "optimizer_memory": "pinned_host",
+        "optimizer_update": "host",
+        "weight_memory": "pinned_host",
+    },
+    # Both under the report's mixed float16 over microbatches (4 divides both batches).
+    "mixed_fp16 + mb 4 + remat full + state and update on the host": {
+        "precision": "mixed_fp16",
+        "microbatches": 4,
+        "remat": "full",
+        "optimizer_memory": "pinned_host",
+        "optimizer_update": "host",
+    },
+    "mixed_fp16 + mb 4 + remat full + weights, state and update on the host": {
+        "precision": "mixed_fp16",
+        "microbatches": 4,
         "remat": "full",
         "optimizer_memory": "pinned_host",
         "optimizer_update": "host",
