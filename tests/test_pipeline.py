@@ -124,3 +124,32 @@ def test_the_benchmark_refuses_an_unknown_config_in_one_line(capsys):
         load_benchmark("pipeline_stages").main(["--configs", "wrn-28-2:5"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and "--configs: unknown ['wrn-28-2:5']; allowed values" in err[-1]
+
+
+def test_the_four_stage_bounds_quoted_for_wrn_28_2_are_its_blocks():
+    """distributed.md: contiguous stages of whole blocks hold at least 0.358x of WRN-28-2's
+    parameters on some device (the best of every 4-way cut of its 12 blocks in order); an
+    interleaved assignment holds 0.253x (largest block first onto the least-loaded device,
+    which here reaches the optimum); the layers outside the stacks on every device."""
+    import itertools
+
+    import jax
+
+    from lowmem_jax.techniques import weight_memory
+
+    state = lm.build(lm.workload("wrn-28-2", 128), lm.Plan()).abstract_state()
+    sizes = weight_memory.units(state.params)
+    blocks = [sizes[f"group{g}_{part}"] for g in range(3)
+              for part in ("first", "rest", "rest", "rest")]  # fmt: skip
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    outside = total - sum(blocks)
+    contiguous = min(
+        max(sum(blocks[i:j]) for i, j in zip((0, *cuts), (*cuts, len(blocks)), strict=True))
+        for cuts in itertools.combinations(range(1, len(blocks)), 3)
+    )
+    loads = [0] * 4
+    for size in sorted(blocks, reverse=True):
+        loads[loads.index(min(loads))] += size
+    docs = " ".join((BENCHMARKS.parent / "docs" / "distributed.md").read_text().split())
+    assert f"at best {(contiguous + outside) / total:.3f}x" in docs
+    assert f"could hold {(max(loads) + outside) / total:.3f}x" in docs
