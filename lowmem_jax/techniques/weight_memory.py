@@ -48,7 +48,6 @@ def _validate(plan) -> None:
         "shard": ("none", "streaming runs on one device"),
         "pipeline": (1, "streaming runs on one device"),
         "sparsity": (None, "a sparse layer's stored form is read outside its block's loop"),
-        "factorize": (None, "factorized layers are not streamed"),
     }
     for field, (value, why) in needs.items():
         if getattr(plan, field) != value:
