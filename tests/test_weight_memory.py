@@ -27,16 +27,12 @@ def _kinds(tree):
 
 
 def test_streamed_weights_train_as_the_device_resident_ones_and_stay_in_host_memory():
-    """Three steps of WRN-22-1 in mixed float16 with Tucker-factorized convolutions (its stacks
-    stream, a group's lone first block too, the factorized stem and classifier where they run;
-    the gradients unscaled on the host), the second with a NaN pixel (skipped, the loss scale
-    halved): the same states as the plan without streaming, every parameter in pinned_host
-    before and after every step."""
-    from lowmem_jax.factorization import FactorConfig
-
+    """Three steps of WRN-22-1 in mixed float16 (its stacks stream, a group's lone first block
+    too, the stem and head where they run; the gradients unscaled on the host), the second with
+    a NaN pixel (skipped, the loss scale halved): the same states as the plan without
+    streaming, every parameter in pinned_host before and after every step."""
     work = workloads.workload("wrn-22-1", batch_size=8, image_size=8)
-    factorize = FactorConfig(method="tucker", compression=0.25, keep_first_last=False)
-    fields = {**HOST, "precision": "mixed_fp16", "factorize": factorize}
+    fields = {**HOST, "precision": "mixed_fp16"}
     runs = []
     for plan in (lm.Plan(**fields), lm.Plan(weight_memory="pinned_host", **fields)):
         setup = workloads.build(work, plan)
@@ -299,3 +295,25 @@ def test_a_layer_laid_out_where_it_runs_initialises_as_without_the_layout():
     init = [jax.jit(m.init, static_argnames="train")(jax.random.PRNGKey(0), images, train=False)
             for m in (model, laid_out)]  # fmt: skip
     assert_trees_close(init[1], init[0], rtol=0, atol=0)
+
+
+def test_factorized_layers_stream_as_any_other():
+    """WRN-22-1 with Tucker-factorized convolutions (the stem and classifier too): the factors
+    move where their layer runs, in the stacks and outside them; two steps equal the plan
+    without streaming. Initialised op by op: a jitted initialisation runs the factors' SVDs as
+    concurrent LAPACK calls, which deadlocked jaxlib's two-thread pool here once (each call
+    waiting for pool threads the other holds)."""
+    from lowmem_jax.factorization import FactorConfig
+
+    work = workloads.workload("wrn-22-1", batch_size=8, image_size=8)
+    factorize = FactorConfig(method="tucker", compression=0.25, keep_first_last=False)
+    got = []
+    for memory in ("device", "pinned_host"):
+        setup = workloads.build(work, lm.Plan(weight_memory=memory, factorize=factorize, **HOST))
+        batch = setup.example_batch()
+        state = setup.init_state(batch, jit=False)
+        for _ in range(2):
+            state, _ = setup.step(state, batch)
+        got.append(to_numpy(state))
+    assert_trees_close(got[1], got[0], rtol=1e-6, atol=1e-7)
+    assert set(got[1].params["stem"]) == {"first", "core", "last"}  # factorized, streamed
