@@ -287,9 +287,11 @@ class Evaluator:
 
         def decoded(params):  # decoding reads the parameters whole, on the device (streamed
             # ones too: Plan.weight_memory moves them only inside the training step's layers)
-            on_device = [jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
-                         for x in jax.tree.leaves(params)]  # fmt: skip
-            return policy.cast_to_compute(jax.tree.unflatten(jax.tree.structure(params), on_device))
+            device = jax.memory.Space.Device
+            on_device = jax.tree.map(
+                lambda x: jax.device_put(x, device) if in_host_memory(x) else x, params
+            )
+            return policy.cast_to_compute(on_device)
 
         def greedy(params, src, max_len):
             return greedy_decode(model, decoded(params), src, max_len)
