@@ -158,6 +158,11 @@ def measure(
     }  # fmt: skip
 
 
+def _cell(value: float | None, unit: float, spec: str = ".1f") -> str:
+    """``value / unit`` as the table shows it; ``n/a`` where it was not measured."""
+    return "n/a" if value is None else format(value / unit, spec)
+
+
 def _table(result: dict) -> str:
     blocks, width = result["blocks"], result["width"]
     block_mib = width * width * 4 / MIB
@@ -197,11 +202,8 @@ def _table(result: dict) -> str:
         ms = row["step_seconds_median"]
         lines.append(
             f"| {row['config']} | {total / MIB:.1f} | {x['host_argument_size_in_bytes'] / MIB:.1f}"
-            f" | {'n/a' if init is None else f'{init / MIB:.1f}'}"
-            f" | {'n/a' if before is None else f'{before / MIB:.1f}'}"
-            f" | {'n/a' if peak is None else f'{peak / MIB:.1f}'}"
-            f" | {'n/a' if peak is None else f'{peak / MIB / block_mib:.2f}'}"
-            f" | {'n/a' if ms is None else f'{ms * 1e3:.1f}'}"
+            f" | {_cell(init, MIB)} | {_cell(before, MIB)} | {_cell(peak, MIB)}"
+            f" | {_cell(peak, MIB * block_mib, '.2f')} | {_cell(ms, 1e-3)}"
             f" | {', '.join(f'{v:.6f}' for v in row['losses'])} |"
         )
     return "\n".join(lines) + "\n"
