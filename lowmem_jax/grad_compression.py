@@ -158,7 +158,7 @@ def powersgd_mean(
     picked = [i for i, x in enumerate(leaves) if qs and compressible(x.shape, rank, stacked[i])]
     views = [ms[i].reshape(matrix_view(ms[i].shape, stacked[i])) for i in picked]
     ps = lax.psum([m @ q for m, q in zip(views, qs, strict=True)], axis_name)
-    ps = [jnp.linalg.qr(p)[0] for p in ps]
+    ps = [lax.map(_orthonormal, p) for p in ps]
     qs = lax.pmean([jnp.swapaxes(m, 1, 2) @ p for m, p in zip(views, ps, strict=True)], axis_name)
     whole = [i for i in range(len(leaves)) if i not in picked]
     out = dict(zip(whole, lax.pmean([ms[i] for i in whole], axis_name), strict=True))
@@ -166,6 +166,13 @@ def powersgd_mean(
         out[i] = (p @ jnp.swapaxes(q, 1, 2)).reshape(leaves[i].shape)
     mean = [out[i] for i in range(len(leaves))]
     return mean, flat - _concat(mean), qs
+
+
+def _orthonormal(p: jax.Array) -> jax.Array:
+    """``Q`` of ``p [rows, r]``'s thin QR. Mapped one layer at a time: a batched LAPACK QR
+    splits its batch over XLA:CPU's intra-op threads and waits for them, and two such calls at
+    once deadlock a two-thread pool."""
+    return jnp.linalg.qr(p)[0]
 
 
 def _concat(leaves: list[jax.Array]) -> jax.Array:

@@ -11,6 +11,7 @@ import gc
 import importlib.util
 import os
 import pathlib
+import re
 import tempfile
 import warnings
 from typing import Any
@@ -112,6 +113,15 @@ def fast_jit(fn, plan=None, **kwargs):
     """``jax.jit(fn)`` with the plan's compiler options (remat) plus :data:`FAST_COMPILE`."""
     options = {**(plan.compiler_options() if plan is not None else {}), **FAST_COMPILE}
     return jax.jit(fn, compiler_options=options, **kwargs)
+
+
+def batched_lapack_calls(lowered_text: str) -> list[tuple[str, str]]:
+    """``(kernel, operand shape)`` of each LAPACK custom call in a lowered program whose operand
+    is a batch of matrices (rank > 2): jaxlib splits such a batch over XLA:CPU's intra-op
+    threads and waits for them, and two at once deadlock a two-thread pool."""
+    call = r"custom_call @(lapack_\w+)\(.*?: \(tensor<([0-9x]+)x[a-z]\w*>"
+    calls = re.findall(call, lowered_text)
+    return [(name, dims) for name, dims in calls if dims.count("x") >= 2]
 
 
 # --- tiny models -------------------------------------------------------------------------

@@ -75,6 +75,33 @@ def test_powersgd_factors_a_leaf_only_where_that_sends_fewer_numbers(shape, rank
     assert grad_compression.compressible((2, *shape), rank, stacked=True) == factored
 
 
+def test_powersgd_orthonormalizes_a_stack_one_block_at_a_time():
+    """A stacked leaf's ``P [blocks, rows, r]``: one LAPACK QR per block, not a batched call
+    (two batched calls at once deadlock XLA:CPU's two-thread pool); each block's ``Q`` equals
+    its own QR's."""
+    import jax.numpy as jnp
+    import numpy as np
+    from conftest import assert_trees_close, batched_lapack_calls
+    from jax.sharding import PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("data",))
+    leaf = jax.random.normal(jax.random.key(0), (3, 40, 30))
+    qs = [jax.random.normal(jax.random.key(1), (3, 30, 2))]
+
+    def mean(leaf, error, qs):
+        return grad_compression.powersgd_mean([leaf], error, qs, "data", stacked=[True])
+
+    run = jax.jit(jax.shard_map(mean, mesh=mesh, in_specs=PartitionSpec(),
+                                out_specs=PartitionSpec(), check_vma=False))  # fmt: skip
+    error = jnp.zeros(leaf.size)
+    lowered = run.lower(leaf, error, qs).as_text()
+    assert "lapack_sgeqrf_ffi" in lowered and batched_lapack_calls(lowered) == []
+    (got,), _, _ = run(leaf, error, qs)
+    p = np.stack([np.linalg.qr(np.asarray(m @ q))[0] for m, q in zip(leaf, qs[0], strict=True)])
+    want = np.einsum("lrk,lck->lrc", p, np.einsum("lrc,lrk->lck", np.asarray(leaf), p))
+    assert_trees_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_the_committed_accuracy_is_its_runs_and_the_docs_quote_it():
     """experiments/grad_compression_accuracy.py's table, recomputed from its kept runs, and the
     figures docs/distributed.md gives."""

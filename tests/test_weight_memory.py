@@ -300,9 +300,7 @@ def test_a_layer_laid_out_where_it_runs_initialises_as_without_the_layout():
 def test_factorized_layers_stream_as_any_other():
     """WRN-22-1 with Tucker-factorized convolutions (the stem and classifier too): the factors
     move where their layer runs, in the stacks and outside them; two steps equal the plan
-    without streaming. Initialised op by op: a jitted initialisation runs the factors' SVDs as
-    concurrent LAPACK calls, which deadlocked jaxlib's two-thread pool here once (each call
-    waiting for pool threads the other holds)."""
+    without streaming."""
     from lowmem_jax.factorization import FactorConfig
 
     work = workloads.workload("wrn-22-1", batch_size=8, image_size=8)
@@ -311,7 +309,7 @@ def test_factorized_layers_stream_as_any_other():
     for memory in ("device", "pinned_host"):
         setup = workloads.build(work, lm.Plan(weight_memory=memory, factorize=factorize, **HOST))
         batch = setup.example_batch()
-        state = setup.init_state(batch, jit=False)
+        state = setup.init_state(batch)
         for _ in range(2):
             state, _ = setup.step(state, batch)
         got.append(to_numpy(state))

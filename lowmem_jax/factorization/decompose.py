@@ -2,7 +2,10 @@
 
 Shapes: a convolution kernel is HWIO ``[KH, KW, S, T]`` (S input, T output channels); a dense
 kernel is ``[S, T]``. Everything here is traced JAX (``jit`` / ``vmap`` over stacked kernels):
-fixed iteration counts, no host loop per layer, no float64.
+fixed iteration counts, no host loop per layer, no float64. A batched SVD or pseudo-inverse
+(``vmap`` over a stack's blocks) runs one matrix at a time (:func:`_svd`): jaxlib's LAPACK
+kernels split a batch over XLA:CPU's intra-op threads and wait for them, so two batched calls
+running at once on a two-thread pool wait for each other forever.
 
 * :func:`low_rank` (truncated SVD): ``W [M, T] ~ A @ B`` with ``A = U_R sqrt(s_R)`` ``[M, R]``
   and ``B = sqrt(s_R) V_R^T`` ``[R, T]``: the best rank-R approximation in Frobenius norm
@@ -38,9 +41,22 @@ __all__ = [
 ]
 
 
+@jax.custom_batching.sequential_vmap
+def _svd(m: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The thin SVD ``(U, s, V^T)`` of ``m [rows, cols]``; batched, a loop over the matrices
+    (module docstring: a batched LAPACK call can deadlock XLA:CPU's intra-op pool)."""
+    return jnp.linalg.svd(m, full_matrices=False)
+
+
+@jax.custom_batching.sequential_vmap
+def _hermitian_pinv(m: jax.Array) -> jax.Array:
+    """The pseudo-inverse of a symmetric ``m [R, R]``; batched, a loop (as :func:`_svd`)."""
+    return jnp.linalg.pinv(m, hermitian=True)
+
+
 def _leading_left_vectors(m: jax.Array, rank: int) -> jax.Array:
     """``[rows, rank]``: the leading left singular vectors of ``m`` (sign as the SVD gives it)."""
-    u, _, _ = jnp.linalg.svd(m, full_matrices=False)
+    u, _, _ = _svd(m)
     return u[:, :rank]
 
 
@@ -57,7 +73,7 @@ def low_rank(w: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
     """
     w = w.astype(jnp.float32)
     m = w.reshape(-1, w.shape[-1])
-    u, s, vt = jnp.linalg.svd(m, full_matrices=False)
+    u, s, vt = _svd(m)
     root = jnp.sqrt(s[:rank])
     a = (u[:, :rank] * root).reshape(*w.shape[:-1], rank)
     return a, root[:, None] * vt[:rank]
@@ -152,7 +168,7 @@ def cp(
                     gram = gram * (f.T @ f)
             others = [f for m, f in enumerate(factors) if m != n]
             mttkrp = jnp.einsum(_mttkrp_spec(x.ndim, n), x, *others)
-            f = mttkrp @ jnp.linalg.pinv(gram, hermitian=True)
+            f = mttkrp @ _hermitian_pinv(gram)
             weights = jnp.linalg.norm(f, axis=0)
             factors[n] = f / jnp.where(weights > 0, weights, 1.0)
         return weights, factors
