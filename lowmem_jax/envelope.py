@@ -5,15 +5,16 @@ every setting the library has. Each technique states its own limit in each envel
 step is outside it (:attr:`lowmem_jax.technique.Technique.envelope`); an envelope is the
 collection of those limits, checked in the registry's order:
 
-========  ============================  ============  ===========  ========  =========  =========
-envelope  precisions                    microbatch >= activations  sparsity  opt. state factorize
-========  ============================  ============  ===========  ========  =========  =========
-report    fp32, mixed_fp16, mixed_bf16  8 examples    none         <= 70%    auto..int8 no
-any       all five                      1 example     all formats  < 100%    auto..int4 yes
-========  ============================  ============  ===========  ========  =========  =========
+========  =====================  ==========  ===========  ========  ==========  ======  =========
+envelope  precisions             microbatch  activations  sparsity  opt. state  factor  gradients
+========  =====================  ==========  ===========  ========  ==========  ======  =========
+report    fp32, mixed fp16/bf16  >= 8        none         <= 70%    auto..int8  no      whole
+any       all five               >= 1        all formats  < 100%    auto..int4  yes     any
+========  =====================  ==========  ===========  ========  ==========  ======  =========
 
 (The microbatch limit holds for a pipeline's microbatches too, whose BatchNorm statistics are
-per microbatch as well.)
+per microbatch as well. Compressed gradients, :mod:`lowmem_jax.grad_compression`, were not in the
+report.)
 """
 
 from __future__ import annotations

@@ -63,7 +63,9 @@ def test_envelopes_say_why_a_plan_is_outside():
         "sparsity 90%": lm.Plan(sparsity=report_sparsity(0.9)),
         "optimizer state int4": lm.Plan(optimizer_state="int4"),
         "factorized layers": lm.Plan(factorize=FactorConfig()),
+        "powersgd gradient compression": lm.Plan(shard="dp", grad_compression="powersgd"),
     }
+    assert report.why_outside(config(lm.Plan(shard="dp"))) is None  # the same step, spread
     for reason, plan in outside.items():
         assert reason in report.why_outside(config(plan))
         assert anything.why_outside(config(plan)) is None

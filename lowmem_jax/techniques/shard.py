@@ -29,7 +29,7 @@ from lowmem_jax import base, scanned_blocks, sharding_report
 from lowmem_jax import grad_compression as compression_lib
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.host_update import HOST_UPDATE, DeviceUpdate, HostUpdate, HostUpdateState
-from lowmem_jax.technique import Axis, PlanField, Technique, Verdict
+from lowmem_jax.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 
 __all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
 
@@ -373,7 +373,18 @@ TECHNIQUE = Technique(
     ),
     validate=_validate,
     label=lambda plan: None if plan.shard == "none" else plan.shard,
-    envelope=None,  # the same step over more devices: no accuracy limit
+    # Over more devices the same step, unless the gradient is compressed: an approximation
+    # (error feedback carries the rest) the technical report did not study
+    envelope=EnvelopeRule(
+        "grad_compressions",
+        {"report": ("none",), "any": compression_lib.FORMATS},
+        lambda config, limit: (
+            None
+            if config.get("grad_compression", "none") in limit
+            else f"{config['grad_compression']} gradient compression"
+        ),
+        lambda limit: "" if len(limit) > 1 else "gradients reduced whole",
+    ),
     axis=Axis(  # searched where the planner has several devices (a budget per device)
         "shard",
         sharding_report.SHARD_STAGES,
