@@ -162,9 +162,16 @@ def test_the_idle_ticks_leave_no_nan_in_the_gradient():
 
 def test_a_pipeline_that_cannot_apply_is_refused_in_one_line():
     wrn = lm.workload("wrn-16-1", 8, image_size=8)  # six stacks of one block
-    with pytest.raises(ValueError, match=r"pipeline=2 divides none of the model's block stacks "
-                       r"\(lengths \[1, 1, 1, 1, 1, 1\]\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline=2 divides none of the model's block stacks "
+        r"\(lengths \[1, 1, 1, 1, 1, 1\]; stage counts that divide one: none\)",
+    ):
         lm.build(wrn, lm.Plan(pipeline=2)).analyze()
+    wrn = lm.workload("wrn-28-2", 8, image_size=8)  # stacks of 1 and 3 blocks: 3 stages only
+    with pytest.raises(ValueError, match=r"\[1, 3, 1, 3, 1, 3\]; stage counts that divide one: "
+                       r"\[3\]"):  # fmt: skip
+        lm.build(wrn, lm.Plan(pipeline=4)).analyze()
     user = lm.custom_workload(
         "mlp", MLP(), classification_batch(8), loss=lm.classifier_loss_fn,
         optimizer=optax.sgd(0.1), init=lambda m, rng, b: m.init(rng, b["image"]),

@@ -130,10 +130,12 @@ def _pipelined_loss(loss_fn, plan):
             out = loss_fn(*args)
         if not any(split for _, split in trace.stacks):
             lengths = [length for length, _ in trace.stacks]
+            stages = sorted({s for n in lengths for s in range(2, n + 1) if n % s == 0})
             raise ValueError(
                 f"pipeline={plan.pipeline} divides none of the model's block stacks "
-                + (f"(lengths {lengths})" if lengths else "(it has no ScannedBlocks stack)")
-            )
+                + (f"(lengths {lengths}; stage counts that divide one: {stages or 'none'})"
+                   if lengths else "(it has no ScannedBlocks stack)")
+            )  # fmt: skip
         return out
 
     return pipelined
