@@ -91,13 +91,6 @@ settings.register_profile("lowmem", derandomize=True)
 settings.load_profile("lowmem")
 
 
-def pytest_collection_modifyitems(config, items):
-    """The tests marked slow first, the rest after, each in file order: xdist's work stealing
-    (`.ci/run`) hands a worker that runs out the tail of the other's queue, so the run then ends
-    on short tests instead of one worker idling behind a minute-long one."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 # For a test whose time goes into running many steps rather than compiling them: LLVM at level 1
 # (test_user_models' digits training here, one epoch of 44 steps: level 0 compiles in 1.6 s and
 # runs in 11.4 s, level 1 4.6 s and 2.2 s, XLA's default level 3 35.6 s and 1.9 s). For the suite

@@ -7,13 +7,10 @@ from __future__ import annotations
 import json
 import pathlib
 
-import pytest
-
 import lowmem_jax as lm
 from experiments import conformance
 
 
-@pytest.mark.slow
 def test_transformers_flax_gpt2_trains_with_an_int8_state_updated_in_groups():
     cell = conformance.run_cell("gpt2", {"optimizer_state": "int8"}, "adam")
     assert cell["status"] == "ok", cell
@@ -32,7 +29,6 @@ def test_a_plan_the_model_cannot_take_is_a_one_line_refusal():
     assert "not replaced: FlaxConv1D" in cell["error"] and "\n" not in cell["error"]
 
 
-@pytest.mark.slow
 def test_an_nnx_model_nobody_here_wrote_trains_factorized_in_less_memory():
     """Issue 37 item 1: factorize once refused every model without a ``factorize`` field."""
     cell = conformance.run_cell("nnx_cnn", {"factorize": lm.FactorConfig()}, "adam")

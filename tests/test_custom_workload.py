@@ -41,7 +41,6 @@ def _linen_work():
     )  # fmt: skip
 
 
-@pytest.mark.slow
 def test_the_planner_finds_a_plan_that_fits_a_user_s_linen_model():
     work = _linen_work()
     plain = lm.workloads.build_plain(work).analyze().xla["total_bytes"]

@@ -228,7 +228,6 @@ def test_an_int8_adam_state_lowers_the_compiled_step_by_most_of_the_bytes_it_sav
     assert sizes["int8"][1] <= sizes["fp32"][1] - 0.9 * saved, sizes
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU buffer assignment")
 def test_a_pure_fp16_step_with_int4_moments_keeps_no_float32_copy_of_the_parameters():
     """The grouped update casts a group's parameters and gradients to float32 inside the group's

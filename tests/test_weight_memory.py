@@ -26,7 +26,6 @@ def _kinds(tree):
     return [leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)]
 
 
-@pytest.mark.slow
 def test_streamed_weights_train_as_the_device_resident_ones_and_stay_in_host_memory():
     """Three steps of WRN-22-1 in mixed float16 (its stacks stream, a group's lone first block
     too, the stem and head where they run; the gradients unscaled on the host), the second with
@@ -127,7 +126,6 @@ def test_lowmem_analyze_streams_the_weights_and_refuses_a_bad_flag(capsys):
 
 
 # Mixed precision on one microbatch: WRN-22-1's test above; fp32: the CLI test below.
-@pytest.mark.slow
 @pytest.mark.parametrize("precision, microbatches", [("fp16", 2)])
 def test_the_transformer_s_streamed_layers_train_as_the_device_resident_ones(
     precision, microbatches
@@ -271,7 +269,6 @@ def test_the_moves_barriers_make_up_no_zero_cotangent(monkeypatch):
     assert _zero_cotangents_through_barriers(workloads.build(work, STREAMED)) > 0
 
 
-@pytest.mark.slow
 def test_lowmem_train_streams_a_translation_model_and_decodes_it(tmp_path, capsys):
     """Training streams every parameter; decoding (greedy and beam BLEU at the end) reads them
     whole, so the evaluator moves streamed parameters to the device first (it failed with
@@ -300,7 +297,6 @@ def test_a_layer_laid_out_where_it_runs_initialises_as_without_the_layout():
     assert_trees_close(init[1], init[0], rtol=0, atol=0)
 
 
-@pytest.mark.slow
 def test_factorized_layers_stream_as_any_other():
     """WRN-22-1 with Tucker-factorized convolutions (the stem and classifier too): the factors
     move where their layer runs, in the stacks and outside them; two steps equal the plan
