@@ -16,6 +16,7 @@ from jax.sharding import SingleDeviceSharding
 import lowmem_jax as lm
 from lowmem_jax import cli, jaxprs, workloads
 from lowmem_jax.host_update import on_host
+from lowmem_jax.plan_search import plan_name
 from lowmem_jax.techniques import weight_memory
 
 HOST = {"optimizer_memory": "pinned_host", "optimizer_update": "host", "remat": "full"}
@@ -110,6 +111,33 @@ def test_a_setting_it_cannot_stream_under_is_refused_in_one_line(fields, needs):
     assert needs in str(raised.value) and "\n" not in str(raised.value)
     with pytest.raises(ValueError, match=r"Unknown weight_memory='disk'; allowed values"):
         lm.Plan(weight_memory="disk")
+    with pytest.raises(ValueError, match=r"^streamed_layers='stacks' needs weight_memory="):
+        lm.Plan(streamed_layers="stacks")
+    with pytest.raises(ValueError, match=r"Unknown streamed_layers='some'; allowed values"):
+        lm.Plan(streamed_layers="some", weight_memory="pinned_host", **HOST)
+
+
+def test_the_stacks_alone_stream_and_the_layers_outside_stay_on_the_device():
+    """``streamed_layers="stacks"`` (the first arrangement, kept as an option): the stacks'
+    blocks in host memory, the stem, final norm and classifier on the device; a step equals the
+    plan without streaming, and the verdict counts the stacks' arrays as all it should stream."""
+    work = workloads.workload("wrn-16-1", batch_size=8, image_size=8)
+    stacks = lm.Plan(weight_memory="pinned_host", streamed_layers="stacks", **HOST)
+    got = []
+    for plan in (lm.Plan(**HOST), stacks):
+        setup = workloads.build(work, plan)
+        batch = setup.example_batch()
+        state, _ = setup.step(setup.init_state(batch), batch)
+        got.append(to_numpy(state))
+    assert_trees_close(got[1], got[0], rtol=1e-6, atol=1e-7)
+    kinds = {path[0].key: leaf.sharding.memory_kind
+             for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]}  # fmt: skip
+    outside = {"stem", "bn_final", "classifier"}
+    assert {kinds[k] for k in outside} == {"device"}
+    assert {v for k, v in kinds.items() if k not in outside} == {"pinned_host"}
+    (verdict,) = [v for v in setup.verdicts() if v.technique == "weight_memory"]
+    assert verdict.took_effect and "the layers outside the stacks on the device" in verdict.evidence
+    assert "weights streamed (stacks)" in plan_name(stacks)
 
 
 def test_lowmem_analyze_streams_the_weights_and_refuses_a_bad_flag(capsys):

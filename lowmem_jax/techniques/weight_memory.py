@@ -10,7 +10,8 @@ the blocks): inside the loop it moves one block's parameters, inside the block's
 copy; a stack of one block (run outside a loop) is moved before it is indexed.
 ``outer_param_layout`` for the layers outside the stacks (stem, classifier, embedding tables,
 output projection): moved where each is used (the bundled WideResNet and DynamicConv Transformer
-take both). The transpose of a move sends the gradient back to host memory. The update runs where
+take both; ``streamed_layers="stacks"`` keeps these on the device and streams the stacks
+alone). The transpose of a move sends the gradient back to host memory. The update runs where
 the state and the parameters live (``optimizer_memory="pinned_host"``, ``optimizer_update="host"``:
 :class:`lowmem_jax.host_update.HostUpdate` applies it there too). Between steps the device holds
 no parameter; during a step, one unit at a time: a stack's block or an outer layer
@@ -29,18 +30,26 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lowmem_jax import jaxprs, scanned_blocks
+from lowmem_jax import base, jaxprs, scanned_blocks
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.technique import PlanField, Technique, Verdict
 
 __all__ = ["TECHNIQUE", "state_shardings", "units"]
 
 MIB = 2**20
+#: The layers weight streaming keeps in host memory: every one, or the stacks' blocks alone.
+STREAMED_LAYERS = ("all", "stacks")
 
 
 def _validate(plan) -> None:
     sharding_lib.check_memory_kind(plan.weight_memory, "weight_memory")
+    base.choose(dict.fromkeys(STREAMED_LAYERS), plan.streamed_layers, "streamed_layers")
     if plan.weight_memory == "device":
+        if plan.streamed_layers != "all":
+            raise ValueError(
+                f"streamed_layers={plan.streamed_layers!r} needs weight_memory='pinned_host' "
+                "(the layers it keeps in host memory)"
+            )
         return
     needs = {
         "optimizer_memory": ("pinned_host", "the update runs where the streamed weights live"),
@@ -65,25 +74,37 @@ def _validate(plan) -> None:
 def _configure_model(model, plan):
     if plan.weight_memory == "device":
         return model
-    fields = ("param_layout", "outer_param_layout")
+    outer = plan.streamed_layers == "all"
+    fields = ("param_layout", "outer_param_layout") if outer else ("param_layout",)
     if isinstance(model, nnx.Module) or not all(hasattr(model, f) for f in fields):
         raise ValueError(
             f"weight_memory='pinned_host' needs a model that moves its parameters where it uses "
-            f"them (fields param_layout and outer_param_layout: the bundled WideResNet and "
-            f"DynamicConv); {type(model).__name__} has not both"
+            f"them (fields {' and '.join(fields)}: the bundled WideResNet and DynamicConv); "
+            f"{type(model).__name__} has not {'both' if outer else 'it'}"
         )
     to_device = scanned_blocks.ToDevice(plan.policy.compute_dtype)
+    if not outer:
+        return model.clone(param_layout=to_device)
     return model.clone(param_layout=to_device, outer_param_layout=to_device)
 
 
-def units(params) -> dict[str, int]:
+def _streamed(path, plan) -> bool:
+    """A parameter ``plan`` keeps in host memory: every one, or a stack's (``stacks``)."""
+    names = [getattr(key, "key", None) for key in path]
+    return plan.streamed_layers == "all" or scanned_blocks.in_stack(names)
+
+
+def units(params, stacks_only: bool = False) -> dict[str, int]:
     """Bytes of each unit the step moves to the device at once: one block of each stack (its
-    leaves' bytes over the blocks), each layer outside the stacks (a top-level entry), by path."""
+    leaves' bytes over the blocks), each layer outside the stacks (a top-level entry; none with
+    ``stacks_only``), by path."""
     sizes: dict[str, int] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         names = [getattr(key, "key", None) for key in path]
         if scanned_blocks.in_stack(names):
             unit, blocks = names[: names.index(scanned_blocks.STACK)], x.shape[0]
+        elif stacks_only:
+            continue
         else:
             unit, blocks = names[:1], 1
         key = "/".join(map(str, unit))
@@ -92,14 +113,16 @@ def units(params) -> dict[str, int]:
 
 
 def state_shardings(state, plan):
-    """Every parameter in ``plan.weight_memory``, every other leaf as placed by default;
-    ``None`` where the weights live on the device."""
+    """Every streamed parameter (:func:`_streamed`) in ``plan.weight_memory``, every other leaf
+    as placed by default; ``None`` where the weights live on the device."""
     if plan.weight_memory == "device":
         return None
     mesh = plan.mesh()
     host = NamedSharding(mesh, PartitionSpec(), memory_kind=plan.weight_memory)
     default = NamedSharding(mesh, PartitionSpec())
-    params = jax.tree.map(lambda _: host, state.params)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, _: host if _streamed(path, plan) else default, state.params
+    )
     return jax.tree.map(lambda _: default, state).replace(params=params)
 
 
@@ -108,11 +131,13 @@ def _took_effect(evidence, plan):
     computation reading host memory."""
     if plan.weight_memory == "device":
         return None
-    leaves = jax.tree.leaves(evidence.state.params)
+    paths = jax.tree_util.tree_flatten_with_path(evidence.state.params)[0]
+    leaves = [x for _, x in paths]
     host = [x for x in leaves if getattr(x, "sharding", None) is not None
             and x.sharding.memory_kind == plan.weight_memory]  # fmt: skip
+    wanted = sum(_streamed(path, plan) for path, _ in paths)
     streamed = sum(x.size * x.dtype.itemsize for x in host)
-    sizes = units(evidence.state.params)
+    sizes = units(evidence.state.params, stacks_only=plan.streamed_layers == "stacks")
     largest = max(sizes, key=sizes.get)
     moves = [
         loops for eqn, loops in evidence.equations()
@@ -123,12 +148,14 @@ def _took_effect(evidence, plan):
     said = (
         f"{len(host)} of {len(leaves)} parameter arrays ({streamed / MIB:.2f} MiB) streamed from "
         f"{plan.weight_memory}, {len(moves)} moves to the device ({sum(map(bool, moves))} "
-        f"inside loops), a unit at a time (a stack's block, a layer outside the stacks), the "
-        f"largest {largest} ({sizes[largest] / MIB:.2f} MiB)"
-    )
+        f"inside loops), a unit at a time ("
+        + ("a stack's block, a layer outside the stacks" if plan.streamed_layers == "all"
+           else "a stack's block; the layers outside the stacks on the device")
+        + f"), the largest {largest} ({sizes[largest] / MIB:.2f} MiB)"
+    )  # fmt: skip
     if reads:
         said += f"; but {len(reads)} device computations read host memory ({reads[0]})"
-    ok = len(host) == len(leaves) and bool(moves) and not reads
+    ok = len(host) == wanted and bool(moves) and not reads
     return Verdict("weight_memory", ok, said)
 
 
@@ -141,21 +168,37 @@ TECHNIQUE = Technique(
             "weight_memory",
             str,
             "device",
-            "where the stacked blocks' parameters live between steps: ``device``, or "
-            "``pinned_host`` (weight streaming: each block's moved to the device when its "
-            "stack's loop reaches it, its gradient back; needs "
+            "where the parameters live between steps: ``device``, or ``pinned_host`` (weight "
+            "streaming: a stack's blocks moved to the device one at a time in its loop, each "
+            "layer outside the stacks where it is used, each gradient back; needs "
             "``optimizer_memory='pinned_host'``, ``optimizer_update='host'`` and remat: "
             ":mod:`lowmem_jax.techniques.weight_memory`).",
-            help="where the stacked blocks' parameters live between steps: device, or "
-            "pinned_host (streamed to the device a block at a time; needs --optimizer-memory "
-            "pinned_host --optimizer-update host and --remat; XLA:CPU has one memory, so the "
-            "bytes it saves show on a GPU only)",
+            help="where the parameters live between steps: device, or pinned_host (streamed "
+            "to the device a block or layer at a time; needs --optimizer-memory pinned_host "
+            "--optimizer-update host and --remat; XLA:CPU has one memory, so the bytes it "
+            "saves show on a GPU only)",
             choices=sharding_lib.MEMORY_KINDS,
+            omit_default=True,
+        ),
+        PlanField(
+            "streamed_layers",
+            str,
+            "all",
+            "the parameters ``weight_memory='pinned_host'`` keeps in host memory: ``all``, or "
+            "``stacks`` (the scanned blocks' alone; the layers outside the stacks, such as "
+            "embedding tables and the output projection, stay on the device).",
+            help="with --weight-memory pinned_host: stream all parameters, or the stacks' "
+            "blocks alone (stacks: the layers outside them stay on the device)",
+            choices=STREAMED_LAYERS,
             omit_default=True,
         ),
     ),
     validate=_validate,
-    label=lambda plan: None if plan.weight_memory == "device" else "weights streamed",
+    label=lambda plan: (
+        None
+        if plan.weight_memory == "device"
+        else "weights streamed" + (" (stacks)" if plan.streamed_layers == "stacks" else "")
+    ),
     # The same arithmetic with the weights elsewhere between steps: inside every envelope.
     envelope=None,
     # Not searched: XLA:CPU, where the planner compiles, drops memory kinds (one memory).
