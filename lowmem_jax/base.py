@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax.core import meta
 
 PyTree = Any
 #: ``loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))``.
@@ -67,13 +68,15 @@ class BlockwiseLeaf:
         raise NotImplementedError
 
 
-class LazyLeaf:
+class LazyLeaf(meta.AxisMetadata):
     """A parameter held in a form other than its dense array, densified where the model reads
-    it (Linen's ``self.param`` unboxes it as a ``flax.core.meta.AxisMetadata``; NNX and plain
-    ``jnp`` code through ``__jax_array__``): inside the layer, so a layer run under remat
-    rebuilds its dense weights in the backward pass instead of keeping them from the forward.
+    it (Linen's ``self.param`` unboxes it as a ``flax.core.meta.AxisMetadata``; NNX indexes it,
+    ``kernel[...]``; plain ``jnp`` code converts it through ``__jax_array__``): inside the
+    layer, so a layer run under remat rebuilds its dense weights in the backward pass instead
+    of keeping them from the forward.
 
-    Subclasses are pytrees (their arrays are children) and implement :meth:`dense`.
+    Subclasses are pytrees (their arrays are children) and implement :meth:`dense` and the
+    transforms' ``add_axis`` / ``remove_axis``.
     """
 
     shape: tuple[int, ...]  # the dense shape
@@ -82,6 +85,18 @@ class LazyLeaf:
     def dense(self) -> jax.Array:
         """The dense ``[*shape]`` weights."""
         raise NotImplementedError
+
+    def unbox(self) -> jax.Array:
+        return self.dense()
+
+    def __jax_array__(self) -> jax.Array:
+        return self.dense()
+
+    def __getitem__(self, index) -> jax.Array:
+        return self.dense()[index]
+
+    def replace_boxed(self, val: jax.Array) -> jax.Array:
+        return val
 
     def sliceable(self) -> LazyLeaf | None:
         """The same weights as a leaf whose array children all have the dense leading axis

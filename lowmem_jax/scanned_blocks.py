@@ -20,13 +20,14 @@ import jax.numpy as jnp
 
 from lowmem_jax import pipeline as pipeline_lib
 from lowmem_jax.activation_compression import active_spec, compress_residuals
-from lowmem_jax.base import BlockwiseLeaf, cast_floating
+from lowmem_jax.base import BlockwiseLeaf, LazyLeaf, cast_floating
 from lowmem_jax.remat import RematSpec, parse_policy
 
 __all__ = [
     "ScannedBlocks",
     "STACK",
     "ToDevice",
+    "StreamedLeaf",
     "in_stack",
     "straight_line",
     "with_layout",
@@ -56,6 +57,42 @@ class ToDevice:
     def __call__(self, block_params: Any) -> Any:
         moved = jax.device_put(block_params, jax.memory.Space.Device)
         return moved if self.dtype is None else cast_floating(moved, self.dtype)
+
+
+@jax.tree_util.register_pytree_node_class
+class StreamedLeaf(LazyLeaf):
+    """A parameter in host memory, moved to the device and cast to ``compute_dtype`` where a
+    layer reads it (weight streaming of a model without layouts: Linen's ``self.param`` unboxes
+    it, NNX and ``jnp`` code convert it through ``__jax_array__``); its gradient, the move's
+    transpose, goes back to host memory. ``value`` is the only child: a transform that maps over
+    its leading axis (``nn.scan``, ``lax.scan``) slices it to a block's. Read again by a layer's
+    backward pass when the layer runs under its own checkpoint
+    (:func:`lowmem_jax.lazy_layers.checkpoint_lazy_layers`)."""
+
+    def __init__(self, value: jax.Array, compute_dtype: Any = None):
+        self.value, self.compute_dtype = value, compute_dtype
+
+    shape = property(lambda self: tuple(jnp.shape(self.value)))
+    dtype = property(lambda self: jnp.result_type(self.value))
+
+    def tree_flatten(self):
+        return (self.value,), self.compute_dtype
+
+    @classmethod
+    def tree_unflatten(cls, compute_dtype, children):
+        return cls(children[0], compute_dtype)
+
+    def dense(self) -> jax.Array:
+        return ToDevice(self.compute_dtype)(self.value)
+
+    def add_axis(self, index, params):
+        return self
+
+    def remove_axis(self, index, params):
+        return self
+
+    def sliceable(self) -> StreamedLeaf:
+        return self
 
 
 def at_use(layout: Callable[[Any], Any], param: Any, after: Any = None) -> tuple[Any, Any]:

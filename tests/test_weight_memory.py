@@ -6,11 +6,15 @@ the weights on the device, where each leaf lives between steps, and, in the trac
 nothing but a move reads host memory outside the host's own computation (JAX's avals carry each
 value's memory space)."""
 
+import re
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from conftest import BNNet, assert_trees_close, to_numpy
+from conftest import BNNet, assert_trees_close, classification_batch, to_numpy
 from jax.sharding import SingleDeviceSharding
 
 import lowmem_jax as lm
@@ -101,7 +105,6 @@ def test_host_memory_reads_finds_device_computation_on_host_values_only():
     [
         ({}, "optimizer_memory='pinned_host'"),
         ({"optimizer_memory": "pinned_host"}, "optimizer_update='host'"),
-        ({**HOST, "remat": "none"}, "needs remat"),
         ({**HOST, "sparsity": lm.sparsity.SparseConfig(density=0.5)}, "sparsity=None"),
     ],
 )
@@ -178,12 +181,70 @@ def test_the_transformer_s_streamed_layers_train_as_the_device_resident_ones(
     assert set(got[1][2]) == {"pinned_host"}  # the embeddings and output projection too
 
 
-def test_a_model_that_does_not_move_its_parameters_is_refused_in_one_line():
-    """A Linen model we did not write has no ``param_layout``/``outer_param_layout``: nothing
-    would move its weights, so the plan is refused where it configures the model, not ignored."""
-    with pytest.raises(ValueError, match=r"needs a model that moves its parameters") as e:
-        STREAMED.configure_model(BNNet())
-    assert "BNNet has not both" in str(e.value) and "\n" not in str(e.value)
+class _ScannedNet(nn.Module):
+    """A user's Linen model: a Dense stem, three residual Dense + BatchNorm blocks as one
+    ``nn.scan`` stack (its own, not a :class:`~lowmem_jax.ScannedBlocks`), a Dense head."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, h, _):
+                y = nn.BatchNorm(use_running_average=not train)(nn.Dense(16)(h))
+                return h + nn.relu(y), None
+
+        stack = nn.scan(Block, variable_axes={"params": 0, "batch_stats": 0},
+                        split_rngs={"params": True}, length=3)  # fmt: skip
+        h, _ = stack()(nn.Dense(16)(x), None)
+        return nn.Dense(3)(h)
+
+
+@pytest.mark.parametrize("model, remat", [(BNNet(), "none"), (_ScannedNet(), "full")],
+                         ids=["bnnet", "scanned"])  # fmt: skip
+def test_any_linen_model_streams_each_layer_s_parameters_where_it_reads_them(model, remat):
+    """A Linen model without layouts: every parameter in host memory, each layer's moved to the
+    device where the layer reads it (a box Flax unboxes), under the layer's own checkpoint
+    (remat none) or its block's (remat full: the scan's repeated block), its gradient back; two
+    steps (BatchNorm, Adam, the update on the host) equal the plan without streaming, and the
+    verdict finds moves, in the scan's loop too, and no device computation on host memory."""
+    batch = classification_batch(8)
+    work = lm.custom_workload(
+        type(model).__name__, model, batch, loss=lm.classifier_loss_fn, optimizer=optax.adam(1e-2),
+        init=lambda m, rng, b: m.init(rng, b["image"], train=False),
+    )  # fmt: skip
+    got = []
+    fields = {**HOST, "remat": remat}
+    for plan in (lm.Plan(**fields), lm.Plan(weight_memory="pinned_host", **fields)):
+        setup = lm.build(work, plan)
+        state = setup.init_state(batch)
+        for _ in range(2):
+            state, _ = setup.step(state, batch)
+        got.append(to_numpy(state))
+    assert_trees_close(got[1], got[0], rtol=1e-6, atol=1e-7)
+    assert set(_kinds(state.params)) == {"pinned_host"}
+    (verdict,) = [v for v in setup.verdicts() if v.technique == "weight_memory"]
+    assert verdict.took_effect and "device computations read host memory" not in verdict.evidence
+    arrays = len(jax.tree.leaves(state.params))
+    moves, in_loops = map(int, re.search(r"(\d+) moves to the device \((\d+) inside loops",
+                                         verdict.evidence).groups())  # fmt: skip
+    assert moves >= 2 * arrays  # each moved again by its checkpoint's backward pass
+    assert (in_loops > 0) == isinstance(model, _ScannedNet)
+
+
+def test_a_model_streaming_cannot_reach_is_refused_in_one_line():
+    """An NNX model (no layouts, and no boxes for its variables yet), and the stacks alone of a
+    model without a ``param_layout``: refused where the plan configures the model."""
+    from flax import nnx
+
+    no_remat = lm.Plan(weight_memory="pinned_host", **{**HOST, "remat": "none"})
+    with pytest.raises(ValueError, match=r"streams a Linen model") as e:
+        no_remat.configure_model(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    assert "Linear is an NNX model" in str(e.value) and "\n" not in str(e.value)
+    stacks = lm.Plan(weight_memory="pinned_host", streamed_layers="stacks", **HOST)
+    with pytest.raises(ValueError, match=r"needs a model with a param_layout field"):
+        stacks.configure_model(BNNet())
+    with pytest.raises(ValueError, match=r"needs remat \(e.g. full\) on a model with layouts"):
+        no_remat.configure_model(lm.models.WideResNet(depth=10, width=1))
 
 
 def test_the_readme_s_weight_streaming_figures_are_the_benchmarks():

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-from flax.core import meta
 
 from lowmem_jax.base import BlockwiseLeaf, LazyLeaf
 from lowmem_jax.sparsity import algorithms
@@ -259,7 +258,7 @@ class CompressedStack(_Compressed, BlockwiseLeaf):
 
 
 @jax.tree_util.register_pytree_node_class
-class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
+class CompressedLeaf(_Compressed, LazyLeaf):
     """A compressed leaf, ``values`` ``[capacity]`` at the flat positions ``indices`` of the
     dense ``shape``, densified (a scatter into zeros, O(size)) where the model reads it: Linen's
     ``self.param`` unboxes it (a ``flax.core.meta.AxisMetadata``), NNX layers index it
@@ -279,18 +278,6 @@ class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
     def dense(self) -> jax.Array:
         size = math.prod(self.shape)
         return _scatter(self.values, self.indices, size).reshape(self.shape)
-
-    def unbox(self) -> jax.Array:
-        return self.dense()
-
-    def __jax_array__(self) -> jax.Array:
-        return self.dense()
-
-    def __getitem__(self, index) -> jax.Array:  # NNX reads a variable as ``kernel[...]``
-        return self.dense()[index]
-
-    def replace_boxed(self, val: jax.Array) -> jax.Array:
-        return val
 
     def add_axis(self, index, params):
         raise ValueError("a compressed sparse leaf cannot be stacked by a transform")
@@ -313,7 +300,7 @@ class CompressedLeaf(_Compressed, LazyLeaf, meta.AxisMetadata):
 
 
 @jax.tree_util.register_pytree_node_class
-class CompressedBlock(LazyLeaf, meta.AxisMetadata):
+class CompressedBlock(LazyLeaf):
     """Block ``index`` of a :class:`CompressedLeaf` of stacked blocks (``stack``), as a
     transform that maps over the leaf's leading axis hands it to each block: the only child is
     ``index`` (``[L]`` outside the transform, which slices it to a scalar), and the stack's
@@ -344,18 +331,6 @@ class CompressedBlock(LazyLeaf, meta.AxisMetadata):
         return CompressedStack(self.stack.values, self.stack.indices, self.stack_shape).block(
             self.index
         )
-
-    def unbox(self) -> jax.Array:
-        return self.dense()
-
-    def __jax_array__(self) -> jax.Array:
-        return self.dense()
-
-    def __getitem__(self, index) -> jax.Array:
-        return self.dense()[index]
-
-    def replace_boxed(self, val: jax.Array) -> jax.Array:
-        return val
 
     def add_axis(self, index, params):
         return self  # the transform stacked ``index`` back

@@ -6,8 +6,8 @@ steps, laid out by :func:`state_shardings`. The model moves them in through two 
 :class:`~lowmem_jax.scanned_blocks.ToDevice` (move, then cast to the compute dtype):
 ``param_layout`` for a :class:`~lowmem_jax.ScannedBlocks` stack (``[n, ...]``, its leading axis
 the blocks): inside the loop it moves one block's parameters, inside the block's checkpoint
-(remat is required), so the backward pass moves them again rather than keeping every block's
-copy; a stack of one block (run outside a loop) is moved before it is indexed.
+(remat is required for such a model), so the backward pass moves them again rather than
+keeping every block's copy; a stack of one block (run outside a loop) is moved before it is indexed.
 ``outer_param_layout`` for the layers outside the stacks (stem, classifier, embedding tables,
 output projection): moved where each is used (the bundled WideResNet and DynamicConv Transformer
 take both; ``streamed_layers="stacks"`` keeps these on the device and streams the stacks
@@ -18,6 +18,17 @@ no parameter; during a step, one unit at a time: a stack's block or an outer lay
 (:func:`units`). Under float16's loss scaling the streamed gradients are unscaled on the host
 (:func:`lowmem_jax.train.scaled_grad_fn`).
 
+Any other Linen model (no layouts) streams through its reads: inside the step its parameters in
+host memory reach the layers as :class:`~lowmem_jax.scanned_blocks.StreamedLeaf` boxes (Flax's
+``nn.map_variables`` over the model's call), each moved and cast where a layer reads it, and
+every such layer runs under its own checkpoint
+(:func:`lowmem_jax.lazy_layers.checkpoint_lazy_layers`), so its backward pass moves its weights
+again; inside a block that
+remat already checkpoints (a ``remat_blocks`` class, an ``nn.scan`` body) the block's backward
+pass does, one block's weights at a time. With remat over the whole forward (a model without
+repeated blocks) that backward pass holds every layer's moved weights at once: ``remat="none"``
+suits such a model. NNX models are refused.
+
 The check (:func:`_took_effect`) reads the traced step: every equation outside the host's
 computation that reads host memory must be a move (:func:`lowmem_jax.jaxprs.host_memory_reads`),
 so no part of the step brings a whole stack to the device. XLA:CPU has one memory, so the bytes
@@ -26,11 +37,12 @@ show only on a GPU (``benchmarks/weight_streaming.py`` probes the same arrangeme
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lowmem_jax import base, jaxprs, scanned_blocks
+from lowmem_jax import base, jaxprs, lazy_layers, linen_wrap, scanned_blocks
 from lowmem_jax import sharding as sharding_lib
 from lowmem_jax.technique import PlanField, Technique, Verdict
 
@@ -64,28 +76,60 @@ def _validate(plan) -> None:
                 f"weight_memory='pinned_host' needs {field}={value!r} (got "
                 f"{getattr(plan, field)!r}): {why}"
             )
-    if plan.remat == "none":
-        raise ValueError(
-            "weight_memory='pinned_host' needs remat (e.g. full): each block's weights are "
-            "moved again in the backward pass, not kept on the device"
-        )
 
 
 def _configure_model(model, plan):
     if plan.weight_memory == "device":
         return model
-    outer = plan.streamed_layers == "all"
-    fields = ("param_layout", "outer_param_layout") if outer else ("param_layout",)
-    if isinstance(model, nnx.Module) or not all(hasattr(model, f) for f in fields):
-        raise ValueError(
-            f"weight_memory='pinned_host' needs a model that moves its parameters where it uses "
-            f"them (fields {' and '.join(fields)}: the bundled WideResNet and DynamicConv); "
-            f"{type(model).__name__} has not {'both' if outer else 'it'}"
-        )
     to_device = scanned_blocks.ToDevice(plan.policy.compute_dtype)
-    if not outer:
+    linen = not isinstance(model, nnx.Module)
+    if hasattr(model, "param_layout") and plan.remat == "none":
+        raise ValueError(
+            "weight_memory='pinned_host' needs remat (e.g. full) on a model with layouts: each "
+            "block's weights are moved again in the backward pass, not kept on the device"
+        )
+    if plan.streamed_layers == "stacks":
+        if not (linen and hasattr(model, "param_layout")):
+            raise ValueError(
+                "streamed_layers='stacks' needs a model with a param_layout field (the bundled "
+                f"WideResNet and DynamicConv) to find its stacks; {type(model).__name__} has none"
+            )
         return model.clone(param_layout=to_device)
-    return model.clone(param_layout=to_device, outer_param_layout=to_device)
+    if linen and hasattr(model, "param_layout") and hasattr(model, "outer_param_layout"):
+        return model.clone(param_layout=to_device, outer_param_layout=to_device)
+    if not linen:
+        raise ValueError(
+            "weight_memory='pinned_host' streams a Linen model (or an NNX one with layouts: none "
+            f"yet); {type(model).__name__} is an NNX model"
+        )
+    # Any other Linen model: each layer moves what it reads, under its own checkpoint, so that
+    # its backward pass moves it again rather than keeping the forward pass's copy
+    return lazy_layers.checkpoint_lazy_layers(_read_where_used(model, plan))
+
+
+def _read_where_used(model, plan):
+    """A Linen ``model`` without layouts whose parameters in host memory reach its layers as
+    :class:`~lowmem_jax.scanned_blocks.StreamedLeaf` boxes, each moved to the device and cast
+    where a layer reads it (Flax's ``nn.map_variables`` over the model's call, not while
+    initialising, so the stored parameters and their paths are the model's own)."""
+    cls, dtype = type(model), plan.policy.compute_dtype
+
+    def boxed(params):
+        return jax.tree.map(
+            lambda x: scanned_blocks.StreamedLeaf(x, dtype) if base.in_host_memory(x) else x,
+            params,
+        )
+
+    def call(self, *args, **kwargs):
+        if self.is_initializing():
+            return cls.__call__(self, *args, **kwargs)
+
+        def body(module, *positional):  # keyword arguments (``train``) closed over, as static
+            return cls.__call__(module, *positional, **kwargs)
+
+        return nn.map_variables(body, "params", trans_in_fn=boxed)(self, *args)
+
+    return linen_wrap.with_call(model, call, ("weight streaming", dtype))
 
 
 def _streamed(path, plan) -> bool:
@@ -170,13 +214,14 @@ TECHNIQUE = Technique(
             "device",
             "where the parameters live between steps: ``device``, or ``pinned_host`` (weight "
             "streaming: a stack's blocks moved to the device one at a time in its loop, each "
-            "layer outside the stacks where it is used, each gradient back; needs "
-            "``optimizer_memory='pinned_host'``, ``optimizer_update='host'`` and remat: "
+            "layer outside the stacks where it is used, each gradient back; any other Linen "
+            "model's layers each where they read them; needs ``optimizer_memory='pinned_host'`` "
+            "and ``optimizer_update='host'``, and remat on a model with layouts: "
             ":mod:`lowmem_jax.techniques.weight_memory`).",
             help="where the parameters live between steps: device, or pinned_host (streamed "
             "to the device a block or layer at a time; needs --optimizer-memory pinned_host "
-            "--optimizer-update host and --remat; XLA:CPU has one memory, so the bytes it "
-            "saves show on a GPU only)",
+            "--optimizer-update host, and --remat on the bundled models; XLA:CPU has one "
+            "memory, so the bytes it saves show on a GPU only)",
             choices=sharding_lib.MEMORY_KINDS,
             omit_default=True,
         ),
