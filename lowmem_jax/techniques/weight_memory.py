@@ -7,7 +7,8 @@ steps, laid out by :func:`state_shardings`. The model moves them in through two 
 ``param_layout`` for a :class:`~lowmem_jax.ScannedBlocks` stack (``[n, ...]``, its leading axis
 the blocks): inside the loop it moves one block's parameters, inside the block's checkpoint
 (remat is required for such a model), so the backward pass moves them again rather than
-keeping every block's copy; a stack of one block (run outside a loop) is moved before it is indexed.
+keeping every block's copy; a stack of one block (run outside a loop) is moved before it is
+indexed.
 ``outer_param_layout`` for the layers outside the stacks (stem, classifier, embedding tables,
 output projection): moved where each is used (the bundled WideResNet and DynamicConv Transformer
 take both; ``streamed_layers="stacks"`` keeps these on the device and streams the stacks
@@ -23,11 +24,10 @@ host memory reach the layers as :class:`~lowmem_jax.scanned_blocks.StreamedLeaf`
 ``nn.map_variables`` over the model's call), each moved and cast where a layer reads it, and
 every such layer runs under its own checkpoint
 (:func:`lowmem_jax.lazy_layers.checkpoint_lazy_layers`), so its backward pass moves its weights
-again; inside a block that
-remat already checkpoints (a ``remat_blocks`` class, an ``nn.scan`` body) the block's backward
-pass does, one block's weights at a time. With remat over the whole forward (a model without
-repeated blocks) that backward pass holds every layer's moved weights at once: ``remat="none"``
-suits such a model. NNX models are refused.
+again; inside a block that remat already checkpoints (a ``remat_blocks`` class, an ``nn.scan``
+body) the block's backward pass does, one block's weights at a time. With remat over the whole
+forward (a model without repeated blocks) that backward pass holds every layer's moved weights
+at once: ``remat="none"`` suits such a model. NNX models are refused.
 
 The check (:func:`_took_effect`) reads the traced step: every equation outside the host's
 computation that reads host memory must be a move (:func:`lowmem_jax.jaxprs.host_memory_reads`),
