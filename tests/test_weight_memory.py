@@ -1,5 +1,5 @@
-"""Weight streaming (Plan.weight_memory="pinned_host"): the stacked blocks' parameters in host
-memory between steps, moved to the device a block at a time inside the loop.
+"""Weight streaming (Plan.weight_memory="pinned_host"): every parameter in host memory between
+steps, moved to the device a block at a time inside a stack's loop, a layer at a time outside.
 
 XLA:CPU has one memory, so these tests check what it can show: the same values as the step with
 the weights on the device, where each leaf lives between steps, and, in the traced step, that
@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import BNNet, assert_trees_close, classification_batch, to_numpy
+from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 import lowmem_jax as lm
@@ -199,19 +200,40 @@ class _ScannedNet(nn.Module):
         return nn.Dense(3)(h)
 
 
-@pytest.mark.parametrize("model, remat", [(BNNet(), "none"), (_ScannedNet(), "full")],
-                         ids=["bnnet", "scanned"])  # fmt: skip
-def test_any_linen_model_streams_each_layer_s_parameters_where_it_reads_them(model, remat):
-    """A Linen model without layouts: every parameter in host memory, each layer's moved to the
-    device where the layer reads it (a box Flax unboxes), under the layer's own checkpoint
-    (remat none) or its block's (remat full: the scan's repeated block), its gradient back; two
-    steps (BatchNorm, Adam, the update on the host) equal the plan without streaming, and the
-    verdict finds moves, in the scan's loop too, and no device computation on host memory."""
+class _NNXNet(nnx.Module):
+    """A user's NNX model: Linear, BatchNorm, ReLU, Linear."""
+
+    def __init__(self, rngs):
+        self.hidden, self.norm = nnx.Linear(5, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs)
+        self.head = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.norm(self.hidden(x))))
+
+
+def _nnx_loss(model, batch):
+    logits = model(batch["image"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+@pytest.mark.parametrize("name, remat", [("bnnet", "none"), ("scanned", "full"), ("nnx", "none")])
+def test_any_model_streams_each_layer_s_parameters_where_it_reads_them(name, remat):
+    """A Linen or NNX model without layouts: every parameter in host memory, each layer's moved
+    to the device where the layer reads it (a box Flax unboxes, or NNX converts), under the
+    layer's own checkpoint (remat none) or its block's (remat full: the scan's repeated block),
+    its gradient back; two steps (BatchNorm, Adam, the update on the host) equal the plan
+    without streaming, and the verdict finds moves, in the scan's loop too, and no device
+    computation on host memory."""
     batch = classification_batch(8)
-    work = lm.custom_workload(
-        type(model).__name__, model, batch, loss=lm.classifier_loss_fn, optimizer=optax.adam(1e-2),
-        init=lambda m, rng, b: m.init(rng, b["image"], train=False),
-    )  # fmt: skip
+    if name == "nnx":
+        model = _NNXNet(nnx.Rngs(0))
+        work = lm.custom_workload(name, model, batch, loss=_nnx_loss, optimizer=optax.adam(1e-2))
+    else:
+        model = BNNet() if name == "bnnet" else _ScannedNet()
+        work = lm.custom_workload(
+            name, model, batch, loss=lm.classifier_loss_fn, optimizer=optax.adam(1e-2),
+            init=lambda m, rng, b: m.init(rng, b["image"], train=False),
+        )  # fmt: skip
     got = []
     fields = {**HOST, "remat": remat}
     for plan in (lm.Plan(**fields), lm.Plan(weight_memory="pinned_host", **fields)):
@@ -232,17 +254,15 @@ def test_any_linen_model_streams_each_layer_s_parameters_where_it_reads_them(mod
 
 
 def test_a_model_streaming_cannot_reach_is_refused_in_one_line():
-    """An NNX model (no layouts, and no boxes for its variables yet), and the stacks alone of a
-    model without a ``param_layout``: refused where the plan configures the model."""
-    from flax import nnx
-
+    """The stacks alone of a model without a ``param_layout`` (nothing names its stacks), and
+    a model with layouts without remat: refused where the plan configures the model."""
+    stacks = lm.Plan(weight_memory="pinned_host", streamed_layers="stacks",
+                     **{**HOST, "remat": "none"})  # fmt: skip
+    for model in (BNNet(), _NNXNet(nnx.Rngs(0))):
+        with pytest.raises(ValueError, match=r"needs a model with a param_layout field") as e:
+            stacks.configure_model(model)
+        assert f"{type(model).__name__} has none" in str(e.value) and "\n" not in str(e.value)
     no_remat = lm.Plan(weight_memory="pinned_host", **{**HOST, "remat": "none"})
-    with pytest.raises(ValueError, match=r"streams a Linen model") as e:
-        no_remat.configure_model(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
-    assert "Linear is an NNX model" in str(e.value) and "\n" not in str(e.value)
-    stacks = lm.Plan(weight_memory="pinned_host", streamed_layers="stacks", **HOST)
-    with pytest.raises(ValueError, match=r"needs a model with a param_layout field"):
-        stacks.configure_model(BNNet())
     with pytest.raises(ValueError, match=r"needs remat \(e.g. full\) on a model with layouts"):
         no_remat.configure_model(lm.models.WideResNet(depth=10, width=1))
 

@@ -27,7 +27,8 @@ every such layer runs under its own checkpoint
 again; inside a block that remat already checkpoints (a ``remat_blocks`` class, an ``nn.scan``
 body) the block's backward pass does, one block's weights at a time. With remat over the whole
 forward (a model without repeated blocks) that backward pass holds every layer's moved weights
-at once: ``remat="none"`` suits such a model. NNX models are refused.
+at once: ``remat="none"`` suits such a model. An NNX model's ``nnx.Param`` values are boxed
+the same way for the length of its call.
 
 The check (:func:`_took_effect`) reads the traced step: every equation outside the host's
 computation that reads host memory must be a move (:func:`lowmem_jax.jaxprs.host_memory_reads`),
@@ -97,14 +98,17 @@ def _configure_model(model, plan):
         return model.clone(param_layout=to_device)
     if linen and hasattr(model, "param_layout") and hasattr(model, "outer_param_layout"):
         return model.clone(param_layout=to_device, outer_param_layout=to_device)
-    if not linen:
-        raise ValueError(
-            "weight_memory='pinned_host' streams a Linen model (or an NNX one with layouts: none "
-            f"yet); {type(model).__name__} is an NNX model"
-        )
-    # Any other Linen model: each layer moves what it reads, under its own checkpoint, so that
-    # its backward pass moves it again rather than keeping the forward pass's copy
-    return lazy_layers.checkpoint_lazy_layers(_read_where_used(model, plan))
+    # Any other model: each layer moves what it reads, under its own checkpoint, so that its
+    # backward pass moves it again rather than keeping the forward pass's copy
+    read = _read_where_used if linen else _read_where_used_nnx
+    return lazy_layers.checkpoint_lazy_layers(read(model, plan))
+
+
+def _boxed(plan):
+    """``box(x)``: a :class:`~lowmem_jax.scanned_blocks.StreamedLeaf` of ``x`` in host memory
+    (moved and cast to the compute dtype where a layer reads it), ``x`` elsewhere."""
+    dtype = plan.policy.compute_dtype
+    return lambda x: scanned_blocks.StreamedLeaf(x, dtype) if base.in_host_memory(x) else x
 
 
 def _read_where_used(model, plan):
@@ -112,13 +116,10 @@ def _read_where_used(model, plan):
     :class:`~lowmem_jax.scanned_blocks.StreamedLeaf` boxes, each moved to the device and cast
     where a layer reads it (Flax's ``nn.map_variables`` over the model's call, not while
     initialising, so the stored parameters and their paths are the model's own)."""
-    cls, dtype = type(model), plan.policy.compute_dtype
+    cls, box = type(model), _boxed(plan)
 
     def boxed(params):
-        return jax.tree.map(
-            lambda x: scanned_blocks.StreamedLeaf(x, dtype) if base.in_host_memory(x) else x,
-            params,
-        )
+        return jax.tree.map(box, params)
 
     def call(self, *args, **kwargs):
         if self.is_initializing():
@@ -129,7 +130,32 @@ def _read_where_used(model, plan):
 
         return nn.map_variables(body, "params", trans_in_fn=boxed)(self, *args)
 
-    return linen_wrap.with_call(model, call, ("weight streaming", dtype))
+    return linen_wrap.with_call(model, call, ("weight streaming", plan.policy.compute_dtype))
+
+
+def _read_where_used_nnx(model, plan):
+    """An NNX ``model`` (a copy) whose call boxes its ``nnx.Param`` values in host memory as
+    :func:`_read_where_used` does (each ``Param`` holds the box during the call, its array
+    again after it)."""
+    module, box = nnx.clone(model), _boxed(plan)
+
+    def make_call(cls):
+        def call(self, *args, **kwargs):
+            params = [value for _, sub in nnx.iter_graph(self) if isinstance(sub, nnx.Module)
+                      for value in vars(sub).values() if isinstance(value, nnx.Param)]  # fmt: skip
+            arrays = [param.get_raw_value() for param in params]
+            for param, array in zip(params, arrays, strict=True):
+                param.set_raw_value(box(array))
+            try:
+                return cls.__call__(self, *args, **kwargs)
+            finally:
+                for param, array in zip(params, arrays, strict=True):
+                    param.set_raw_value(array)
+
+        return call
+
+    linen_wrap.swap_calls([module], make_call)
+    return module
 
 
 def _streamed(path, plan) -> bool:
