@@ -85,6 +85,13 @@ class StreamedLeaf(LazyLeaf):
     def dense(self) -> jax.Array:
         return ToDevice(self.compute_dtype)(self.value)
 
+    def __getattr__(self, name: str) -> Any:
+        """An array's public attributes (``.T``, ``.reshape``, ...) of the moved array, for a
+        model that reads its variables without unboxing them (GPT-2's tied output layer)."""
+        if name.startswith("_") or name in ("value", "compute_dtype"):
+            raise AttributeError(name)
+        return getattr(self.dense(), name)
+
     def add_axis(self, index, params):
         return self
 

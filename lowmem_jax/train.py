@@ -91,7 +91,9 @@ class TrainState(struct.PyTreeNode):
     ) -> TrainState:
         """Casts the model's ``params`` to the plan's ``param_dtype``, stores them as ``tx``
         does (:meth:`~lowmem_jax.base.Optimizer.store`: as they are for a plain optax
-        transformation) and initialises its state.
+        transformation), initialises its state and lays the state out as the plan's techniques
+        do (:meth:`lowmem_jax.Plan.state_shardings`: over a mesh, streamed weights in host
+        memory), as :meth:`lowmem_jax.setup.Setup.init_state` does.
 
         ``grads``: the loss's gradient at ``params``, for an optimizer that needs it
         (``tx.needs_init_grads``: SNIP masks); :meth:`lowmem_jax.setup.Setup.init_state`
@@ -104,7 +106,7 @@ class TrainState(struct.PyTreeNode):
         params = plan.policy.cast_to_param(params)
         plan.check_optimizer(tx, params)
         stored, opt_state = as_optimizer(tx).store(params, grads)
-        return cls(
+        state = cls(
             step=jnp.zeros((), jnp.int32),
             params=stored,
             opt_state=opt_state,
@@ -114,6 +116,8 @@ class TrainState(struct.PyTreeNode):
             skip_streak=jnp.zeros((), jnp.int32),
             rng=_raw_key(jax.random.PRNGKey(0) if rng is None else rng),
         )
+        shardings = plan.state_shardings(state)  # e.g. streamed weights in host memory
+        return state if shardings is None else jax.device_put(state, shardings)
 
 
 def _raw_key(rng: jax.Array) -> jax.Array:

@@ -253,6 +253,49 @@ def test_any_model_streams_each_layer_s_parameters_where_it_reads_them(name, rem
     assert (in_loops > 0) == isinstance(model, _ScannedNet)
 
 
+# A model without layouts needs no remat: each layer that reads a streamed weight is checkpointed.
+PER_LAYER = lm.Plan(weight_memory="pinned_host", **{**HOST, "remat": "none"})
+
+
+def test_a_hand_written_step_streams_from_the_state_train_state_create_places():
+    """``TrainState.create`` lays the state out as the plan's techniques do (the parameters in
+    host memory here), so a step written by hand with ``make_train_step`` streams as
+    ``lm.build``'s does."""
+    model = PER_LAYER.configure_model(BNNet())
+    batch = classification_batch(8)
+    variables = model.init(jax.random.PRNGKey(0), batch["image"], train=False)
+    tx = PER_LAYER.wrap_optimizer(optax.adam(1e-2), variables["params"])
+    state = lm.TrainState.create(params=variables["params"], tx=tx, plan=PER_LAYER,
+                                 model_state={"batch_stats": variables["batch_stats"]})  # fmt: skip
+    assert set(_kinds(state.params)) == {"pinned_host"}
+    step = lm.make_train_step(lm.classifier_loss_fn(model), tx, PER_LAYER)
+    state, metrics = step(state, batch)
+    assert int(metrics["skipped_steps"]) == 0 and set(_kinds(state.params)) == {"pinned_host"}
+
+
+def test_a_parameter_read_twice_sums_its_gradients_in_host_memory_and_the_verdict_says_so():
+    """Read twice (once unboxed by ``self.param``, once raw: GPT-2's tied output layer reads its
+    embedding so), a streamed parameter is moved twice and its two gradients come back to host
+    memory separately, where the device adds them: the verdict names that computation and says
+    streaming did not fully take effect, rather than passing it."""
+
+    class ReadTwice(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            w = self.param("w", nn.initializers.lecun_normal(), (5, 3))
+            return x @ w + x @ self.get_variable("params", "w")[...]
+
+    batch = classification_batch(8)
+    work = lm.custom_workload(
+        "read-twice", ReadTwice(), batch, loss=lm.classifier_loss_fn, optimizer=optax.sgd(0.1),
+        init=lambda m, rng, b: m.init(rng, b["image"]),
+    )  # fmt: skip
+    (verdict,) = [v for v in lm.build(work, PER_LAYER).verdicts()
+                  if v.technique == "weight_memory"]  # fmt: skip
+    assert not verdict.took_effect
+    assert "device computations read host memory (add" in verdict.evidence
+
+
 def test_a_model_streaming_cannot_reach_is_refused_in_one_line():
     """The stacks alone of a model without a ``param_layout`` (nothing names its stacks), and
     a model with layouts without remat: refused where the plan configures the model."""
