@@ -71,12 +71,11 @@ class Setup:
         reproducible.
         """
         rng = jax.random.PRNGKey(0) if rng is None else rng
-        if not jit:
-            state = self._init_state(batch, rng, variables)
-            shardings = self.plan.state_shardings(state)
-            return state if shardings is None else jax.device_put(state, shardings)
+        if not jit:  # TrainState.create lays the state out as the plan's techniques do
+            return self._init_state(batch, rng, variables)
         if self.plan.mesh() is None:  # no shardings to place: one trace, not two
             return jax.jit(self._init_state)(batch, rng, variables)
+        # Inside jit the layout is the program's output shardings (a device_put there is not)
         shapes = jax.eval_shape(self._init_state, batch, rng, variables)
         init = jax.jit(self._init_state, out_shardings=self.plan.state_shardings(shapes))
         return init(batch, rng, variables)

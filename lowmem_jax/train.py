@@ -93,7 +93,8 @@ class TrainState(struct.PyTreeNode):
         does (:meth:`~lowmem_jax.base.Optimizer.store`: as they are for a plain optax
         transformation), initialises its state and lays the state out as the plan's techniques
         do (:meth:`lowmem_jax.Plan.state_shardings`: over a mesh, streamed weights in host
-        memory), as :meth:`lowmem_jax.setup.Setup.init_state` does.
+        memory), as :meth:`lowmem_jax.setup.Setup.init_state` does. Inside ``jax.jit`` the
+        layout is the program's: give it ``plan.state_shardings`` as ``out_shardings``.
 
         ``grads``: the loss's gradient at ``params``, for an optimizer that needs it
         (``tx.needs_init_grads``: SNIP masks); :meth:`lowmem_jax.setup.Setup.init_state`

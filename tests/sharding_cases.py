@@ -121,6 +121,15 @@ def test_every_stage_equals_the_one_device_step(stage):
     assert (kernel.sharding.spec == P(None, "data")) == stage_.parameters
     assert (mu.sharding.spec == P(None, "data")) == stage_.optimizer_state
     assert len(kernel.sharding.device_set) == DEVICES
+    # ... and on the state Setup.init_state makes, jitted or op by op (TrainState.create)
+    work = lm.custom_workload(
+        "bnnet", BNNet(), batches[0], loss=lm.classifier_loss_fn, optimizer=tx,
+        init=lambda m, rng, b: m.init(rng, b["image"], train=False),
+    )  # fmt: skip
+    setup = lm.build(work, plan)
+    for jit in (True, False):
+        made = setup.init_state(batches[0], jit=jit).params["Dense_0"]["kernel"]
+        assert (made.sharding.spec == P(None, "data")) == stage_.parameters, (jit, made.sharding)
 
 
 def test_zero3_gathers_each_scanned_block_inside_its_loop():
