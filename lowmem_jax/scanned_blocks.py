@@ -73,7 +73,12 @@ class StreamedLeaf(LazyLeaf):
         self.value, self.compute_dtype = value, compute_dtype
 
     shape = property(lambda self: tuple(jnp.shape(self.value)))
-    dtype = property(lambda self: jnp.result_type(self.value))
+
+    @property
+    def dtype(self):  # the moved array's: floating values cast to ``compute_dtype``
+        stored = jnp.result_type(self.value)
+        cast = self.compute_dtype is not None and jnp.issubdtype(stored, jnp.floating)
+        return jnp.dtype(self.compute_dtype) if cast else stored
 
     def tree_flatten(self):
         return (self.value,), self.compute_dtype

@@ -467,3 +467,14 @@ def test_factorized_layers_stream_as_any_other():
         got.append(to_numpy(state))
     assert_trees_close(got[1], got[0], rtol=1e-6, atol=1e-7)
     assert set(got[1].params["stem"]) == {"first", "core", "last"}  # factorized, streamed
+
+
+@pytest.mark.parametrize("stored, compute", [(jnp.float32, jnp.bfloat16), (jnp.int32, jnp.bfloat16),
+                                             (jnp.float32, None)])  # fmt: skip
+def test_a_streamed_leaf_states_the_shape_and_dtype_of_what_a_layer_reads(stored, compute):
+    """``shape`` and ``dtype`` (``LazyLeaf``'s: the dense weights') are those of the moved
+    array a layer receives, floating values cast to the compute dtype."""
+    leaf = lm.scanned_blocks.StreamedLeaf(jnp.ones((3, 2), stored), compute)
+    moved = leaf.dense()
+    assert (leaf.shape, leaf.dtype) == (moved.shape, moved.dtype)
+    assert moved.sharding.memory_kind == "device"
