@@ -4,10 +4,10 @@ microbatch count.
 For each model, stage (``dp``, ``zero1``, ``zero2``, ``zero3``; ``dp`` and ``zero1`` also with
 ``grad_compression="int8"``, ``dp`` with ``"powersgd"`` at its default rank 4 and ``"topk"`` at
 its default 1%) and microbatch count, the lowmem step over ``--devices`` host devices is
-compiled (nothing runs) and its collectives counted (:func:`lowmem_jax.collectives.collectives`:
-per kind, runs per step and tensor bytes; what each device sends under a ring schedule), next to
-the model's float32 parameter bytes and to what ``dp`` without compression sends at the same
-microbatch count.
+compiled (nothing runs) and its collectives counted
+(:func:`lowmem_jax.analysis.collectives.collectives`: per kind, runs per step and tensor bytes; what
+each device sends under a ring schedule), next to the model's float32 parameter bytes and to what
+``dp`` without compression sends at the same microbatch count.
 
 Usage:
     python benchmarks/collectives.py                      # WRN-28-2, batch 128, 8 devices
@@ -66,7 +66,7 @@ def to_markdown(result: dict) -> str:
         "",
         f"`{result['command']}` ({result['backend']}, {result['machine']}, JAX "
         f"{result['jax_version']}): compile-only, counted in the compiled program "
-        "(`lowmem_jax.collectives`); sent: what each device sends per step under a ring "
+        "(`lowmem_jax.analysis.collectives`); sent: what each device sends per step under a ring "
         "schedule. Parameters: the model's float32 bytes. vs dp: against `dp` without "
         "compression at the same microbatch count.",
         "",
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     import lowmem_jax as lm
 
-    lm.sharding.set_cpu_devices(args.devices)  # before JAX starts its backends
+    lm.core.mesh.set_cpu_devices(args.devices)  # before JAX starts its backends
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

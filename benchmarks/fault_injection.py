@@ -1,7 +1,7 @@
 """Fault injection on a checkpoint directory: what the user sees, and whether every good
 checkpoint survives.
 
-A small train-state-like tree is saved at steps 1, 2 and 3 (lowmem_jax.checkpointing, Orbax
+A small train-state-like tree is saved at steps 1, 2 and 3 (lowmem_jax.training.checkpointing, Orbax
 underneath), once; each case copies that directory, injects one fault, then does what a user
 does next (resume; start a run), and records:
 
@@ -67,8 +67,8 @@ def _snapshot(directory: str) -> dict[str, bytes]:
 def _save_run(directory: str) -> None:
     """A run's identity and its checkpoints of :data:`STEPS` in ``directory``, as the loop
     saves them."""
-    from lowmem_jax.checkpointing import Checkpointer
-    from lowmem_jax.run_identity import check_run
+    from lowmem_jax.training.checkpointing import Checkpointer
+    from lowmem_jax.training.run_identity import check_run
 
     check_run(directory, IDENTITY, resume=False)
     ckpt = Checkpointer(directory, every=1, keep=5)
@@ -94,8 +94,8 @@ def _saved_run(directory: str) -> dict[str, bytes]:
 
 def _resume(directory: str) -> tuple[str, bool | None]:
     """Resume as the loop does: (what the user sees, restored values equal the saved ones)."""
-    from lowmem_jax.checkpointing import Checkpointer, CheckpointError
-    from lowmem_jax.run_identity import check_run
+    from lowmem_jax.training.checkpointing import Checkpointer, CheckpointError
+    from lowmem_jax.training.run_identity import check_run
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -214,7 +214,7 @@ def flip_a_byte(path: str) -> None:
 
 def case_full_disk(work: str) -> dict[str, Any]:
     """The save of step 4 fails with ENOSPC after writing part of its files."""
-    from lowmem_jax.checkpointing import Checkpointer
+    from lowmem_jax.training.checkpointing import Checkpointer
 
     before = _saved_run(work)
     ckpt = Checkpointer(work, every=1, keep=5)
@@ -239,7 +239,7 @@ def case_full_disk(work: str) -> dict[str, Any]:
 
 
 def case_second_run(work: str) -> dict[str, Any]:
-    from lowmem_jax.run_identity import RunMismatchError, check_run
+    from lowmem_jax.training.run_identity import RunMismatchError, check_run
 
     before = _saved_run(work)
     try:
@@ -251,7 +251,7 @@ def case_second_run(work: str) -> dict[str, Any]:
 
 
 def case_identity_changed(work: str, field: str, value: Any) -> dict[str, Any]:
-    from lowmem_jax.run_identity import RunMismatchError, check_run
+    from lowmem_jax.training.run_identity import RunMismatchError, check_run
 
     before = _saved_run(work)
     identity = json.loads(json.dumps(IDENTITY))
@@ -271,8 +271,8 @@ def run_all(root: str) -> list[dict[str, Any]]:
     _ROOT[0] = root
     _save_run(os.path.join(root, "saved"))
     _SAVED[0] = os.path.join(root, "saved")
-    # lowmem_jax.checkpointing runs a full gc.collect() after each restore attempt, which walks
-    # every object of the process: ~0.25 s each in a fresh process, more in one that has run
+    # lowmem_jax.training.checkpointing runs a full gc.collect() after each restore attempt, which
+    # walks every object of the process: ~0.25 s each in a fresh process, more in one that has run
     # other tests. The objects from before the cases are frozen (left out of collections)
     # meanwhile: they are not the abandoned reads of a restore that the collection is for.
     gc.freeze()

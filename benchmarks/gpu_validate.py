@@ -1,7 +1,7 @@
 """The report grid run for real on the backend JAX has: compiled bytes, runtime peak, step time.
 
 For each model and each configuration (``plain``, then the rows of
-:func:`lowmem_jax.report_grid.standard_grid`), in a fresh Python process (the runtime peak is a
+:func:`lowmem_jax.report.grid.standard_grid`), in a fresh Python process (the runtime peak is a
 per-process high-water mark): build the step exactly as ``lowmem analyze`` does
 (:func:`lowmem_jax.workloads.build`, or :func:`~lowmem_jax.workloads.build_plain` for ``plain``),
 initialise a state on a random batch of the workload's shapes, compile, run one warm-up step and
@@ -167,7 +167,7 @@ def grid_names(model: str, batch_size: int) -> list[str]:
 def _grid(model: str, batch_size: int):
     """(name, group, plan) of the report grid's rows and :data:`OFFLOAD_ROWS`."""
     from lowmem_jax import Plan
-    from lowmem_jax.report_grid import model_grid
+    from lowmem_jax.report.grid import model_grid
 
     extra = [(name, OFFLOAD, Plan(**fields)) for name, fields in OFFLOAD_ROWS.items()]
     return [*model_grid(model, batch_size), *extra]
@@ -177,10 +177,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One configuration in this process (the worker): see the module docstring."""
     import jax
 
-    from lowmem_jax.cli import _use_compilation_cache
-    from lowmem_jax.memory import xla_memory
-    from lowmem_jax.step_timing import time_step
-    from lowmem_jax.workloads import build, build_plain, workload
+    from lowmem_jax.analysis.memory import xla_memory
+    from lowmem_jax.analysis.timing import time_step
+    from lowmem_jax.cli.dispatch import _use_compilation_cache
+    from lowmem_jax.workloads.registry import build, build_plain, workload
 
     # The run's own cache (phase "compile" writes it, phase "measure" reads it), else only where
     # asked for (the tests): a cached executable makes compile_seconds meaningless.
@@ -212,7 +212,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     stats = device.memory_stats()
     inspected = None
     if spec.get("inspect"):  # XLA's buffers at the compiled step's peak (lm.inspect)
-        from lowmem_jax.inspector import inspect
+        from lowmem_jax.analysis.inspector import inspect
 
         try:  # the measured row stands without it
             found = inspect(setup.step, setup.abstract_state(), setup.abstract_batch())
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
-    from lowmem_jax.workloads import workload
+    from lowmem_jax.workloads.registry import workload
 
     models = [m for m in args.models.split(",") if m]
     plans = []

@@ -1,5 +1,5 @@
 """What sits at the peak of the bundled models' steps, and what remat and the headline plans
-remove from it (:mod:`lowmem_jax.inspector`, XLA's buffer assignment; compile-only).
+remove from it (:mod:`lowmem_jax.analysis.inspector`, XLA's buffer assignment; compile-only).
 
 For each benchmark, the rows of its committed memory report (``experiments/results/
 memory_report*/report.json``, their ``lowmem analyze`` flags): the plain Flax/Optax step, the
@@ -23,10 +23,10 @@ import sys
 
 import jax
 
-from lowmem_jax import inspector
-from lowmem_jax.cli import build_parser
-from lowmem_jax.plan_flags import plan_or_plain
-from lowmem_jax.workloads import build, build_plain, workload
+from lowmem_jax.analysis import inspector
+from lowmem_jax.cli.dispatch import build_parser
+from lowmem_jax.compose.flags import plan_or_plain
+from lowmem_jax.workloads.registry import build, build_plain, workload
 
 MIB = 2.0**20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,7 +142,7 @@ def markdown(result: dict) -> str:
         "buffer assignment and live ranges, read by `lm.inspect` / `lowmem inspect`). Peak: the "
         "most bytes live at once in the compiled step's schedule, against XLA's total "
         "(`memory_analysis()`: argument + output + temp - alias); categories as "
-        "`lowmem_jax.inspector` defines them (MiB).",
+        "`lowmem_jax.analysis.inspector` defines them (MiB).",
         "",
     ]
     if "cost" in result:

@@ -54,11 +54,11 @@ import optax
 
 import lowmem_jax as lm
 from lowmem_jax import data as data_lib
-from lowmem_jax import loss_scale as loss_scale_lib
-from lowmem_jax import tasks
-from lowmem_jax.loop import TrainConfig
-from lowmem_jax.memory import xla_memory
-from lowmem_jax.workloads import workload
+from lowmem_jax.analysis.memory import xla_memory
+from lowmem_jax.techniques.loss_scale import scale as loss_scale_lib
+from lowmem_jax.training import tasks
+from lowmem_jax.training.loop import TrainConfig
+from lowmem_jax.workloads.registry import workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sparse_storage  # noqa: E402

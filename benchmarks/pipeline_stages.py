@@ -6,7 +6,7 @@ a ZeRO stage over ``D`` data-parallel devices beside the stages) the pipelined s
 (nothing runs): XLA's per-device argument bytes (the train state and the batch) and totals, the
 share of the parameters' bytes the stages split (pipelined stacks) or partition (``pipeline_rest
 partition``), the microbatches and the bubble, and what each device sends per step
-(:mod:`lowmem_jax.collectives`).
+(:mod:`lowmem_jax.analysis.collectives`).
 
 Usage:
     python benchmarks/pipeline_stages.py            # WRN-28-2 b128 and the IWSLT transformer b32
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--configs: unknown {unknown}; allowed values: {list(CONFIGS)}")
     import lowmem_jax as lm
 
-    lm.sharding.set_cpu_devices(max(CONFIGS[n][2] * CONFIGS[n][6] for n in names))
+    lm.core.mesh.set_cpu_devices(max(CONFIGS[n][2] * CONFIGS[n][6] for n in names))
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

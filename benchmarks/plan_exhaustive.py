@@ -7,7 +7,7 @@ so all 3^3 per-block remat schedules can be compiled), every plan of :data:`SPAC
 schedule x precision x microbatches x sparsity) is compiled and its FLOPs counted from the
 jaxpr. For budgets from the fp32 step's compiled total down to the least total of the space,
 the exhaustive answer is the plan with the fewest FLOPs whose compiled total fits, and the
-planner's is :func:`lowmem_jax.planner.plan_for_budget` on the same space (the report
+planner's is :func:`lowmem_jax.planning.planner.plan_for_budget` on the same space (the report
 envelope). The transformer's flags name ``dynamicconv-small``: its kernel sizes are set
 here. Writes ``plan_exhaustive_<models>_<backend>.{json,md,png}`` (one process per model
 runs them side by side).
@@ -30,13 +30,14 @@ import time
 
 import jax
 
-from lowmem_jax import memory, planner
-from lowmem_jax.flops import count_flops
-from lowmem_jax.plan import Plan
-from lowmem_jax.plan_flags import analyze_argv
-from lowmem_jax.plan_search import plan_of
-from lowmem_jax.remat import schedule_name
-from lowmem_jax.workloads import Workload, build, workload
+from lowmem_jax.analysis import memory
+from lowmem_jax.analysis.flops import count_flops
+from lowmem_jax.blocks.remat import schedule_name
+from lowmem_jax.compose.flags import analyze_argv
+from lowmem_jax.compose.plan import Plan
+from lowmem_jax.planning import planner
+from lowmem_jax.planning.search import plan_of
+from lowmem_jax.workloads.registry import Workload, build, workload
 
 MIB = 2.0**20
 

@@ -4,9 +4,10 @@ A user's CNN (a conv stem, ``--depth`` residual blocks of conv + BatchNorm + ReL
 global pooling, a dense head; no ``remat`` attribute), written once in Linen and once in NNX,
 trained by ``lm.make_train_step`` under ``mixed_bf16`` with 2 microbatches and SGD with momentum
 (``--batch-size`` images of 32x32x3). Remat comes from the plan (:meth:`lowmem_jax.Plan
-.configure_model`): ``none``; ``full`` over the whole forward (``lowmem_jax.remat.remat_module``
-with ``blocks=()``); ``full`` and ``dots`` per block (``remat_blocks=("Block",)``); ``full`` per
-block found by the plan itself (``remat_blocks=()``: the repeated block classes).
+.configure_model`): ``none``; ``full`` over the whole forward
+(``lowmem_jax.blocks.remat.remat_module`` with ``blocks=()``); ``full`` and ``dots`` per block
+(``remat_blocks=("Block",)``); ``full`` per block found by the plan itself (``remat_blocks=()``: the
+repeated block classes).
 
 For each row, compile-only (nothing runs): XLA's figures (``total = argument + output + temp -
 alias``, source XLA:<backend>), the analytic activation bytes (residuals one microbatch saves
@@ -105,7 +106,7 @@ def measure(api: str, row: str, width: int, depth: int, batch_size: int) -> dict
         if blocks is not None:
             return plan.configure_model(model)
         whole = dataclasses.replace(plan, remat="none").configure_model(model)
-        return lm.remat.remat_module(whole, remat, ())
+        return lm.blocks.remat.remat_module(whole, remat, ())
 
     batch = {
         "image": jax.ShapeDtypeStruct((batch_size, 32, 32, 3), jnp.float32),

@@ -8,7 +8,7 @@ microbatching, no remat, the lowmem step with the state donated):
   include the batch (the same in every row);
 * the analytic *stored* bytes: parameters as stored + every optimizer-state leaf (momentum,
   masks or int32 indices, counters), the transient gradient excluded
-  (:func:`lowmem_jax.memory.analytic_breakdown`, source: analytic);
+  (:func:`lowmem_jax.analysis.memory.analytic_breakdown`, source: analytic);
 * the measured step time: every configuration is compiled and warmed up first, then timed in
   ``--repeats`` interleaved rounds (one step of each configuration per round, so a shared
   machine's load falls on all alike; the median is reported) on steps that do not rewire the
@@ -45,9 +45,10 @@ import numpy as np
 import optax
 
 import lowmem_jax as lm
-from lowmem_jax import memory, sparsity
-from lowmem_jax.memory import xla_memory
-from lowmem_jax.workloads import workload
+from lowmem_jax.analysis import memory
+from lowmem_jax.analysis.memory import xla_memory
+from lowmem_jax.techniques import sparsity
+from lowmem_jax.workloads.registry import workload
 
 # name -> (storage, algorithm, distribution); "dense" has no sparsity.
 CONFIGS: dict[str, tuple[str, str, str] | None] = {

@@ -27,8 +27,8 @@ import numpy as np
 import optax
 
 import lowmem_jax as lm
-from lowmem_jax.memory import xla_memory
-from lowmem_jax.workloads import workload
+from lowmem_jax.analysis.memory import xla_memory
+from lowmem_jax.workloads.registry import workload
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import result_writer  # noqa: E402

@@ -4,7 +4,7 @@ or unrolled.
 For each model and plan, compile-only (nothing runs), the lowmem step with the model's
 ``unroll`` set to ``False`` (every stack a ``lax.scan`` loop), ``True`` (every stack
 straight-line code) and ``None`` (the default of the bundled WideResNet: straight-line unless
-the stack is remat'd or computes in float16, :func:`lowmem_jax.scanned_blocks.straight_line`),
+the stack is remat'd or computes in float16, :func:`lowmem_jax.blocks.scanned.straight_line`),
 each through :meth:`lowmem_jax.Plan.configure_model` (which also picks XLA's convolution when
 the step has no loop), against the plain Flax/Optax step (``plain``, once per model). Figures:
 XLA's compiled total (argument + output + temp - alias, source XLA:<backend>).
@@ -28,7 +28,7 @@ import sys
 import jax
 
 import lowmem_jax as lm
-from lowmem_jax import workloads
+from lowmem_jax.workloads import registry as workloads
 
 UNROLLS = (False, True, None)
 # Plans (lowmem analyze flags as Plan keywords): the precisions alone, microbatches, remat.
@@ -44,7 +44,7 @@ PLANS = {
 MODEL_PLANS = {"dynamicconv-iwslt": ("fp32", "microbatches 4", "remat full")}
 
 
-def _mib(report: lm.memory.MemoryReport) -> float:
+def _mib(report: lm.analysis.memory.MemoryReport) -> float:
     return report.xla["total_bytes"] / 2**20
 
 

@@ -10,7 +10,7 @@ per-process high-water mark):
   the scan's body moves its block to the device (``jax.device_put(w, Space.Device)``) inside a
   ``jax.checkpoint``, so the backward pass moves it again instead of keeping it; the block's
   gradient goes back to host memory (the transpose of that move) and the update runs on the host
-  (``lowmem_jax.host_update.on_host``), next to the moments;
+  (``lowmem_jax.techniques.shard.offload.on_host``), next to the moments;
 * ``stream_saved``: the same move outside the checkpoint (the forward's device copy of every
   block may be kept for the backward pass): what the checkpoint buys.
 
@@ -58,7 +58,7 @@ def _step(config: str, blocks: int, width: int, batch: int):
     import optax
     from jax.sharding import SingleDeviceSharding
 
-    from lowmem_jax.host_update import on_host
+    from lowmem_jax.techniques.shard.offload import on_host
 
     device = jax.devices()[0]
     stream = config != "device"
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = (args.blocks, args.width, args.batch, args.steps)
     if args.worker:
         if args.cache_dir:
-            from lowmem_jax.cli import _use_compilation_cache
+            from lowmem_jax.cli.dispatch import _use_compilation_cache
 
             _use_compilation_cache(args.cache_dir)
         if args.compile_only:

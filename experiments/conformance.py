@@ -31,10 +31,10 @@ import numpy as np
 import optax
 
 import lowmem_jax as lm
-from lowmem_jax.envelope import ENVELOPES
-from lowmem_jax.plan_search import COMPUTE, Search, plan_name
-from lowmem_jax.plan_space import applicable, axes_in, class_corners
-from lowmem_jax.planner import SPACE
+from lowmem_jax.planning.envelope import ENVELOPES
+from lowmem_jax.planning.planner import SPACE
+from lowmem_jax.planning.search import COMPUTE, Search, plan_name
+from lowmem_jax.planning.space import applicable, axes_in, class_corners
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import conformance_models  # noqa: E402
@@ -270,7 +270,7 @@ def smallest(work, envelope: str, compiles: int = 6, space: dict | None = None) 
     """The least memory ``work`` trains in inside ``envelope``, as far as this search goes: the
     least-memory plans (corners) of every compute class the model can take (each remat policy
     and factorization at the most microbatches and sparsity, each precision and state format;
-    :mod:`lowmem_jax.plan_space`), the ``compiles`` with the least predicted bytes compiled
+    :mod:`lowmem_jax.planning.space`), the ``compiles`` with the least predicted bytes compiled
     (XLA:CPU), the least compiled total kept."""
     env = ENVELOPES[envelope]
     search = Search(work, 2**62, env, None, None)

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments import study  # noqa: E402
 from experiments.memory_reports import load_or_run_report  # noqa: E402
-from lowmem_jax.plan import Plan  # noqa: E402
+from lowmem_jax.compose.plan import Plan  # noqa: E402
 
 OUT = os.path.join(study.RESULTS, "envelope_accuracy")
 # The digits study's DSR (``study.single_variants``: N_p 20,000, rewired every 20 steps).

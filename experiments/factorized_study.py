@@ -36,7 +36,7 @@ COMPRESSIONS = (0.1, 0.25, 0.5)
 def variants(task: str) -> list[study.Variant]:
     """The baseline, then scratch runs, remat, decomposed runs (see the module docstring)."""
     import lowmem_jax as lm
-    from lowmem_jax.factorization import FactorConfig
+    from lowmem_jax.techniques.factorize import FactorConfig
 
     methods = ("tucker", "cp", "lowrank") if task == "digits" else ("lowrank",)
     out = [study.Variant("baseline", "baseline", "dense fp32, no technique")]

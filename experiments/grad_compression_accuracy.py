@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "benchmarks"))  # fmt: skip
 
 from experiments import study  # noqa: E402
-from lowmem_jax.plan import Plan  # noqa: E402
+from lowmem_jax.compose.plan import Plan  # noqa: E402
 
 OUT = os.path.join(study.RESULTS, "grad_compression")
 GOAL = -0.5  # points of test accuracy
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices < 2 or 128 % args.devices or args.folds < 2:
         parser.error(f"--devices must divide the batch of 128 and be >= 2 (got {args.devices}); "
                      f"--folds >= 2 (got {args.folds})")  # fmt: skip
-    from lowmem_jax import sharding
+    from lowmem_jax.core import mesh as sharding
 
     sharding.set_cpu_devices(args.devices)  # before JAX starts its backends
     import result_writer

@@ -30,7 +30,7 @@ from experiments import study  # noqa: E402
 from experiments.envelope_accuracy import OUT, REPORTS, TASKS, headline_rows  # noqa: E402
 from experiments.memory_reports import MODELS, load_or_run_report  # noqa: E402
 from experiments.rq3_compute import prepare, time_interleaved  # noqa: E402
-from lowmem_jax.report_grid import model_grid  # noqa: E402
+from lowmem_jax.report.grid import model_grid  # noqa: E402
 
 PATH = os.path.join(OUT, "step_cost.json")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from lowmem_jax.report import run_report, write_report
+from lowmem_jax.report.run import run_report, write_report
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -39,7 +39,7 @@ def load_or_run_report(model: str, refresh: bool | list[str] = False) -> dict:
     ``refresh``: ``True`` analyses every row again; a list of row names analyses those again and
     keeps the other rows of the committed report (``"sharding"`` names the sharding section).
     Analysing the sharding section needs its device count before JAX starts
-    (:func:`lowmem_jax.sharding.set_cpu_devices`).
+    (:func:`lowmem_jax.core.mesh.set_cpu_devices`).
     """
     if model not in MODELS:
         raise ValueError(f"Unknown model={model!r}; allowed values: {list(MODELS)}")

@@ -6,7 +6,7 @@ Transformer, IWSLT preset, 100 x 40 tokens), fp32 with no technique: the analyti
 saved for the backward pass, inputs) next to XLA:CPU's compiled total (argument + output +
 temp - alias). Read from the full-size memory reports (:mod:`experiments.memory_reports`),
 computed if missing. Next to them, the same baseline step measured: the bytes live at XLA:CPU's
-peak by category (:mod:`lowmem_jax.inspector`), from ``benchmarks/results/inspect/
+peak by category (:mod:`lowmem_jax.analysis.inspector`), from ``benchmarks/results/inspect/
 inspect_cpu.json`` (``python benchmarks/inspect_report.py``) where it has the model.
 
 Usage:

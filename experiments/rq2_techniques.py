@@ -2,7 +2,7 @@
 
 Memory (compile-only, full-size models): the single-technique rows of the memory reports of
 WRN-28-2 (batch 128) and the DynamicConv Transformer (IWSLT preset, 100 x 40 tokens), made by
-``lowmem report`` (:func:`lowmem_jax.report.run_report`); they are computed here if missing.
+``lowmem report`` (:func:`lowmem_jax.report.run.run_report`); they are computed here if missing.
 
 Accuracy (CPU scale, several seeds): every technique alone on the two CPU tasks of
 :mod:`experiments.study` (WRN-16-2 on digits, the small DynamicConv Transformer on synthetic

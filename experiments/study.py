@@ -23,10 +23,10 @@ from typing import Any
 
 import jax
 
-from lowmem_jax.checkpointing import checkpoint_steps
-from lowmem_jax.loop import TrainConfig, train_and_evaluate
-from lowmem_jax.plan import Plan
-from lowmem_jax.sparsity import SparseConfig
+from lowmem_jax.compose.plan import Plan
+from lowmem_jax.techniques.sparsity import SparseConfig
+from lowmem_jax.training.checkpointing import checkpoint_steps
+from lowmem_jax.training.loop import TrainConfig, train_and_evaluate
 
 TASKS = ("digits", "translation")
 TASK_NOTES = {

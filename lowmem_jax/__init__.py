@@ -3,73 +3,77 @@
 Each technique is a pure transform; :func:`make_train_step` composes them into one jitted step.
 
 The public API is ``__all__`` (30 names: the plan, the train step, the workloads, the memory
-report and the pieces a hand-written step composes). Everything else lives in its submodule, which
-stays importable as an attribute: ``lm.loss_scale.all_finite``, ``lm.precision.get_policy``,
-``lm.remat.parse_policy``, ``lm.base.as_optimizer``, ``lm.memory.MemoryReport``,
-``lm.technique.Verdict``, ``lm.techniques.shard.state_shardings``, ...
+report and the pieces a hand-written step composes). Everything else lives in a themed
+subpackage, a folder per concept, each importing only those below it (the layers in
+``pyproject.toml``'s import contract, checked in CI):
+
+========================  =====================================================================
+``lm.core``               the optimizer protocol, shared types, the Technique protocol, meshes
+``lm.blocks``             ``ScannedBlocks``, block discovery, remat policies, per-block hooks
+``lm.codecs``             quantization and stored formats shared by techniques
+``lm.techniques.<name>``  one folder per technique: its descriptor and all of its code
+``lm.models``             the benchmark models
+``lm.compose``            ``Plan`` and the one jitted step
+``lm.analysis``           compile-only memory analysis, FLOPs, inspection, verdicts
+``lm.workloads``          named models and yours, the one builder
+``lm.planning``           the budget planner and the accuracy envelopes
+``lm.report``             ``lowmem report``
+``lm.training``           the training loop, its configs and tasks, checkpoints
+``lm.cli``                the ``lowmem`` command
+========================  =====================================================================
+
+The module paths of the flat layout before (``lm.remat``, ``lowmem_jax.loss_scale``, ...) are
+aliases of their new homes for one release, with a ``DeprecationWarning``.
 
 >>> import jax, optax, lowmem_jax as lm
 >>> plan = lm.Plan(precision="mixed_fp16", microbatches=4, remat="full")
 >>> model = plan.configure_model(lm.models.WideResNet(depth=10, width=1, num_classes=10))
 """
 
-# Submodules, reachable as ``lm.<submodule>.<name>``; only ``models`` and ``sparsity`` are in
-# ``__all__``.
-from lowmem_jax import (  # noqa: F401
-    base,
-    factorization,
-    grad_compression,
-    inspector,
-    loss_scale,
-    losses,
-    memory,
-    microbatch,
+from lowmem_jax import (  # noqa: F401 -- the themed subpackages, reachable as lm.<name>
+    _moved,
+    analysis,
+    blocks,
+    codecs,
+    compose,
+    core,
     models,
-    nnx_split,
     ops,
-    optimizer_state,
-    pipeline,
-    planner,
-    precision,
-    quantization,
-    recipes,
-    remat,
-    remat_schedule,
-    scanned_blocks,
-    sharding,
-    skip_guard,
-    sparsity,
-    technique,
+    planning,
     techniques,
     workloads,
 )
-from lowmem_jax.base import Optimizer
-from lowmem_jax.custom import custom_workload
-from lowmem_jax.factorization import FactorConfig
-from lowmem_jax.inspector import inspect
-from lowmem_jax.loss_scale import make_loss_scale
-from lowmem_jax.losses import classifier_loss_fn, translation_loss_fn
-from lowmem_jax.memory import analyze
-from lowmem_jax.microbatch import accumulate_gradients
-from lowmem_jax.nnx_split import split_nnx
-from lowmem_jax.optimizer_state import quantized_state
-from lowmem_jax.plan import Plan
-from lowmem_jax.planner import NoPlanFits, plan_for_budget
-from lowmem_jax.precision import cast_loss_fn
-from lowmem_jax.remat import compiler_options
-from lowmem_jax.scanned_blocks import ScannedBlocks
-from lowmem_jax.skip_guard import NoProgressError, SkipGuard
-from lowmem_jax.train import (
+from lowmem_jax.analysis.inspector import inspect
+from lowmem_jax.analysis.memory import analyze
+from lowmem_jax.analysis.verdicts import verdicts
+from lowmem_jax.blocks.remat import compiler_options
+from lowmem_jax.blocks.scanned import ScannedBlocks
+from lowmem_jax.compose.nnx_split import split_nnx
+from lowmem_jax.compose.plan import Plan
+from lowmem_jax.compose.step import (
     TrainState,
     make_plain_train_step,
     make_train_step,
     model_params,
     scaled_grad_fn,
 )
-from lowmem_jax.verdicts import verdicts
-from lowmem_jax.workloads import analyze_model, build, workload
+from lowmem_jax.core.base import Optimizer
+from lowmem_jax.planning.planner import NoPlanFits, plan_for_budget
+from lowmem_jax.techniques import sparsity
+from lowmem_jax.techniques.factorize import FactorConfig
+from lowmem_jax.techniques.loss_scale.scale import make_loss_scale
+from lowmem_jax.techniques.microbatches.accumulate import accumulate_gradients
+from lowmem_jax.techniques.optimizer_state.quantized import quantized_state
+from lowmem_jax.techniques.precision.policy import cast_loss_fn
+from lowmem_jax.training.skip_guard import NoProgressError, SkipGuard
+from lowmem_jax.workloads.custom import custom_workload
+from lowmem_jax.workloads.losses import classifier_loss_fn, translation_loss_fn
+from lowmem_jax.workloads.registry import analyze_model, build, workload
 
 __version__ = "0.1.0"
+
+_moved.install()
+__getattr__ = _moved.module_getattr
 
 __all__ = [
     # the plan and the train step

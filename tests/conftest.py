@@ -24,9 +24,9 @@ import optax
 import pytest
 from hypothesis import settings
 
-from lowmem_jax.metrics_writer import read_jsonl, read_scalars
+from lowmem_jax.codecs.quantization import Quantized
 from lowmem_jax.ops import Conv
-from lowmem_jax.quantization import Quantized
+from lowmem_jax.training.metrics_writer import read_jsonl, read_scalars
 
 # XLA:CPU's code generation dominates the suite's time (half of it went to compiling, a quarter
 # to tracing and lowering); these options make it cheaper. Set for every compile of the suite,
@@ -293,7 +293,7 @@ def unnamed_stacks(figures, tx, monkeypatch):
     """``(figures(sliced), figures(dense))`` for a compressed sparse optimizer ``tx`` not told
     which leaves are stacked: the step hands the model's loop the leaves' ``sliceable`` forms
     (no warning), or, without those, dense weights built before the model runs (a warning)."""
-    from lowmem_jax.sparsity import storage
+    from lowmem_jax.techniques.sparsity import storage
 
     unnamed = dataclasses.replace(tx, stacked=None)
     with warnings.catch_warnings():

@@ -79,7 +79,7 @@ def main(coordinator: str, process_id: int, num_processes: int, out: str) -> Non
         )
         state = jax.jit(create, out_shardings=plan.state_shardings(jax.eval_shape(create)))()
         step = lm.make_train_step(lm.classifier_loss_fn(Net()), tx(), plan)
-        batch_sharding = NamedSharding(plan.mesh(), PartitionSpec(lm.sharding.AXIS))
+        batch_sharding = NamedSharding(plan.mesh(), PartitionSpec(lm.core.mesh.AXIS))
         for batch in batches():  # each process reads the rows its devices hold
             state, _ = step(state, {k: jax.make_array_from_callback(v.shape, batch_sharding,
                                                                     lambda i, v=v: v[i])

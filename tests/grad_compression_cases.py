@@ -1,4 +1,4 @@
-"""Compressed gradient communication (lowmem_jax.grad_compression) over 8 host devices.
+"""Compressed gradient communication (lowmem_jax.techniques.shard.compression) over 8 host devices.
 
 Run with tests/sharding_cases.py in its 8-device process (tests/test_sharding.py). Alone:
 ``LOWMEM_TEST_DEVICES=8 python -m pytest tests/grad_compression_cases.py``.
@@ -19,8 +19,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import lowmem_jax as lm
-from lowmem_jax import cli, collectives
-from lowmem_jax import grad_compression as gc
+from lowmem_jax.analysis import collectives
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.techniques.shard import compression as gc
 
 DEVICES = 8
 GROUP = 256

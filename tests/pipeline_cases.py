@@ -1,4 +1,5 @@
-"""GPipe pipeline parallelism (lowmem_jax.pipeline): the stages compute what one device does.
+"""GPipe pipeline parallelism (lowmem_jax.techniques.pipeline.gpipe): the stages compute what one
+device does.
 
 Needs host devices set before JAX starts: tests/test_sharding.py runs this file in a pytest
 process of its own with ``LOWMEM_TEST_DEVICES=8`` (read by conftest). Alone:
@@ -21,10 +22,11 @@ from jax.sharding import PartitionSpec as P
 from test_technique import _settings
 
 import lowmem_jax as lm
-from lowmem_jax import cli, sharding
-from lowmem_jax import pipeline as pipeline_lib
-from lowmem_jax.recipes import Recipe
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.core import mesh as sharding
 from lowmem_jax.techniques import TECHNIQUES
+from lowmem_jax.techniques.pipeline import gpipe as pipeline_lib
+from lowmem_jax.workloads.recipes import Recipe
 
 # The tiny DynamicConv Transformer with stacks of 4 encoder and 2 decoder layers, no dropout.
 TRANSLATION = {

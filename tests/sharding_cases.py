@@ -1,4 +1,4 @@
-"""ZeRO-style sharding (lowmem_jax.sharding): every stage computes what one device computes.
+"""ZeRO-style sharding (lowmem_jax.core.mesh): every stage computes what one device computes.
 
 Needs 8 host devices, set before JAX starts: tests/test_sharding.py runs this file in a pytest
 process of its own with ``LOWMEM_TEST_DEVICES=8`` (read by conftest). Alone:
@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import lowmem_jax as lm
-from lowmem_jax import cli, sharding
-from lowmem_jax.jaxprs import traced_equations
-from lowmem_jax.microbatch import split_batch
-from lowmem_jax.report import run_report, write_report
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.core import mesh as sharding
+from lowmem_jax.core.jaxprs import traced_equations
+from lowmem_jax.report.run import run_report, write_report
+from lowmem_jax.techniques.microbatches.accumulate import split_batch
 
 DEVICES = 8
 
@@ -499,8 +500,8 @@ def test_the_planner_predicts_one_device_s_share_of_the_state():
     """Over a mesh, the stored bytes the planner predicts are one device's: each leaf's shard
     under the plan's layout, the gradient split as the parameters are, a share of the batch;
     the saved residuals those of a device's examples."""
-    from lowmem_jax import plan_search
-    from lowmem_jax.envelope import ENVELOPES
+    from lowmem_jax.planning import search as plan_search
+    from lowmem_jax.planning.envelope import ENVELOPES
 
     search = plan_search.Search(lm.workload("wrn-10-1", 16), 1, ENVELOPES["any"], None, None)
 
@@ -508,7 +509,7 @@ def test_the_planner_predicts_one_device_s_share_of_the_state():
         return search._stored(plan_search.settings(lm.Plan(shard=shard), "stored"), False)
 
     one, dp, zero3 = stored("none"), stored("dp"), stored("zero3")
-    batch = lm.memory.tree_bytes(search.work.batch)
+    batch = lm.analysis.memory.tree_bytes(search.work.batch)
     assert one - dp == batch * 7 // 8  # the batch's share
     # Parameters, gradient and momentum split over the devices (a few small leaves that do
     # not divide by 8 stay whole)
@@ -522,7 +523,7 @@ def test_the_planner_predicts_one_device_s_share_of_the_state():
 def test_a_checkpoint_saved_on_8_devices_restores_on_fewer(tmp_path, restore_on):
     """Orbax writes the global arrays; restoring into a target laid out for another mesh
     (or none) gives the same values in the target's layout."""
-    from lowmem_jax.checkpointing import Checkpointer
+    from lowmem_jax.training.checkpointing import Checkpointer
 
     batches = [classification_batch(16, seed=s) for s in range(2)]
     saved_plan = lm.Plan(shard="zero3", devices=8)

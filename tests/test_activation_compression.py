@@ -1,4 +1,4 @@
-"""Compressed activations (lowmem_jax.activation_compression, Plan(activations=...)): the
+"""Compressed activations (lowmem_jax.techniques.activations.compress, Plan(activations=...)): the
 stored formats' error bounds, exact forward values, gradients near float32's, parameters never
 compressed, bytes that fall, on our WideResNet and on a model written the common Linen way."""
 
@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax import activation_compression as ac
-from lowmem_jax.activation_formats import MASK
+from lowmem_jax.codecs.activation_formats import MASK
+from lowmem_jax.techniques.activations import compress as ac
 
 INT_FORMATS = ["int8", "int4", "int2"]
 
@@ -239,7 +239,7 @@ def test_a_constant_is_compressed_where_per_iteration_copies_weigh_less():
 
 
 def test_scan_layout_reads_both_of_jax_s_parameter_layouts():
-    from lowmem_jax.jaxprs import scan_layout, traced_equations
+    from lowmem_jax.core.jaxprs import scan_layout, traced_equations
 
     def loop(w, c, xs):  # one constant (w), one carry (c), one scanned input (xs)
         return jax.lax.scan(lambda c, x: (c * w + x, c), c, xs)

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowmem_jax import cli, loop, workloads
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.training import loop
+from lowmem_jax.workloads import registry as workloads
 
 TRAIN = ["train", "--model", "wrn-10-1", "--image-size", "8", "--no-progress"]
 

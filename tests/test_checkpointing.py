@@ -16,16 +16,16 @@ import pytest
 from conftest import assert_tensorboard_matches_jsonl
 
 import lowmem_jax as lm
-from lowmem_jax import cli
-from lowmem_jax.checkpointing import (
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.training.checkpointing import (
     Checkpointer,
     CheckpointError,
     check_directory,
     checkpoint_steps,
     resume_or_start,
 )
-from lowmem_jax.loop import TrainConfig, train_and_evaluate
-from lowmem_jax.run_identity import RunMismatchError, check_run
+from lowmem_jax.training.loop import TrainConfig, train_and_evaluate
+from lowmem_jax.training.run_identity import RunMismatchError, check_run
 
 # The digits at their original 8x8 pixels, 22 steps an epoch. The runs of this file train in
 # this process or in a subprocess that inherits its XLA_FLAGS (conftest's fast compile) and

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from lowmem_jax.compose.plan import Plan
 from lowmem_jax.data.cifar10 import MEAN, STD, augment, load_cifar10
-from lowmem_jax.loop import TrainConfig, train_and_evaluate
-from lowmem_jax.plan import Plan
+from lowmem_jax.training.loop import TrainConfig, train_and_evaluate
 
 
 def test_loads_normalised_arrays_from_tfds():

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from lowmem_jax import cli
-from lowmem_jax.plan_flags import analyze_argv, plan_from_args
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.compose.flags import analyze_argv, plan_from_args
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_train_rejects_an_image_model_for_translation(capsys):
 
 def _fake_train(monkeypatch, summary):
     """Replaces the one training loop; returns the dict that receives the config it gets."""
-    from lowmem_jax import loop
+    from lowmem_jax.training import loop
 
     seen = {}
 
@@ -136,7 +136,7 @@ def test_train_accepts_sparsity_for_translation(monkeypatch, capsys):
 
 
 def test_train_flags_left_out_keep_the_config_defaults(monkeypatch, capsys):
-    from lowmem_jax.loop import TrainConfig
+    from lowmem_jax.training.loop import TrainConfig
 
     seen = _fake_train(monkeypatch, {"test_accuracy": 0.5})
     assert cli.main(["train"]) == 0
@@ -203,8 +203,8 @@ def test_analyze_reads_its_compiled_step_back_from_the_cache(tmp_path):
 def test_analyze_argv_gives_back_every_plan_of_the_report_grid(model, batch):
     import dataclasses
 
-    from lowmem_jax.plan import Plan
-    from lowmem_jax.report_grid import standard_grid
+    from lowmem_jax.compose.plan import Plan
+    from lowmem_jax.report.grid import standard_grid
 
     for name, _, plan in standard_grid(batch):
         argv = analyze_argv(model, batch, plan)

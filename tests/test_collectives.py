@@ -1,5 +1,5 @@
 # ruff: noqa: E501 (the HLO lines below are as long as XLA prints them)
-"""Counting a compiled step's collectives (lowmem_jax.collectives) in HLO text: loops multiply,
+"""Counting a compiled step's collectives (lowmem_jax.analysis.collectives) in HLO text: loops multiply,
 each replica-group form gives its group size, the ring cost model per kind. The counts on real
 sharded steps (8 host devices) are in tests/sharding_cases.py."""
 
@@ -10,7 +10,7 @@ from conftest import BENCHMARKS, load_benchmark
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lowmem_jax.collectives import KINDS, collectives, sent_per_device
+from lowmem_jax.analysis.collectives import KINDS, collectives, sent_per_device
 
 MODULE = """HloModule jit_train_step, is_scheduled=true, num_partitions=8
 

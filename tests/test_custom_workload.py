@@ -136,7 +136,7 @@ def test_custom_workload_checks_its_arguments():
 def test_the_cli_takes_a_user_s_model_as_module_and_function(capsys):
     import json
 
-    from lowmem_jax import cli
+    from lowmem_jax.cli import dispatch as cli
 
     argv = ["--model", "test_custom_workload:_linen_work", "--batch-size", "16"]
     assert cli.main(["analyze", *argv, "--remat", "full", "--json"]) == 0

@@ -9,8 +9,8 @@ import pytest
 from conftest import FAST_COMPILE, fast_jit
 
 import lowmem_jax as lm
-from lowmem_jax.losses import translation_loss_fn
 from lowmem_jax.models import DynamicConv, DynamicConvTransformer, LightConv
+from lowmem_jax.workloads.losses import translation_loss_fn
 
 V = 20  # small vocabularies (pad id 0)
 
@@ -258,7 +258,7 @@ def test_layer_norm_matches_flax_and_keeps_bf16_residuals():
     model = plan.configure_model(_small())
     batch = _batch(np.random.default_rng(7))
     loss_fn = lm.cast_loss_fn(translation_loss_fn(model), plan.policy)
-    saved = lm.memory.saved_activation_bytes(loss_fn, _small_params(), {}, batch, None)
+    saved = lm.analysis.memory.saved_activation_bytes(loss_fn, _small_params(), {}, batch, None)
     b, t = batch["tgt_in"].shape
     for nbytes, aval, _ in saved["largest"]:
         assert not (aval.startswith("float32") and nbytes >= 4 * b * t * 64), aval

@@ -11,11 +11,11 @@ import types
 import pytest
 
 from experiments import rq4_search, study
-from lowmem_jax.checkpointing import checkpoint_steps
-from lowmem_jax.factorization import FactorConfig
-from lowmem_jax.loop import TrainConfig
-from lowmem_jax.plan import Plan
-from lowmem_jax.report_grid import standard_grid
+from lowmem_jax.compose.plan import Plan
+from lowmem_jax.report.grid import standard_grid
+from lowmem_jax.techniques.factorize import FactorConfig
+from lowmem_jax.training.checkpointing import checkpoint_steps
+from lowmem_jax.training.loop import TrainConfig
 
 
 def _record(name, seed, value, technique="precision"):
@@ -217,7 +217,7 @@ def test_greedy_search_adds_what_lowers_xla_memory_and_stops(tmp_path, monkeypat
 def test_envelope_accuracy_trains_the_plans_of_the_memory_rows_it_quotes():
     from experiments import envelope_accuracy
     from experiments.memory_reports import MODELS
-    from lowmem_jax.report_grid import model_grid
+    from lowmem_jax.report.grid import model_grid
 
     for task, (model, _, _) in envelope_accuracy.TASKS.items():
         batch = MODELS[model][0]

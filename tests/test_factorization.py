@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from tensorly.decomposition import parafac, partial_tucker
 
 import lowmem_jax as lm
-from lowmem_jax import cli
-from lowmem_jax import factorization as fz
-from lowmem_jax.factorization import layers as fz_layers
-from lowmem_jax.loop import TrainConfig
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.compose.flags import analyze_argv
 from lowmem_jax.ops import conv2d
-from lowmem_jax.plan_flags import analyze_argv
+from lowmem_jax.techniques import factorize as fz
+from lowmem_jax.techniques.factorize import layers as fz_layers
+from lowmem_jax.training.loop import TrainConfig
 
 
 def _random(shape, seed=0):
@@ -169,7 +169,7 @@ def test_vbmf_finds_the_rank_of_a_low_rank_matrix_in_noise(rank, rows, seed):
 
 def test_vbmf_threshold_constant_matches_the_papers_approximation():
     """Nakajima et al. (2013): tau_bar ~ 2.5129 sqrt(alpha) (exact at alpha = 1)."""
-    from lowmem_jax.factorization.ranks import _tau_bar
+    from lowmem_jax.techniques.factorize.ranks import _tau_bar
 
     assert _tau_bar(1.0) == pytest.approx(2.5129, abs=1e-4)
     for alpha in (0.1, 0.3, 0.7):

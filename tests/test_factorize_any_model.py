@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax import factorization as fz
-from lowmem_jax.factorization.any_model import _chosen, _Layer
+from lowmem_jax.techniques import factorize as fz
+from lowmem_jax.techniques.factorize.any_model import _chosen, _Layer
 
 
 class Block(nn.Module):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lowmem_jax import cli
+from lowmem_jax.cli import dispatch as cli
 from lowmem_jax.data import fashion_mnist as fm
 
 

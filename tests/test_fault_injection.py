@@ -23,7 +23,7 @@ def test_a_checkpoint_of_another_structure_is_not_called_corrupt(tmp_path):
     import numpy as np
     import pytest
 
-    from lowmem_jax.checkpointing import Checkpointer, CheckpointError
+    from lowmem_jax.training.checkpointing import Checkpointer, CheckpointError
 
     ckpt = Checkpointer(str(tmp_path), every=1, keep=3)
     for step in (1, 2):
@@ -43,7 +43,7 @@ def test_values_that_fail_their_checksum_are_moved_aside_not_restored(tmp_path):
     import numpy as np
     import pytest
 
-    from lowmem_jax.checkpointing import Checkpointer
+    from lowmem_jax.training.checkpointing import Checkpointer
 
     ckpt = Checkpointer(str(tmp_path), every=1, keep=3)
     for step in (1, 2):

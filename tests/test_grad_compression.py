@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax import grad_compression
+from lowmem_jax.techniques.shard import compression as grad_compression
 
 
 @given(n=st.integers(1, 10**6), devices=st.sampled_from([1, 2, 3, 4, 8]))

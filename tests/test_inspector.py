@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import cli
-from lowmem_jax.inspector import CATEGORIES, _short, _turn, compare
+from lowmem_jax.analysis.inspector import CATEGORIES, _short, _turn, compare
+from lowmem_jax.cli import dispatch as cli
 
 FEATURES, DEPTH, BATCH = 128, 4, 2048
 
@@ -116,7 +116,7 @@ def test_compare_says_what_remat_removed():
     model = Net()
     step, params, opt_state, batch = _plain_step(model)
     before = lm.inspect(step, params, opt_state, batch)
-    rematted = lm.remat.remat_module(model, "full", ("Block",))
+    rematted = lm.blocks.remat.remat_module(model, "full", ("Block",))
     step, params, opt_state, batch = _plain_step(rematted)
     after = lm.inspect(step, params, opt_state, batch)
     change = compare(before, after)

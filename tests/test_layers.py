@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowmem_jax.memory import saved_activation_bytes
+from lowmem_jax.analysis.memory import saved_activation_bytes
 from lowmem_jax.models.layers import BatchNorm
 
 

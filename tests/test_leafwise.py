@@ -1,5 +1,5 @@
-"""A tree-wide optimizer update run one group of leaves at a time (lowmem_jax.leafwise), and the
-quantized state's use of it: same numbers as the whole-tree update, lower memory."""
+"""A tree-wide optimizer update run one group of leaves at a time (lowmem_jax.codecs.leafwise), and
+the quantized state's use of it: same numbers as the whole-tree update, lower memory."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax import leafwise, memory, quantization
-from lowmem_jax import optimizer_state as optimizer_state_lib
+from lowmem_jax.analysis import memory
+from lowmem_jax.codecs import leafwise, quantization
+from lowmem_jax.techniques.optimizer_state import quantized as optimizer_state_lib
 from lowmem_jax.techniques.second_moment import factored_second_moment
 
 # Leaves of several sizes (some under the 4,096-element quantization threshold), nested.
@@ -237,7 +238,7 @@ def test_a_pure_fp16_step_with_int4_moments_keeps_no_float32_copy_of_the_paramet
     `fp16 + mb 2 + remat full + sparse 90%`: 7.55 MiB with int4 against 7.05; 6.84 now). The
     rule of the int8 test above. Two groups of leaves need over 2**20 parameters: WRN-28-2, on
     8x8 images."""
-    from lowmem_jax.workloads import build, workload
+    from lowmem_jax.workloads.registry import build, workload
 
     sizes = {}
     for fmt in ("auto", "int4"):

@@ -1,4 +1,5 @@
-"""The one training loop (:func:`lowmem_jax.loop.train_and_evaluate`) trains both tasks the same
+"""The one training loop (:func:`lowmem_jax.training.loop.train_and_evaluate`) trains both tasks the
+same
 way: records every ``eval_every`` steps and at the last step, with the same common keys."""
 
 import optax
@@ -6,8 +7,8 @@ import pytest
 from conftest import TINY_TRANSLATION
 
 import lowmem_jax as lm
-from lowmem_jax.loop import DEFAULT_PLAN, TrainConfig, train_and_evaluate
-from lowmem_jax.tasks import classification
+from lowmem_jax.training.loop import DEFAULT_PLAN, TrainConfig, train_and_evaluate
+from lowmem_jax.training.tasks import classification
 
 RECORD_KEYS = {
     "step", "epoch", "train_loss", "train_accuracy", "skipped_steps", "loss_scale",

@@ -1,5 +1,5 @@
-"""Translation through the one training loop (:mod:`lowmem_jax.loop`): config validation, the
-inverse-sqrt schedule, learning, checkpoints and averaging, resume, the TFDS path, sparsity."""
+"""Translation through the one training loop (:mod:`lowmem_jax.training.loop`): config validation,
+the inverse-sqrt schedule, learning, checkpoints and averaging, resume, the TFDS path, sparsity."""
 
 import dataclasses
 import json
@@ -11,10 +11,10 @@ import pytest
 from conftest import TINY_TRANSLATION, assert_tensorboard_matches_jsonl
 
 import lowmem_jax as lm
-from lowmem_jax.loop import TrainConfig, train_and_evaluate
-from lowmem_jax.recipes import inverse_sqrt_schedule
-from lowmem_jax.sparsity import SparseConfig
-from lowmem_jax.workloads import translation_is_sparse
+from lowmem_jax.techniques.sparsity import SparseConfig
+from lowmem_jax.training.loop import TrainConfig, train_and_evaluate
+from lowmem_jax.workloads.recipes import inverse_sqrt_schedule
+from lowmem_jax.workloads.registry import translation_is_sparse
 
 # A 1 + 1 layer, 32-channel model, one batch shape (widths <= 9 round up to 16; 32 rows), no
 # dropout: a short run learns the copy task; compiles and steps stay short on CPU. The plan is
@@ -68,7 +68,7 @@ def test_config_validation_errors():
 
 
 def test_synthetic_reverse_long_is_the_longer_larger_vocabulary_reversal():
-    from lowmem_jax.tasks.translation import load_translation_data
+    from lowmem_jax.training.tasks.translation import load_translation_data
 
     config = TrainConfig(dataset="synthetic-reverse-long", model="dynamicconv-small", steps=1)
     train, test, tokenizer = load_translation_data(config)

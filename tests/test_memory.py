@@ -8,13 +8,14 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import cli, memory
-from lowmem_jax.flops import count_flops
+from lowmem_jax.analysis import memory
+from lowmem_jax.analysis.flops import count_flops
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.compose.flags import plan_from_args
 from lowmem_jax.ops import conv2d
-from lowmem_jax.plan_flags import plan_from_args
-from lowmem_jax.report import run_report, write_report
-from lowmem_jax.report_grid import model_grid, standard_grid
-from lowmem_jax.workloads import analyze_model
+from lowmem_jax.report.grid import model_grid, standard_grid
+from lowmem_jax.report.run import run_report, write_report
+from lowmem_jax.workloads.registry import analyze_model
 
 B, D, H, OUT = 16, 12, 32, 5
 F32 = 4
@@ -132,7 +133,7 @@ def test_the_analysis_compile_gives_the_default_builds_bytes():
     assigned before code generation, so every figure equals the default build's (level 3,
     asked for explicitly: the suite's XLA_FLAGS already say 0), on a step with microbatch and
     remat loops, half precision and the loss scale's conditional skip."""
-    from lowmem_jax.workloads import build, workload
+    from lowmem_jax.workloads.registry import build, workload
 
     assert memory.analysis_compiler_options("cpu") == {"xla_backend_optimization_level": 0}
     assert memory.analysis_compiler_options("gpu") == {}
@@ -253,8 +254,8 @@ def test_the_time_left_weighs_each_row_by_its_plan_s_compile_cost(monkeypatch):
     import threading
     import types
 
-    from lowmem_jax import report as report_lib
-    from lowmem_jax.sparsity import report_sparsity
+    from lowmem_jax.report import run as report_lib
+    from lowmem_jax.techniques.sparsity import report_sparsity
 
     # One analysis per line printed, in grid order: the pool's threads may start any row, so
     # row i waits for its turn (a semaphore let a later row take the first turn: a deadlock).
@@ -294,7 +295,7 @@ def test_the_time_left_weighs_each_row_by_its_plan_s_compile_cost(monkeypatch):
 
 
 def test_the_envelope_is_the_technical_reports_safe_region():
-    from lowmem_jax.report import in_envelope
+    from lowmem_jax.report.run import in_envelope
 
     def config(**kw):
         plan = lm.Plan(**kw)

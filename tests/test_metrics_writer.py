@@ -4,7 +4,7 @@ import os
 import pytest
 from conftest import assert_tensorboard_matches_jsonl
 
-from lowmem_jax.metrics_writer import MetricsWriter, read_jsonl, read_scalars
+from lowmem_jax.training.metrics_writer import MetricsWriter, read_jsonl, read_scalars
 
 
 def test_writes_json_lines_and_tensorboard_scalars(tmp_path):

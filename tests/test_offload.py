@@ -13,7 +13,10 @@ import pytest
 from conftest import BNNet, assert_trees_close, classification_batch, load_benchmark, to_numpy
 
 import lowmem_jax as lm
-from lowmem_jax import checkpointing, cli, memory, workloads
+from lowmem_jax.analysis import memory
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.training import checkpointing
+from lowmem_jax.workloads import registry as workloads
 
 
 def _memory_kinds(tree):
@@ -61,9 +64,9 @@ def test_a_device_update_moves_the_state_to_the_device_only_after_the_gradient()
     """DeviceUpdate (optimizer_memory="pinned_host", the update on the device): the state and
     the gradient pass one optimization barrier before the state is moved to the device, so the
     move cannot be scheduled before the backward pass ends; the new state goes back to host."""
-    from lowmem_jax.host_update import DeviceUpdate, HostUpdateState
+    from lowmem_jax.techniques.shard.offload import DeviceUpdate, HostUpdateState
 
-    tx = DeviceUpdate(lm.base.as_optimizer(optax.adam(1e-2)))
+    tx = DeviceUpdate(lm.core.base.as_optimizer(optax.adam(1e-2)))
     params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
     state = tx.init(params)
     assert isinstance(state, HostUpdateState)
@@ -166,7 +169,7 @@ def test_on_host_is_one_host_computation_whose_results_are_in_host_memory():
     """host_update.on_host: JAX's host compute as a function transform (``compute_on2`` in JAX
     0.10, renamed ``compute_on`` in 0.11, whose 0.10 context-manager form is gone); the
     primitive itself places every result in host memory."""
-    from lowmem_jax.host_update import on_host
+    from lowmem_jax.techniques.shard.offload import on_host
 
     fn = on_host(jax.jit(lambda x, y: (x * 2, {"y": y + 1})))
     jaxpr = jax.make_jaxpr(fn)(jnp.ones(3), jnp.ones(2))

@@ -1,4 +1,4 @@
-"""Stored optimizer-state formats (lowmem_jax.optimizer_state) and the step's finiteness guard."""
+"""Stored optimizer-state formats (lowmem_jax.techniques.optimizer_state.quantized) and the step's finiteness guard."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from conftest import (
 )
 
 import lowmem_jax as lm
-from lowmem_jax import memory, quantization, sparsity
-from lowmem_jax.sparsity import slots
-from lowmem_jax.sparsity.layout import leaves_by_key
+from lowmem_jax.analysis import memory
+from lowmem_jax.codecs import quantization
+from lowmem_jax.techniques import sparsity
 from lowmem_jax.techniques.second_moment import factored_second_moment
+from lowmem_jax.techniques.sparsity import slots
+from lowmem_jax.techniques.sparsity.layout import leaves_by_key
 
 BIG = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(128, 64)), jnp.float32)}
 PARAMS = {**BIG, "b": jnp.zeros((100,), jnp.float32)}
@@ -52,7 +54,7 @@ def test_fp32_format_is_the_inner_optimizer(name):
     got, state = _run(lm.quantized_state(inner, "fp32"), PARAMS)
     for a, b in zip(ref, got, strict=True):
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9), a, b)
-    assert isinstance(state, lm.optimizer_state.QuantizedState) and state.rng is None
+    assert isinstance(state, lm.techniques.optimizer_state.quantized.QuantizedState) and state.rng is None
 
 
 def test_works_inside_chain_and_with_injected_hyperparameters():
@@ -213,7 +215,7 @@ def test_pure_fp16_adam_train_step_keeps_finite_parameters():
     batch = classification_batch(n=16)
     variables = model.init(jax.random.PRNGKey(0), batch["image"], train=False)
     tx = plan.wrap_optimizer(optax.adam(1e-2))
-    assert isinstance(tx, lm.optimizer_state.QuantizedStateOptimizer) and tx.format == "auto"
+    assert isinstance(tx, lm.techniques.optimizer_state.quantized.QuantizedStateOptimizer) and tx.format == "auto"
     state = lm.TrainState.create(
         params=variables["params"],
         tx=tx,
@@ -337,12 +339,12 @@ def test_sparse_slot_reset_of_regrown_weights_reaches_the_quantized_slots(fmt):
 
 
 def test_plan_puts_16_bit_slots_inside_sparse_training():
-    params = lm.precision.cast_floating(tiny_params(), jnp.bfloat16)
+    params = lm.techniques.precision.policy.cast_floating(tiny_params(), jnp.bfloat16)
     cfg = sparsity.SparseConfig(algorithm="set", density=0.3, update_period=2, drop_fraction=0.5)
     # Pure bf16, optimizer_state auto: bfloat16 slots, float32 arithmetic, inside.
     inside = lm.Plan(precision="bf16", sparsity=cfg).wrap_optimizer(optax.adam(1e-2), params)
     assert isinstance(inside, sparsity.SparseTraining)
-    assert isinstance(inside.inner, lm.optimizer_state.QuantizedStateOptimizer)
+    assert isinstance(inside.inner, lm.techniques.optimizer_state.quantized.QuantizedStateOptimizer)
     # bf16 slots inside: sparse training finds them as mirrors and resets the regrown ones.
     stored, state = inside.store(params)
     grads = jax.tree.map(jnp.sin, params)
@@ -374,7 +376,7 @@ def test_plan_puts_codes_inside_sparse_training_resets_them_and_decodes_in_group
     plan = lm.Plan(sparsity=cfg, optimizer_state=fmt)
     inside = plan.wrap_optimizer(optax.adam(1e-2), params)
     assert isinstance(inside, sparsity.SparseTraining)
-    assert isinstance(inside.inner, lm.optimizer_state.QuantizedStateOptimizer)
+    assert isinstance(inside.inner, lm.techniques.optimizer_state.quantized.QuantizedStateOptimizer)
     stored, state = inside.store(params)
     grads = jax.tree.map(jnp.sin, stored)
     groups, why = inside.inner.schedule(grads, state.inner_state.inner_state, stored)
@@ -449,7 +451,7 @@ def test_plan_validates_the_format_and_leaves_fp32_plans_unwrapped():
     with pytest.raises(ValueError, match="block_size"):
         lm.quantized_state(optax.sgd(0.1), "int8", block_size=7)
     tx = optax.sgd(0.1)
-    assert isinstance(lm.Plan().wrap_optimizer(tx), lm.base.OptaxOptimizer)
+    assert isinstance(lm.Plan().wrap_optimizer(tx), lm.core.base.OptaxOptimizer)
     assert lm.Plan(precision="mixed_fp16").wrap_optimizer(tx).tx is tx
     assert lm.Plan(optimizer_state="int8").wrap_optimizer(tx).format == "int8"
     assert lm.Plan(optimizer_state="int4").to_dict()["optimizer_state"] == "int4"
@@ -473,7 +475,7 @@ def test_analysis_of_a_wrn_with_int8_momentum_names_the_quantized_slots():
 
 
 def test_quantized_train_state_checkpoints_round_trip_exactly(tmp_path):
-    from lowmem_jax.checkpointing import Checkpointer
+    from lowmem_jax.training.checkpointing import Checkpointer
 
     plan = lm.Plan(optimizer_state="int4")
     tx = plan.wrap_optimizer(optax.adam(1e-3))

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax import pipeline as pipeline_lib
-from lowmem_jax.envelope import ENVELOPES
+from lowmem_jax.planning.envelope import ENVELOPES
+from lowmem_jax.techniques.pipeline import gpipe as pipeline_lib
 
 
 @given(examples=st.integers(1, 512), stages=st.integers(2, 8))

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax.sparsity import report_sparsity
 from lowmem_jax.techniques import TECHNIQUES
+from lowmem_jax.techniques.sparsity import report_sparsity
 
 
 def test_a_plan_is_a_frozen_keyword_only_hashable_value():

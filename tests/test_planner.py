@@ -8,13 +8,16 @@ import jax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import cli, plan_descent, plan_search, planner
-from lowmem_jax.envelope import ENVELOPES
-from lowmem_jax.factorization import FactorConfig
-from lowmem_jax.plan_flags import parse_bytes
-from lowmem_jax.plan_space import axes_in
-from lowmem_jax.sparsity import report_sparsity
-from lowmem_jax.workloads import analyze_model
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.compose.flags import parse_bytes
+from lowmem_jax.planning import descent as plan_descent
+from lowmem_jax.planning import planner
+from lowmem_jax.planning import search as plan_search
+from lowmem_jax.planning.envelope import ENVELOPES
+from lowmem_jax.planning.space import axes_in
+from lowmem_jax.techniques.factorize import FactorConfig
+from lowmem_jax.techniques.sparsity import report_sparsity
+from lowmem_jax.workloads.registry import analyze_model
 
 MIB = 2**20
 MODEL, BATCH = "wrn-10-1", 16  # baseline: ~11.3 MiB by XLA:CPU
@@ -333,7 +336,7 @@ def test_the_storage_axes_are_the_registry_s():
     and a class's corners take each value of an ``each`` axis and the last of a ``last`` one."""
     import math
 
-    from lowmem_jax.plan_space import class_corners, mildest_first, storage_axes
+    from lowmem_jax.planning.space import class_corners, mildest_first, storage_axes
     from lowmem_jax.techniques import TECHNIQUES
 
     axes = axes_in(ENVELOPES["any"], 8, planner.SPACE)

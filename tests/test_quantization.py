@@ -1,4 +1,4 @@
-"""Block-wise and rank-1 quantization against their definitions (lowmem_jax.quantization)."""
+"""Block-wise and rank-1 quantization against their definitions (lowmem_jax.codecs.quantization)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowmem_jax import quantization as q
+from lowmem_jax.codecs import quantization as q
 
 # The property tests' quantize and dequantize jitted: one program per shape, not one per
 # operation and shape (what the optimizer step runs is jitted too).

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from lowmem_jax.report import summary_table
+from lowmem_jax.report.run import summary_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

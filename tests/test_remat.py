@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_trees_close_to_scale
 
 import lowmem_jax as lm
-from lowmem_jax.jaxprs import traced_equations
+from lowmem_jax.core.jaxprs import traced_equations
 
 # The last: a per-block schedule of WRN-28-1's 12 blocks (stacks of 1, 3, 1, 3, 1, 3), with
 # runs of different policies inside a stack.
@@ -101,10 +101,10 @@ def test_temp_bytes_fall_as_remat_saves_less():
     ],
 )
 def test_a_schedule_parses_to_one_policy_per_block(name, policies):
-    spec = lm.remat.parse_policy(name)
+    spec = lm.blocks.remat.parse_policy(name)
     assert spec.schedule == policies and spec.enabled
-    assert lm.remat.schedule_name(policies) == name
-    assert not lm.remat.parse_policy("blocks:none*3").enabled
+    assert lm.blocks.remat.schedule_name(policies) == name
+    assert not lm.blocks.remat.parse_policy("blocks:none*3").enabled
 
 
 @pytest.mark.parametrize(
@@ -113,19 +113,19 @@ def test_a_schedule_parses_to_one_policy_per_block(name, policies):
 )
 def test_a_malformed_schedule_is_refused_naming_remat(name):
     with pytest.raises(ValueError, match=r"Unknown remat=.*blocks:P\[\*K\]"):
-        lm.remat.parse_policy(name)
+        lm.blocks.remat.parse_policy(name)
 
 
 def test_a_schedule_must_give_every_block_of_the_model_a_policy():
-    assert lm.remat.stack_policies("blocks:full*2,none", [1, 2], "M") == [
+    assert lm.blocks.remat.stack_policies("blocks:full*2,none", [1, 2], "M") == [
         ("full",),
         ("full", "none"),
     ]
-    assert lm.remat.stack_policies("dots", [1, 2], "M") == ["dots", "dots"]
+    assert lm.blocks.remat.stack_policies("dots", [1, 2], "M") == ["dots", "dots"]
     with pytest.raises(ValueError, match=r"schedules 2 blocks; WRN-16 runs 6"):
         _wrn_grads("blocks:full*2", depth=16)
     with pytest.raises(ValueError, match="needs the scanned block stacks"):
-        lm.remat.remat_module(Block(), "blocks:full")
+        lm.blocks.remat.remat_module(Block(), "blocks:full")
     with pytest.raises(ValueError, match="a stack takes its slice"):
         _stack_temp_bytes("blocks:full*16")
 
@@ -188,14 +188,14 @@ def test_parameters_do_not_depend_on_policy():
 @pytest.mark.parametrize("name", ["some", "every:0", "every:x", "save:", "offload:", "", None])
 def test_unknown_policy_raises(name):
     with pytest.raises(ValueError, match=r"remat=.*allowed values"):
-        lm.remat.parse_policy(name)
+        lm.blocks.remat.parse_policy(name)
 
 
 @pytest.mark.parametrize(
     "name, length, expected", [("sqrt", 9, 3), ("sqrt", 3, 2), ("every:4", 3, 3), ("full", 5, 1)]
 )
 def test_segment_length(name, length, expected):
-    assert lm.remat.parse_policy(name).segment_length(length) == expected
+    assert lm.blocks.remat.parse_policy(name).segment_length(length) == expected
 
 
 @pytest.mark.parametrize(
@@ -218,7 +218,7 @@ def test_unroll_none_unrolls_stacks_without_remat_or_float16(remat, dtype, unrol
     eqns = traced_equations(lambda p: stack.apply({"params": p}, x, train=True), params)
     scans = [e for e in eqns if e.primitive.name == "scan"]
     assert [e.params["unroll"] > 1 for e in scans] == [straight]
-    assert lm.scanned_blocks.straight_line(unroll, remat, dtype) is straight
+    assert lm.blocks.scanned.straight_line(unroll, remat, dtype) is straight
     looped = lm.ScannedBlocks(functools.partial(Block, 8, dtype), 3, remat, False)
     # Two programs (unrolled, looped): the same math, but XLA may fuse them differently on
     # another machine, so the last bit may differ.
@@ -270,8 +270,8 @@ def test_without_checkpoints_saves_what_the_code_without_them_saves():
     """Inlining every checkpoint (in a scan body, a jitted call, a cond branch) gives the loss
     written without them: the same value and gradients, no checkpoint left, and the residual
     bytes of that code (the reference), which are more than the checkpointed loss saves."""
-    from lowmem_jax.jaxprs import without_checkpoints
-    from lowmem_jax.memory_analytic import saved_activation_bytes
+    from lowmem_jax.analysis.analytic import saved_activation_bytes
+    from lowmem_jax.core.jaxprs import without_checkpoints
 
     params = {"ws": jnp.asarray(np.random.default_rng(0).normal(size=(4, 16, 16)) * 0.2)}
     batch = jnp.ones((8, 16))
@@ -306,7 +306,7 @@ def test_the_remat_verdict_weighs_saved_residuals_and_says_when_nothing_falls():
     setup = lm.build(work, lm.Plan(remat="full"))
     (verdict,) = setup.verdicts()
     before, after = (float(x) for x in re.findall(r"([\d.]+) -> ([\d.]+) MiB", verdict.evidence)[0])
-    analytic = lm.memory.analytic_breakdown(
+    analytic = lm.analysis.memory.analytic_breakdown(
         state=setup.abstract_state(), batch=work.batch, loss_fn=setup.plan.model_loss(setup.loss_fn)
     )
     assert verdict.took_effect and after == round(analytic["activation_bytes"] / 2**20, 2) < before

@@ -17,11 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax import cli, memory
+from lowmem_jax.analysis import memory
+from lowmem_jax.analysis.analytic import tree_bytes
+from lowmem_jax.cli import dispatch as cli
+from lowmem_jax.codecs.quantization import Quantized
+from lowmem_jax.codecs.state_format import is_quantized
 from lowmem_jax.data import iterate_batches, load_digits
-from lowmem_jax.memory_analytic import tree_bytes
-from lowmem_jax.optimizer_state_format import is_quantized
-from lowmem_jax.quantization import Quantized
 from lowmem_jax.techniques.second_moment import Factored, factored_leaves, factored_second_moment
 
 SHAPES = st.sampled_from([(3, 5), (8, 2), (2, 3, 4, 6), (16, 9)])

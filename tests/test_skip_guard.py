@@ -5,11 +5,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax.checkpointing import checkpoint_steps
-from lowmem_jax.loop import TrainConfig, train_and_evaluate
-from lowmem_jax.recipes import Recipe
-from lowmem_jax.skip_guard import NoProgressError, SkipGuard, skip_cause
-from lowmem_jax.tasks.classification import Task
+from lowmem_jax.training.checkpointing import checkpoint_steps
+from lowmem_jax.training.loop import TrainConfig, train_and_evaluate
+from lowmem_jax.training.skip_guard import NoProgressError, SkipGuard, skip_cause
+from lowmem_jax.training.tasks.classification import Task
+from lowmem_jax.workloads.recipes import Recipe
 
 APPLIED = {"grads_finite": True, "update_finite": True, "loss_scale": 1.0}
 SKIPPED = {"grads_finite": False, "update_finite": True, "loss_scale": 1.0}

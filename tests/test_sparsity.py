@@ -1,4 +1,4 @@
-"""Sparse training (lowmem_jax.sparsity): config, layout, selection, the optax wrapper."""
+"""Sparse training (lowmem_jax.techniques.sparsity): config, layout, selection, the optax wrapper."""
 
 import dataclasses
 
@@ -16,12 +16,12 @@ from conftest import (
 )
 
 import lowmem_jax as lm
-from lowmem_jax import sparsity
-from lowmem_jax.base import OptaxOptimizer
-from lowmem_jax.sparsity import algorithms, slots
-from lowmem_jax.sparsity import masks as masks_lib
-from lowmem_jax.sparsity.algorithms import Rewiring
-from lowmem_jax.sparsity.layout import layer_densities, leaves_by_key, make_layout
+from lowmem_jax.core.base import OptaxOptimizer
+from lowmem_jax.techniques import sparsity
+from lowmem_jax.techniques.sparsity import algorithms, slots
+from lowmem_jax.techniques.sparsity import masks as masks_lib
+from lowmem_jax.techniques.sparsity.algorithms import Rewiring
+from lowmem_jax.techniques.sparsity.layout import layer_densities, leaves_by_key, make_layout
 
 # --- configuration and layout ------------------------------------------------------------
 
@@ -432,7 +432,7 @@ def test_stored_layout_grads_are_refused_where_they_cannot_work():
 
 @pytest.mark.slow
 def test_compressed_microbatch_accumulator_has_the_stored_size():
-    from lowmem_jax.workloads import analyze_model
+    from lowmem_jax.workloads.registry import analyze_model
 
     plan = lm.Plan(microbatches=2)
     dense = analyze_model("wrn-10-1", 8, plan, image_size=8).analytic["optimizer_breakdown"]
@@ -456,8 +456,8 @@ def test_compressed_materialize_differentiates_as_a_gather_without_dense_tempora
     is the dense gradient read at the live positions (0 in unused slots). Promising unique
     indices keeps JAX's and XLA:CPU's last-writer bookkeeping (dense int32 maps of the layer)
     out of the step: the compiled gradient needs no [n]-sized temporary."""
-    from lowmem_jax.sparsity.layout import LeafSpec
-    from lowmem_jax.sparsity.storage import COMPRESSED
+    from lowmem_jax.techniques.sparsity.layout import LeafSpec
+    from lowmem_jax.techniques.sparsity.storage import COMPRESSED
 
     n, cap = 1 << 16, 1 << 12
     spec = LeafSpec("w", (n,), n, cap, cap)
@@ -635,8 +635,8 @@ def test_compressed_rewiring_of_many_layers_holds_one_layer_s_temporaries():
 
 
 def test_compressed_stack_blocks_are_the_dense_leaf_sliced():
-    from lowmem_jax.sparsity.layout import LeafSpec
-    from lowmem_jax.sparsity.storage import COMPRESSED, CompressedStack
+    from lowmem_jax.techniques.sparsity.layout import LeafSpec
+    from lowmem_jax.techniques.sparsity.storage import COMPRESSED, CompressedStack
 
     shape = (3, 4, 5)
     n, cap = 60, 24
@@ -662,8 +662,8 @@ def test_blockwise_stacks_give_the_gradients_of_the_dense_materialization(monkey
     its gradient w.r.t. the stored values equals the one through the whole dense
     materialization (without remat the stacks are densified whole: ``CompressedStack.dense``,
     checked against ``materialize`` above)."""
-    from lowmem_jax.base import differentiated_loss
-    from lowmem_jax.workloads import build, workload
+    from lowmem_jax.core.base import differentiated_loss
+    from lowmem_jax.workloads.registry import build, workload
 
     cfg = sparsity.SparseConfig(
         algorithm="dsr", density=0.2, distribution="uniform", compressed=True

@@ -9,10 +9,10 @@ import pytest
 from conftest import FAST_COMPILE, unnamed_stacks
 
 import lowmem_jax as lm
-from lowmem_jax import sparsity
-from lowmem_jax.sparsity import storage
-from lowmem_jax.sparsity.layout import make_layout
-from lowmem_jax.workloads import build, workload
+from lowmem_jax.techniques import sparsity
+from lowmem_jax.techniques.sparsity import storage
+from lowmem_jax.techniques.sparsity.layout import make_layout
+from lowmem_jax.workloads.registry import build, workload
 
 # Tiny activations (8x8 images, microbatches of 4, full remat), so the step's temporaries are
 # mostly weight-sized: the dense gradient, its microbatch accumulator and (compressed) the
@@ -122,9 +122,9 @@ def test_analytic_dense_weights_count_what_the_step_densifies(stacked, remat):
         whole += 2 * s.size  # fp16
         one_block = stacked and remat and setup.tx.stacked(tuple(s.key.split("/")))
         expected += 2 * (s.size // s.shape[0] if one_block else s.size)
-    got = lm.memory.dense_weight_bytes(state, tx, blocks_rematerialized=remat)
+    got = lm.analysis.memory.dense_weight_bytes(state, tx, blocks_rematerialized=remat)
     assert got == expected
     # wrn-22-1 scans blocks 2 and 3 of each stage as one stack
     assert (got < whole) == (stacked and remat)
     dense = build(workload("wrn-22-1", BATCH, image_size=IMAGE), PLAN)
-    assert lm.memory.dense_weight_bytes(dense.abstract_state(), dense.tx, True) == 0
+    assert lm.analysis.memory.dense_weight_bytes(dense.abstract_state(), dense.tx, True) == 0

@@ -11,9 +11,9 @@ from conftest import FAST_COMPILE, OPTIMIZERS, tiny_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lowmem_jax import sparsity
-from lowmem_jax.sparsity.layout import leaves_by_key
-from lowmem_jax.sparsity.slots import find_mirrors
+from lowmem_jax.techniques import sparsity
+from lowmem_jax.techniques.sparsity.layout import leaves_by_key
+from lowmem_jax.techniques.sparsity.slots import find_mirrors
 
 # Each example compiles a few-layer trajectory (~1-3 s on 2 shared cores): bounded.
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,8 +9,8 @@ import optax
 from conftest import FAST_COMPILE, TinyMLP, classification_batch, fast_jit
 
 import lowmem_jax as lm
-from lowmem_jax import sparsity
-from lowmem_jax.sparsity.layout import leaves_by_key
+from lowmem_jax.techniques import sparsity
+from lowmem_jax.techniques.sparsity.layout import leaves_by_key
 
 
 class DoubledSGD(lm.Optimizer):
@@ -151,7 +151,7 @@ def test_compressed_wrn_28_2_stores_at_most_a_quarter_of_dense_at_90_percent():
         return lm.TrainState.create(params=v["params"], tx=tx, plan=plan)
 
     dense = jax.eval_shape(dense_state)
-    dense_bytes = lm.memory.tree_bytes((dense.params, dense.opt_state))
+    dense_bytes = lm.analysis.memory.tree_bytes((dense.params, dense.opt_state))
     params = dense.params
     loss_fn = lm.classifier_loss_fn(model)
     for algorithm in ("static", "rigl", "dsr"):
@@ -169,7 +169,7 @@ def test_compressed_wrn_28_2_stores_at_most_a_quarter_of_dense_at_90_percent():
             )
 
         state = jax.eval_shape(sparse_state)
-        analytic = lm.memory.analytic_breakdown(state=state, batch=batch, tx=sp)
+        analytic = lm.analysis.memory.analytic_breakdown(state=state, batch=batch, tx=sp)
         stored = analytic["model_bytes"] + sum(
             v for k, v in analytic["optimizer_breakdown"].items() if k.startswith("slot:")
         )
@@ -178,7 +178,7 @@ def test_compressed_wrn_28_2_stores_at_most_a_quarter_of_dense_at_90_percent():
             step = lm.make_train_step(loss_fn, sp, sparse_plan)
             compiled = step.lower(state, batch).compile(FAST_COMPILE)
             args = compiled.memory_analysis().argument_size_in_bytes
-            extra = lm.memory.tree_bytes(batch) + lm.memory.tree_bytes(
+            extra = lm.analysis.memory.tree_bytes(batch) + lm.analysis.memory.tree_bytes(
                 (state.model_state, state.step, state.skipped_steps, state.rng, state.loss_scale)
             )
             assert args - extra <= 0.25 * dense_bytes, (args - extra) / dense_bytes

@@ -9,8 +9,8 @@ import pytest
 import lowmem_jax as lm
 from lowmem_jax.data import iterate_batches, make_translation_task
 from lowmem_jax.data.synthetic import BOS, EOS, FIRST_TOKEN, PAD
-from lowmem_jax.losses import translation_loss_fn
 from lowmem_jax.models import DynamicConvTransformer, greedy_decode
+from lowmem_jax.workloads.losses import translation_loss_fn
 
 
 def _content(row):

@@ -13,13 +13,20 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import lowmem_jax as lm
-from lowmem_jax import memory, planner, report_grid
-from lowmem_jax.envelope import ENVELOPES
-from lowmem_jax.plan_flags import add_plan_flags, add_workload_flags, analyze_argv, plan_from_args
-from lowmem_jax.plan_search import plan_name, plan_of
-from lowmem_jax.plan_space import axes_in
-from lowmem_jax.report_grid import model_grid, standard_grid
-from lowmem_jax.technique_report import GridContext, ReportRow
+from lowmem_jax.analysis import memory
+from lowmem_jax.compose.flags import (
+    add_plan_flags,
+    add_workload_flags,
+    analyze_argv,
+    plan_from_args,
+)
+from lowmem_jax.core.report_hooks import GridContext, ReportRow
+from lowmem_jax.planning import planner
+from lowmem_jax.planning.envelope import ENVELOPES
+from lowmem_jax.planning.search import plan_name, plan_of
+from lowmem_jax.planning.space import axes_in
+from lowmem_jax.report import grid as report_grid
+from lowmem_jax.report.grid import model_grid, standard_grid
 from lowmem_jax.techniques import TECHNIQUES, technique
 
 PLAN_FIELDS = [f.name for f in dataclasses.fields(lm.Plan)]
@@ -150,9 +157,9 @@ def test_a_technique_s_report_section_lands_in_the_report_without_editing_it(mon
     technique's declaration: here a copy of the precision technique with a section that
     compiles the baseline at the precisions its flag names."""
     import lowmem_jax.techniques as registry_module
-    from lowmem_jax import cli
-    from lowmem_jax.report import run_report, write_report
-    from lowmem_jax.technique_report import ReportSection
+    from lowmem_jax.cli import dispatch as cli
+    from lowmem_jax.core.report_hooks import ReportSection
+    from lowmem_jax.report.run import run_report, write_report
 
     def rows(analyze, precisions, progress):
         return [{"precision": p, "total": analyze({"precision": p})["total_bytes"]}
@@ -223,10 +230,10 @@ def test_a_plan_refuses_a_value_outside_a_fields_choices_naming_it(field, value)
 
 
 def test_technique_modules_import_no_other_technique_nor_the_composer():
-    """A technique declares itself against the protocol (lowmem_jax.technique) and its own
+    """A technique declares itself against the protocol (lowmem_jax.core.technique) and its own
     implementation; Plan, the step and the other techniques' descriptors stay out."""
     here = pathlib.Path(lm.__file__).parent / "techniques"
-    forbidden = ("lowmem_jax.plan", "lowmem_jax.train", "lowmem_jax.techniques")
+    forbidden = ("lowmem_jax.compose.plan", "lowmem_jax.compose.step", "lowmem_jax.techniques")
     for path in here.glob("*.py"):
         if path.name == "__init__.py":
             continue

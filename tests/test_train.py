@@ -168,8 +168,8 @@ def test_auto_loss_scale_is_dynamic_only_for_fp16_compute():
 
 def test_plain_optax_transformations_store_parameters_as_they_are():
     tx = optax.sgd(0.1, momentum=0.9)
-    opt = lm.base.as_optimizer(tx)
-    assert isinstance(opt, lm.Optimizer) and lm.base.as_optimizer(opt) is opt
+    opt = lm.core.base.as_optimizer(tx)
+    assert isinstance(opt, lm.Optimizer) and lm.core.base.as_optimizer(opt) is opt
     assert lm.Plan().wrap_optimizer(tx).tx is tx and not opt.grads_wrt_stored
     params = {"w": jnp.arange(3.0)}
     state = lm.TrainState.create(params=params, tx=tx, plan=lm.Plan(), rng=jax.random.key(1))

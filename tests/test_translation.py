@@ -8,10 +8,10 @@ import pytest
 from conftest import FAST_COMPILE, load_benchmark
 
 import lowmem_jax as lm
-from lowmem_jax.checkpoint_averaging import average_checkpoints, average_last_checkpoints
-from lowmem_jax.checkpointing import Checkpointer, checkpoint_steps, param_checksum
 from lowmem_jax.models import DynamicConvTransformer, beam_search, greedy_decode, sequence_log_prob
-from lowmem_jax.tasks.translation import bleu, detokenize
+from lowmem_jax.training.averaging import average_checkpoints, average_last_checkpoints
+from lowmem_jax.training.checkpointing import Checkpointer, checkpoint_steps, param_checksum
+from lowmem_jax.training.tasks.translation import bleu, detokenize
 
 # A tiny vocabulary (PAD, BOS, EOS + 3 content ids) so that a random model emits EOS often.
 V, MAX_LEN = 6, 8

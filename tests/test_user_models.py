@@ -16,9 +16,9 @@ from conftest import OPTIMIZED, assert_trees_close_to_scale, fast_jit
 from flax import nnx
 
 import lowmem_jax as lm
-from lowmem_jax.blocks import repeated_blocks
+from lowmem_jax.blocks.discovery import repeated_blocks
+from lowmem_jax.core.jaxprs import traced_equations
 from lowmem_jax.data import iterate_batches, load_digits
-from lowmem_jax.jaxprs import traced_equations
 
 # --- the user's models -----------------------------------------------------------------------
 
@@ -365,7 +365,7 @@ def test_analyze_reads_an_nnx_step_and_a_flax_train_state_step(digits):
     assert analytic["optimizer_breakdown"]["slot:mu"] == analytic["model_bytes"]
     assert analytic["state_bytes"] == 0  # flax's step is a Python int; Adam's count is a slot
     slots = analytic["optimizer_bytes"] - analytic["optimizer_breakdown"]["gradients"]
-    assert analytic["model_bytes"] + slots == lm.memory.tree_bytes(plain)
+    assert analytic["model_bytes"] + slots == lm.analysis.memory.tree_bytes(plain)
     assert analytic["activation_bytes"] > 0
 
 
@@ -467,7 +467,7 @@ def test_nnx_per_layer_rng_streams_get_a_fresh_key_per_layer_and_step():
     losses = [float(split.loss_fn(split.params, split.model_state, batch, jax.random.key(r))[0])
               for r in (1, 2, 1)]  # fmt: skip
     assert losses[0] == losses[2] != losses[1]  # same rng, same masks; another, others
-    fresh = lm.nnx_split._fresh_rng_state(split.rng_state, jax.random.key(1))
+    fresh = lm.compose.nnx_split._fresh_rng_state(split.rng_state, jax.random.key(1))
     keys = jax.random.key_data(fresh["blocks"]["dropout"]["rngs"]["key"])
     assert len({tuple(np.asarray(k)) for k in keys}) == 3  # one distinct key per layer
 
@@ -507,12 +507,12 @@ def _sparse_step_figures(api, sparse, batch, remat="full"):
 def test_compressed_sparse_weights_are_built_where_each_layer_reads_them(api, remat, monkeypatch):
     """A layer reads its compressed kernel (``CompressedLeaf``: Linen's ``self.param`` unboxes
     it, NNX indexes it) inside its block's checkpoint, or without remat inside its own
-    (:mod:`lowmem_jax.lazy_layers`), so the backward pass rebuilds one layer's dense weights at
-    a time: temp falls by at least half of the other blocks' dense weights against building
+    (:mod:`lowmem_jax.blocks.lazy_layers`), so the backward pass rebuilds one layer's dense weights
+    at a time: temp falls by at least half of the other blocks' dense weights against building
     them all before the model runs (as before; without remat autodiff then keeps every layer's
     from the forward pass); issue 37's rule (temp <= the dense step's + 10% of the argument
     bytes saved) holds; the parameters after a step are the same."""
-    from lowmem_jax.sparsity import storage
+    from lowmem_jax.techniques.sparsity import storage
 
     batch = {"image": jax.random.normal(jax.random.key(3), (8, 8, 8, 1)), "label": jnp.arange(8)}
     sparse = lm.sparsity.SparseConfig(
@@ -537,8 +537,8 @@ def test_compressed_sparse_weights_are_built_where_each_layer_reads_them(api, re
 def test_a_model_that_slices_a_compressed_leaf_gets_it_dense():
     """``nn.scan`` / ``vmap`` over a compressed leaf would slice its values, not its dense
     weights: such a loss gets dense weights (``reads_lazy_leaves`` is False), others lazy ones."""
-    from lowmem_jax.base import densify_lazy_leaves, reads_lazy_leaves
-    from lowmem_jax.sparsity.storage import CompressedLeaf
+    from lowmem_jax.core.base import densify_lazy_leaves, reads_lazy_leaves
+    from lowmem_jax.techniques.sparsity.storage import CompressedLeaf
 
     leaf = CompressedLeaf(jnp.arange(1.0, 4.0), jnp.array([0, 5, 7], jnp.int32), (2, 4))
     x = jnp.ones((3, 2))
@@ -564,7 +564,7 @@ def test_a_model_that_slices_a_compressed_leaf_gets_it_dense():
     def scanned_loss(params, model_state, batch, rng):
         return per_row(params, batch), (model_state, {})
 
-    loss, _ = lm.base.differentiated_loss(scanned_loss, Stored(), {"w": leaf.values}, None)
+    loss, _ = lm.core.base.differentiated_loss(scanned_loss, Stored(), {"w": leaf.values}, None)
     with pytest.warns(UserWarning, match="densified before it runs"):
         assert float(loss({"w": leaf.values}, {}, x, None)[0]) == 18.0
 
@@ -599,8 +599,8 @@ def test_a_layer_loop_reads_one_blocks_compressed_weights_per_iteration(api, rem
     (the fallback, once the only way for both): no warning, the same gradient, and temp lower
     by at least two of the four blocks' dense kernels (each iteration densifies its block
     inside its layer's or block's checkpoint)."""
-    from lowmem_jax.base import differentiated_loss
-    from lowmem_jax.sparsity import storage
+    from lowmem_jax.core.base import differentiated_loss
+    from lowmem_jax.techniques.sparsity import storage
 
     sparse = lm.sparsity.SparseConfig(
         algorithm="static", density=0.2, distribution="uniform", compressed=True

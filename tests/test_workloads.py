@@ -11,9 +11,11 @@ import pytest
 from conftest import FAST_COMPILE, TINY_TRANSLATION
 
 import lowmem_jax as lm
-from lowmem_jax import precision, recipes, sparsity
-from lowmem_jax.jaxprs import traced_equations
-from lowmem_jax.workloads import build, translation_is_sparse, workload
+from lowmem_jax.core.jaxprs import traced_equations
+from lowmem_jax.techniques import sparsity
+from lowmem_jax.techniques.precision import policy as precision
+from lowmem_jax.workloads import recipes
+from lowmem_jax.workloads.registry import build, translation_is_sparse, workload
 
 # --- the registry ------------------------------------------------------------------------
 
@@ -219,7 +221,7 @@ def test_snip_masks_come_from_the_gradient_on_the_init_batch():
         algorithm="static", init="snip", density=0.2, distribution="uniform", compressed=True
     )
     setup = build(workload("wrn-10-1", 8, image_size=8), lm.Plan(sparsity=snip))
-    assert setup.tx.needs_init_grads and not lm.base.as_optimizer(optax.sgd(0.1)).needs_init_grads
+    assert setup.tx.needs_init_grads and not lm.core.base.as_optimizer(optax.sgd(0.1)).needs_init_grads
     batch = setup.example_batch()
     state = setup.init_state(batch)
     # By hand: the loss's gradient on the whole batch at the initial parameters (jitted: op by
@@ -310,7 +312,7 @@ def test_xla_convolution_exactly_when_the_step_has_no_loop(plan, unroll, conv_im
 def test_variable_shapes_trace_once_per_model_and_inputs():
     """A search builds one model many times: equal models share one trace; a model with an
     unhashable field (a list) is traced each time, not refused."""
-    from lowmem_jax.setup import variable_shapes
+    from lowmem_jax.workloads.setup import variable_shapes
 
     class ListWidths(nn.Module):
         widths: list

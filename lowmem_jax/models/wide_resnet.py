@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax.factorization import FactorConfig, conv_layer, dense_layer
+from lowmem_jax.blocks.remat import CONV_OUT, stack_policies
+from lowmem_jax.blocks.scanned import ScannedBlocks, with_layout
 from lowmem_jax.models.layers import BatchNorm
-from lowmem_jax.remat import CONV_OUT, stack_policies
-from lowmem_jax.scanned_blocks import ScannedBlocks, with_layout
+from lowmem_jax.techniques.factorize import FactorConfig, conv_layer, dense_layer
 
 __all__ = ["WideResNet", "PreActBlock"]
 
@@ -96,14 +96,14 @@ class WideResNet(nn.Module):
       width: the widening factor ``k``.
       num_classes: size of the output layer.
       dtype: computation dtype (``None``: follow inputs and parameters).
-      remat: remat policy name applied per block (see :mod:`lowmem_jax.remat`), or a
+      remat: remat policy name applied per block (see :mod:`lowmem_jax.blocks.remat`), or a
         ``blocks:`` schedule of ``3 * (depth - 4) // 6`` blocks, the groups in order.
       conv_impl: ``"auto" | "xla" | "loop_friendly"`` (see :mod:`lowmem_jax.ops.conv`).
       unroll: run the stacks of identical blocks as straight-line code instead of a loop (same
         parameters and results); ``None``: the stacks neither remat'd nor computing in float16
-        unrolled, the others loops (:func:`lowmem_jax.scanned_blocks.straight_line`).
+        unrolled, the others loops (:func:`lowmem_jax.blocks.scanned.straight_line`).
         ``conv_impl="xla", unroll=True`` is the plain Flax baseline.
-      factorize: a :class:`~lowmem_jax.factorization.FactorConfig`: the blocks' convolutions
+      factorize: a :class:`~lowmem_jax.techniques.factorize.FactorConfig`: the blocks' convolutions
         (and, unless ``keep_first_last``, the stem and the classifier) are factorized.
       param_layout: applied to each block's parameters inside its stack's loop
         (:class:`~lowmem_jax.ScannedBlocks`; ZeRO-3 gathers them there).

@@ -1,5 +1,5 @@
 """The registry: every technique the library composes, in order
-(:class:`~lowmem_jax.technique.Technique`).
+(:class:`~lowmem_jax.core.technique.Technique`).
 
 Each module of this package declares one technique as ``TECHNIQUE``; :data:`TECHNIQUES` holds
 them all, sorted by :attr:`Technique.order`. The order is meaning: layers are replaced before
@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from lowmem_jax.technique import Technique
+from lowmem_jax.core.technique import Technique
 
 __all__ = ["TECHNIQUES", "technique", "report_sections"]
 
@@ -51,5 +51,5 @@ def technique(name: str) -> Technique:
 
 def report_sections() -> dict:
     """The ``lowmem report`` sections the techniques declare
-    (:class:`~lowmem_jax.technique_report.ReportSection`), by key, in the registry's order."""
+    (:class:`~lowmem_jax.core.report_hooks.ReportSection`), by key, in the registry's order."""
     return {t.report_section.key: t.report_section for t in TECHNIQUES if t.report_section}

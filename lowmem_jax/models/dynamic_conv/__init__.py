@@ -2,7 +2,8 @@
 
 ``conv``: the dynamic / lightweight convolutions; ``layers``: LayerNorm, attention, encoder and
 decoder layers; ``model``: the encoder-decoder with its incremental decoding cache;
-``decoding``: greedy and beam search. The loss is :func:`lowmem_jax.losses.translation_loss_fn`.
+``decoding``: greedy and beam search. The loss is
+:func:`lowmem_jax.workloads.losses.translation_loss_fn`.
 """
 
 from lowmem_jax.models.dynamic_conv.conv import (

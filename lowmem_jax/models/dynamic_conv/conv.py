@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax.factorization import FactorConfig, dense_layer
+from lowmem_jax.techniques.factorize import FactorConfig, dense_layer
 
 __all__ = [
     "DynamicConv",
@@ -43,7 +43,7 @@ PADDINGS = ("same", "causal")
 
 def _linear(factorize: FactorConfig | None) -> Callable[..., nn.Module]:
     """fairseq's ``Linear`` (lightconv.py): Xavier-uniform weights, zero bias; low-rank
-    (:class:`~lowmem_jax.factorization.LowRankDense`) under ``factorize``."""
+    (:class:`~lowmem_jax.techniques.factorize.LowRankDense`) under ``factorize``."""
     return functools.partial(
         dense_layer,
         factorize,

@@ -30,7 +30,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax.factorization import FactorConfig, apply_dense
+from lowmem_jax.blocks.remat import parse_policy, stack_policies
+from lowmem_jax.blocks.scanned import ScannedBlocks, at_use
 from lowmem_jax.models.dynamic_conv.conv import CONV_TYPES, _check_dropout, _deterministic
 from lowmem_jax.models.dynamic_conv.layers import (
     DecoderLayer,
@@ -40,8 +41,7 @@ from lowmem_jax.models.dynamic_conv.layers import (
     layer_runs,
     sinusoidal_positions,
 )
-from lowmem_jax.remat import parse_policy, stack_policies
-from lowmem_jax.scanned_blocks import ScannedBlocks, at_use
+from lowmem_jax.techniques.factorize import FactorConfig, apply_dense
 
 __all__ = ["DynamicConvTransformer"]
 
@@ -65,16 +65,16 @@ class DynamicConvTransformer(nn.Module):
       share_decoder_embeddings: tie the output projection to the decoder input embedding.
       pad_id: the padding token id (both vocabularies).
       dtype: computation dtype (``None``: follow the parameters).
-      remat: a :mod:`lowmem_jax.remat` policy name, applied per layer, or a ``blocks:``
+      remat: a :mod:`lowmem_jax.blocks.remat` policy name, applied per layer, or a ``blocks:``
         schedule of one policy per layer, the encoder's then the decoder's.
       unroll: unroll the scans over identical layers (same parameters and results).
-      factorize: a :class:`~lowmem_jax.factorization.FactorConfig`: the layers' Linear
+      factorize: a :class:`~lowmem_jax.techniques.factorize.FactorConfig`: the layers' Linear
         projections (attention, conv block, FFN) are low-rank; the embeddings, the output
         projection and DynamicConv's ``weight_linear`` stay dense.
       param_layout: applied to each layer's parameters inside its stack's loop
         (:class:`~lowmem_jax.ScannedBlocks`; ZeRO-3 gathers them there).
       outer_param_layout: applied to the embedding tables and output projection where each is
-        used (:func:`~lowmem_jax.scanned_blocks.at_use`; weight streaming moves them there).
+        used (:func:`~lowmem_jax.blocks.scanned.at_use`; weight streaming moves them there).
     """
 
     src_vocab_size: int

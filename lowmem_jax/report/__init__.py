@@ -1,0 +1,2 @@
+"""``lowmem report``: the grid of configurations, their analysis, tables and plots.
+"""

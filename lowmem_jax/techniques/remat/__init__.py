@@ -1,0 +1,134 @@
+"""Rematerialization (:mod:`lowmem_jax.blocks.remat`): the ``remat`` policy and ``remat_blocks``."""
+
+from flax import nnx
+
+from lowmem_jax.blocks import remat as remat_lib
+from lowmem_jax.blocks.discovery import AUTO_BLOCKS
+from lowmem_jax.blocks.remat import (  # noqa: F401 -- the technique's public names
+    INSIDE_BLOCK,
+    POLICY_NAMES,
+    SCHEDULE_POLICIES,
+    RematSpec,
+    check_saved_names,
+    checkpointed_call,
+    compiler_options,
+    parse_policy,
+    remat_module,
+    schedule_name,
+    stack_policies,
+    tagged_names,
+)
+from lowmem_jax.core.report_hooks import rows_of
+from lowmem_jax.core.technique import Axis, PlanField, Technique, Verdict
+from lowmem_jax.techniques.remat.schedule import BLOCKS
+
+
+def _validate(plan) -> None:
+    remat_lib.parse_policy(plan.remat)
+    if not isinstance(plan.remat_blocks, tuple) or not all(
+        isinstance(n, str) and n for n in plan.remat_blocks
+    ):
+        raise ValueError(f"remat_blocks must be a tuple of class names, got {plan.remat_blocks!r}")
+
+
+def _configure_model(model, plan):
+    """A Linen model with a ``remat`` attribute (the bundled ones) applies the policy per block
+    itself; any other model gets :func:`lowmem_jax.blocks.remat.remat_module` (per block of the
+    classes in ``remat_blocks``, else of the repeated blocks it finds)."""
+    if isinstance(model, nnx.Module) or not hasattr(model, "remat"):
+        blocks = plan.remat_blocks or AUTO_BLOCKS
+        return remat_lib.remat_module(model, plan.remat, blocks)
+    if plan.remat_blocks:
+        raise ValueError(
+            f"remat_blocks={plan.remat_blocks} is for models without a `remat` attribute; "
+            f"{type(model).__name__} applies remat={plan.remat!r} itself"
+        )
+    return model.clone(remat=plan.remat)
+
+
+def _took_effect(evidence, plan):
+    """The checkpointed regions of the step (``jax.checkpoint``), how many sit in loops, and,
+    with the step's loss, the residuals one microbatch's forward pass saves with them and with
+    them inlined (analytic): no region, or no fewer bytes, is no effect."""
+    if not remat_lib.parse_policy(plan.remat).enabled:
+        return None
+    names = ("remat2", "checkpoint")
+    regions = [depth for eqn, depth in evidence.equations() if eqn.primitive.name in names]
+    looped = sum(1 for depth in regions if depth)
+    took_effect = bool(regions)
+    text = f"{len(regions)} checkpointed regions in the step ({looped} inside loops)"
+    before = None
+    if evidence.saved_residuals is not None:
+        before = evidence.saved_residuals(False)
+        if before is None:
+            text += ", saved residuals not weighed (a checkpoint inside a custom derivative)"
+    if before is not None:
+        after = evidence.saved_residuals(True)
+        took_effect = took_effect and after < before
+        text += (
+            f", saved residuals {before / 2**20:.2f} -> {after / 2**20:.2f} MiB per "
+            "microbatch (analytic)"
+        )
+    return Verdict("remat", took_effect, f"{text}, policy {plan.remat}")
+
+
+def _axis_value(plan) -> str:
+    """The plan's point on the remat axis: a per-block schedule is one of the ``blocks``
+    family."""
+    return "blocks" if remat_lib.parse_policy(plan.remat).schedule else plan.remat
+
+
+def _rows(context):
+    """Its rows in `lowmem report`: (name, plan fields); ``save:`` keeps the model's tag."""
+    policies = ("dots", f"save:{context.saved_name}", "full", "every:2", "sqrt")
+    return [(f"remat {p}", {"remat": p}) for p in policies]
+
+
+TECHNIQUE = Technique(
+    name="remat",
+    # Order: acts on the model, per block
+    order=40,
+    fields=(
+        PlanField(
+            "remat",
+            str,
+            "none",
+            "a :mod:`lowmem_jax.blocks.remat` policy name, applied per block by the model (its "
+            "``remat`` attribute), or, for a model without one, by "
+            ":func:`lowmem_jax.blocks.remat.remat_module`.",
+            help="rematerialization policy per block: none, full (save block inputs), dots (save "
+            "conv/matmul outputs), save:NAME[,NAME] (save tagged activations, e.g. "
+            "save:conv_out), offload:NAME[,NAME] (keep them in host memory instead), every:K "
+            "(checkpoint segments of K blocks), sqrt, blocks:P*K,... (one of none/dots/full per "
+            "block, in the order the model runs them, e.g. blocks:full*4,dots*8; what lowmem "
+            "plan chooses)",
+        ),
+        PlanField(
+            "remat_blocks",
+            tuple,
+            (),
+            "for a model without a ``remat`` attribute: the class names of the submodules "
+            'checkpointed one by one (e.g. ``("Block",)``); ``()``: the whole forward under one '
+            "checkpoint (no peak-memory saving by itself, see ``remat_module``).",
+            omit_default=True,
+        ),
+    ),
+    validate=_validate,
+    label=lambda plan: None if plan.remat == "none" else f"remat {plan.remat}",
+    configure_model=_configure_model,
+    compiler_options=lambda plan: remat_lib.compiler_options(plan.remat),
+    envelope=None,  # numerically exact: no accuracy limit
+    # "blocks": the per-block schedules the planner finds (lowmem_jax.techniques.remat.schedule).
+    axis=Axis(
+        "remat",
+        ("none", "dots", "full", "sqrt", "blocks"),
+        plan_fields=lambda value: {"remat": value},
+        within=lambda value, limit, batch_size: True,
+        compute=True,
+        family=BLOCKS,
+        value_of=_axis_value,
+        parts=("activations",),
+    ),
+    report_rows=rows_of("remat", 30, "remat full", _rows),
+    took_effect=_took_effect,
+)

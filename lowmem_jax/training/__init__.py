@@ -1,0 +1,2 @@
+"""The training loop, its per-run configuration and tasks, checkpoints and metrics.
+"""
