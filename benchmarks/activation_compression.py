@@ -5,7 +5,7 @@ the machine at hand (fp32, SGD Nesterov momentum 0.9, one microbatch, the lowmem
 state donated), against the plain Flax/Optax step (``benchmarks/train_step.py``'s ``plain``):
 
 * the residual bytes the backward pass reads, analytic
-  (:func:`lowmem_jax.techniques.activations.compress.residual_report` on the model's loss: as JAX
+  (:func:`lowmem_jax.techniques.activations.residuals.residual_report` on the model's loss: as JAX
   keeps them, and as the format stores them);
 * XLA's compiled memory figures (``memory_analysis``; total = argument + output + temp - alias)
   and the bytes the inspector (:func:`lowmem_jax.inspect`) classes as saved residuals at the
@@ -35,7 +35,7 @@ import optax
 
 import lowmem_jax as lm
 from lowmem_jax.analysis.memory import xla_memory
-from lowmem_jax.techniques.activations import compress as ac
+from lowmem_jax.techniques.activations import residuals as ac
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import result_writer, train_step  # noqa: E402

@@ -180,7 +180,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     from lowmem_jax.analysis.memory import xla_memory
     from lowmem_jax.analysis.timing import time_step
     from lowmem_jax.cli.dispatch import _use_compilation_cache
-    from lowmem_jax.workloads.registry import build, build_plain, workload
+    from lowmem_jax.workloads import build, build_plain, workload
 
     # The run's own cache (phase "compile" writes it, phase "measure" reads it), else only where
     # asked for (the tests): a cached executable makes compile_seconds meaningless.
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
-    from lowmem_jax.workloads.registry import workload
+    from lowmem_jax.workloads import workload
 
     models = [m for m in args.models.split(",") if m]
     plans = []

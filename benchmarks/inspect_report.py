@@ -26,7 +26,7 @@ import jax
 from lowmem_jax.analysis import inspector
 from lowmem_jax.cli.dispatch import build_parser
 from lowmem_jax.compose.flags import plan_or_plain
-from lowmem_jax.workloads.registry import build, build_plain, workload
+from lowmem_jax.workloads import build, build_plain, workload
 
 MIB = 2.0**20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -58,7 +58,7 @@ from lowmem_jax.analysis.memory import xla_memory
 from lowmem_jax.techniques.loss_scale import scale as loss_scale_lib
 from lowmem_jax.training import tasks
 from lowmem_jax.training.loop import TrainConfig
-from lowmem_jax.workloads.registry import workload
+from lowmem_jax.workloads import workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sparse_storage  # noqa: E402

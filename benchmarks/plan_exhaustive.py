@@ -32,12 +32,12 @@ import jax
 
 from lowmem_jax.analysis import memory
 from lowmem_jax.analysis.flops import count_flops
-from lowmem_jax.blocks.remat import schedule_name
-from lowmem_jax.compose.flags import analyze_argv
+from lowmem_jax.blocks.policy import schedule_name
 from lowmem_jax.compose.plan import Plan
 from lowmem_jax.planning import planner
 from lowmem_jax.planning.search import plan_of
-from lowmem_jax.workloads.registry import Workload, build, workload
+from lowmem_jax.workloads import Workload, build, workload
+from lowmem_jax.workloads.flags import analyze_argv
 
 MIB = 2.0**20
 

@@ -5,7 +5,7 @@ global pooling, a dense head; no ``remat`` attribute), written once in Linen and
 trained by ``lm.make_train_step`` under ``mixed_bf16`` with 2 microbatches and SGD with momentum
 (``--batch-size`` images of 32x32x3). Remat comes from the plan (:meth:`lowmem_jax.Plan
 .configure_model`): ``none``; ``full`` over the whole forward
-(``lowmem_jax.blocks.remat.remat_module`` with ``blocks=()``); ``full`` and ``dots`` per block
+(``lowmem_jax.techniques.remat.remat_module`` with ``blocks=()``); ``full`` and ``dots`` per block
 (``remat_blocks=("Block",)``); ``full`` per block found by the plan itself (``remat_blocks=()``: the
 repeated block classes).
 
@@ -106,7 +106,7 @@ def measure(api: str, row: str, width: int, depth: int, batch_size: int) -> dict
         if blocks is not None:
             return plan.configure_model(model)
         whole = dataclasses.replace(plan, remat="none").configure_model(model)
-        return lm.blocks.remat.remat_module(whole, remat, ())
+        return lm.techniques.remat.remat_module(whole, remat, ())
 
     batch = {
         "image": jax.ShapeDtypeStruct((batch_size, 32, 32, 3), jnp.float32),

@@ -48,7 +48,7 @@ import lowmem_jax as lm
 from lowmem_jax.analysis import memory
 from lowmem_jax.analysis.memory import xla_memory
 from lowmem_jax.techniques import sparsity
-from lowmem_jax.workloads.registry import workload
+from lowmem_jax.workloads import workload
 
 # name -> (storage, algorithm, distribution); "dense" has no sparsity.
 CONFIGS: dict[str, tuple[str, str, str] | None] = {

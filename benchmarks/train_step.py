@@ -28,7 +28,7 @@ import optax
 
 import lowmem_jax as lm
 from lowmem_jax.analysis.memory import xla_memory
-from lowmem_jax.workloads.registry import workload
+from lowmem_jax.workloads import workload
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import result_writer  # noqa: E402

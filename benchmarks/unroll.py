@@ -28,7 +28,7 @@ import sys
 import jax
 
 import lowmem_jax as lm
-from lowmem_jax.workloads import registry as workloads
+from lowmem_jax import workloads
 
 UNROLLS = (False, True, None)
 # Plans (lowmem analyze flags as Plan keywords): the precisions alone, microbatches, remat.

@@ -45,8 +45,8 @@ def configs(model: str, compressions: list[float]):
 
 
 def measure(model: str, compressions: list[float]) -> dict:
-    from lowmem_jax.compose.flags import analyze_argv
-    from lowmem_jax.workloads.registry import analyze_model
+    from lowmem_jax.workloads import analyze_model
+    from lowmem_jax.workloads.flags import analyze_argv
 
     batch, seq_len = SIZES[model]
     rows = []

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import study  # noqa: E402
 from experiments.memory_reports import MODELS, load_or_run_report  # noqa: E402
 from lowmem_jax.report.grid import divisor_at_most, standard_grid  # noqa: E402
-from lowmem_jax.workloads.registry import build, build_plain, workload  # noqa: E402
+from lowmem_jax.workloads import build, build_plain, workload  # noqa: E402
 
 OUT = os.path.join(study.RESULTS, "rq3")
 

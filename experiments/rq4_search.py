@@ -44,7 +44,7 @@ from experiments.memory_reports import MODELS, load_or_run_report  # noqa: E402
 from experiments.rq3_compute import prepare, time_interleaved  # noqa: E402
 from lowmem_jax.compose.plan import Plan  # noqa: E402
 from lowmem_jax.report.grid import divisor_at_most  # noqa: E402
-from lowmem_jax.workloads.registry import analyze_model  # noqa: E402
+from lowmem_jax.workloads import analyze_model  # noqa: E402
 
 OUT = os.path.join(study.RESULTS, "rq4")
 RQ2 = os.path.join(study.RESULTS, "rq2")

@@ -46,7 +46,7 @@ from lowmem_jax import (  # noqa: F401 -- the themed subpackages, reachable as l
 from lowmem_jax.analysis.inspector import inspect
 from lowmem_jax.analysis.memory import analyze
 from lowmem_jax.analysis.verdicts import verdicts
-from lowmem_jax.blocks.remat import compiler_options
+from lowmem_jax.blocks.policy import compiler_options
 from lowmem_jax.blocks.scanned import ScannedBlocks
 from lowmem_jax.compose.nnx_split import split_nnx
 from lowmem_jax.compose.plan import Plan
@@ -66,9 +66,10 @@ from lowmem_jax.techniques.microbatches.accumulate import accumulate_gradients
 from lowmem_jax.techniques.optimizer_state.quantized import quantized_state
 from lowmem_jax.techniques.precision.policy import cast_loss_fn
 from lowmem_jax.training.skip_guard import NoProgressError, SkipGuard
+from lowmem_jax.workloads.builder import analyze_model, build
 from lowmem_jax.workloads.custom import custom_workload
 from lowmem_jax.workloads.losses import classifier_loss_fn, translation_loss_fn
-from lowmem_jax.workloads.registry import analyze_model, build, workload
+from lowmem_jax.workloads.registry import workload
 
 __version__ = "0.1.0"
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from test_technique import _settings
 
 import lowmem_jax as lm
+from lowmem_jax.blocks import hooks as block_hooks
 from lowmem_jax.cli import dispatch as cli
 from lowmem_jax.core import mesh as sharding
 from lowmem_jax.techniques import TECHNIQUES
@@ -127,7 +128,8 @@ def _stack_gradients(stages, microbatches, variables, x, block=_Block):
     settings = pipeline_lib.Pipeline(stages, microbatches, mesh)
 
     def loss(params):
-        with pipeline_lib.pipelining(settings) as trace:
+        trace = pipeline_lib.PipelinedStacks(settings)  # the pipeline's per-block hook
+        with block_hooks.active(trace):
             y, updated = stack.apply({**variables, "params": params}, x, train=True,
                                      mutable=["batch_stats"])  # fmt: skip
         updated = updated or {}

@@ -118,7 +118,7 @@ def test_every_stage_equals_the_one_device_step(stage):
     # The layout each stage promises, on the state the step returns.
     kernel = state.params["Dense_0"]["kernel"]  # [5, 8]: split along its 8 outputs
     mu = state.opt_state[0].trace["Dense_0"]["kernel"]
-    stage_ = sharding.stage(stage)
+    stage_ = lm.techniques.shard.stage(stage)
     assert (kernel.sharding.spec == P(None, "data")) == stage_.parameters
     assert (mu.sharding.spec == P(None, "data")) == stage_.optimizer_state
     assert len(kernel.sharding.device_set) == DEVICES

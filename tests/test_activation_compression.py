@@ -1,4 +1,4 @@
-"""Compressed activations (lowmem_jax.techniques.activations.compress, Plan(activations=...)): the
+"""Compressed activations (lowmem_jax.techniques.activations.residuals, Plan(activations=...)): the
 stored formats' error bounds, exact forward values, gradients near float32's, parameters never
 compressed, bytes that fall, on our WideResNet and on a model written the common Linen way."""
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import lowmem_jax as lm
 from lowmem_jax.codecs.activation_formats import MASK
-from lowmem_jax.techniques.activations import compress as ac
+from lowmem_jax.techniques.activations import residuals as ac
 
 INT_FORMATS = ["int8", "int4", "int2"]
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lowmem_jax import workloads
 from lowmem_jax.cli import dispatch as cli
 from lowmem_jax.training import loop
-from lowmem_jax.workloads import registry as workloads
 
 TRAIN = ["train", "--model", "wrn-10-1", "--image-size", "8", "--no-progress"]
 
@@ -26,7 +26,7 @@ def nothing_compiles(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a train step was built for bad input")
 
-    monkeypatch.setattr(workloads, "make_train_step", refuse)
+    monkeypatch.setattr(workloads.builder, "make_train_step", refuse)
 
 
 def _one_line_error(argv, capsys, prog="lowmem train"):

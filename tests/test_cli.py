@@ -3,7 +3,8 @@ import json
 import pytest
 
 from lowmem_jax.cli import dispatch as cli
-from lowmem_jax.compose.flags import analyze_argv, plan_from_args
+from lowmem_jax.compose.flags import plan_from_args
+from lowmem_jax.workloads.flags import analyze_argv
 
 
 @pytest.mark.slow

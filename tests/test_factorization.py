@@ -16,11 +16,11 @@ from tensorly.decomposition import parafac, partial_tucker
 
 import lowmem_jax as lm
 from lowmem_jax.cli import dispatch as cli
-from lowmem_jax.compose.flags import analyze_argv
 from lowmem_jax.ops import conv2d
 from lowmem_jax.techniques import factorize as fz
 from lowmem_jax.techniques.factorize import layers as fz_layers
 from lowmem_jax.training.loop import TrainConfig
+from lowmem_jax.workloads.flags import analyze_argv
 
 
 def _random(shape, seed=0):

@@ -12,7 +12,7 @@ import pytest
 from conftest import BENCHMARKS, load_benchmark
 
 from lowmem_jax.compose.plan import Plan
-from lowmem_jax.workloads.registry import analyze_model
+from lowmem_jax.workloads import analyze_model
 
 SCRIPT = BENCHMARKS / "gpu_validate.py"
 TINY = ["--models", "wrn-10-1", "--batch-size", "4", "--image-size", "8", "--repeats", "1"]

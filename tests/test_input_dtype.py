@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import models
+from lowmem_jax import models, workloads
 from lowmem_jax.data import cifar10, load_digits
-from lowmem_jax.workloads import registry as workloads
 
 
 def test_uint8_images_give_the_logits_of_host_normalised_ones():

@@ -116,7 +116,7 @@ def test_compare_says_what_remat_removed():
     model = Net()
     step, params, opt_state, batch = _plain_step(model)
     before = lm.inspect(step, params, opt_state, batch)
-    rematted = lm.blocks.remat.remat_module(model, "full", ("Block",))
+    rematted = lm.techniques.remat.remat_module(model, "full", ("Block",))
     step, params, opt_state, batch = _plain_step(rematted)
     after = lm.inspect(step, params, opt_state, batch)
     change = compare(before, after)

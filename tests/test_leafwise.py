@@ -238,7 +238,7 @@ def test_a_pure_fp16_step_with_int4_moments_keeps_no_float32_copy_of_the_paramet
     `fp16 + mb 2 + remat full + sparse 90%`: 7.55 MiB with int4 against 7.05; 6.84 now). The
     rule of the int8 test above. Two groups of leaves need over 2**20 parameters: WRN-28-2, on
     8x8 images."""
-    from lowmem_jax.workloads.registry import build, workload
+    from lowmem_jax.workloads import build, workload
 
     sizes = {}
     for fmt in ("auto", "int4"):

@@ -13,8 +13,8 @@ from conftest import TINY_TRANSLATION, assert_tensorboard_matches_jsonl
 import lowmem_jax as lm
 from lowmem_jax.techniques.sparsity import SparseConfig
 from lowmem_jax.training.loop import TrainConfig, train_and_evaluate
+from lowmem_jax.workloads import translation_is_sparse
 from lowmem_jax.workloads.recipes import inverse_sqrt_schedule
-from lowmem_jax.workloads.registry import translation_is_sparse
 
 # A 1 + 1 layer, 32-channel model, one batch shape (widths <= 9 round up to 16; 32 rows), no
 # dropout: a short run learns the copy task; compiles and steps stay short on CPU. The plan is

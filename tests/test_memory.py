@@ -15,7 +15,7 @@ from lowmem_jax.compose.flags import plan_from_args
 from lowmem_jax.ops import conv2d
 from lowmem_jax.report.grid import model_grid, standard_grid
 from lowmem_jax.report.run import run_report, write_report
-from lowmem_jax.workloads.registry import analyze_model
+from lowmem_jax.workloads import analyze_model
 
 B, D, H, OUT = 16, 12, 32, 5
 F32 = 4
@@ -133,7 +133,7 @@ def test_the_analysis_compile_gives_the_default_builds_bytes():
     assigned before code generation, so every figure equals the default build's (level 3,
     asked for explicitly: the suite's XLA_FLAGS already say 0), on a step with microbatch and
     remat loops, half precision and the loss scale's conditional skip."""
-    from lowmem_jax.workloads.registry import build, workload
+    from lowmem_jax.workloads import build, workload
 
     assert memory.analysis_compiler_options("cpu") == {"xla_backend_optimization_level": 0}
     assert memory.analysis_compiler_options("gpu") == {}

@@ -13,10 +13,10 @@ import pytest
 from conftest import BNNet, assert_trees_close, classification_batch, load_benchmark, to_numpy
 
 import lowmem_jax as lm
+from lowmem_jax import workloads
 from lowmem_jax.analysis import memory
 from lowmem_jax.cli import dispatch as cli
 from lowmem_jax.training import checkpointing
-from lowmem_jax.workloads import registry as workloads
 
 
 def _memory_kinds(tree):

@@ -1,4 +1,5 @@
-"""Stored optimizer-state formats (lowmem_jax.techniques.optimizer_state.quantized) and the step's finiteness guard."""
+"""Stored optimizer-state formats (lowmem_jax.techniques.optimizer_state) and the step's finiteness
+guard."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_fp32_format_is_the_inner_optimizer(name):
     got, state = _run(lm.quantized_state(inner, "fp32"), PARAMS)
     for a, b in zip(ref, got, strict=True):
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9), a, b)
-    assert isinstance(state, lm.techniques.optimizer_state.quantized.QuantizedState) and state.rng is None
+    assert isinstance(state, lm.techniques.optimizer_state.QuantizedState) and state.rng is None
 
 
 def test_works_inside_chain_and_with_injected_hyperparameters():
@@ -215,7 +216,8 @@ def test_pure_fp16_adam_train_step_keeps_finite_parameters():
     batch = classification_batch(n=16)
     variables = model.init(jax.random.PRNGKey(0), batch["image"], train=False)
     tx = plan.wrap_optimizer(optax.adam(1e-2))
-    assert isinstance(tx, lm.techniques.optimizer_state.quantized.QuantizedStateOptimizer) and tx.format == "auto"
+    assert isinstance(tx, lm.techniques.optimizer_state.QuantizedStateOptimizer)
+    assert tx.format == "auto"
     state = lm.TrainState.create(
         params=variables["params"],
         tx=tx,
@@ -339,12 +341,12 @@ def test_sparse_slot_reset_of_regrown_weights_reaches_the_quantized_slots(fmt):
 
 
 def test_plan_puts_16_bit_slots_inside_sparse_training():
-    params = lm.techniques.precision.policy.cast_floating(tiny_params(), jnp.bfloat16)
+    params = lm.techniques.precision.cast_floating(tiny_params(), jnp.bfloat16)
     cfg = sparsity.SparseConfig(algorithm="set", density=0.3, update_period=2, drop_fraction=0.5)
     # Pure bf16, optimizer_state auto: bfloat16 slots, float32 arithmetic, inside.
     inside = lm.Plan(precision="bf16", sparsity=cfg).wrap_optimizer(optax.adam(1e-2), params)
     assert isinstance(inside, sparsity.SparseTraining)
-    assert isinstance(inside.inner, lm.techniques.optimizer_state.quantized.QuantizedStateOptimizer)
+    assert isinstance(inside.inner, lm.techniques.optimizer_state.QuantizedStateOptimizer)
     # bf16 slots inside: sparse training finds them as mirrors and resets the regrown ones.
     stored, state = inside.store(params)
     grads = jax.tree.map(jnp.sin, params)
@@ -376,7 +378,7 @@ def test_plan_puts_codes_inside_sparse_training_resets_them_and_decodes_in_group
     plan = lm.Plan(sparsity=cfg, optimizer_state=fmt)
     inside = plan.wrap_optimizer(optax.adam(1e-2), params)
     assert isinstance(inside, sparsity.SparseTraining)
-    assert isinstance(inside.inner, lm.techniques.optimizer_state.quantized.QuantizedStateOptimizer)
+    assert isinstance(inside.inner, lm.techniques.optimizer_state.QuantizedStateOptimizer)
     stored, state = inside.store(params)
     grads = jax.tree.map(jnp.sin, stored)
     groups, why = inside.inner.schedule(grads, state.inner_state.inner_state, stored)

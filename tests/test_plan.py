@@ -1,6 +1,10 @@
 """Plan as a value: made of the techniques' fields, keyword-only, frozen, validated, described."""
 
+import __future__
+
 import dataclasses
+import json
+import pathlib
 import pickle
 
 import jax.numpy as jnp
@@ -101,3 +105,44 @@ def test_on_one_device_turns_off_what_needs_several_devices_and_nothing_else():
     one = lm.Plan(remat="full", optimizer_memory="pinned_host")
     assert one.on_one_device() is one
     assert lm.Plan().mesh() is None and lm.Plan().state_shardings({"x": jnp.zeros(2)}) is None
+
+
+def test_the_committed_plan_stub_is_what_the_techniques_declare():
+    """``plan.pyi`` shows readers, ``grep`` and type checkers the fields ``make_dataclass``
+    builds; it is regenerated from the registry here (a field added to a technique without
+    ``lowmem_jax.compose.plan.write_stub()`` fails)."""
+    from lowmem_jax.compose import plan as plan_module
+
+    text = pathlib.Path(plan_module.__file__).with_suffix(".pyi").read_text()
+    assert text == plan_module.stub(), "run lowmem_jax.compose.plan.write_stub()"
+    for field in dataclasses.fields(lm.Plan):
+        assert f"\n    {field.name}: " in text, field.name
+    assert "\n    def configure_model(self, model: ModuleT) -> ModuleT: ...\n" in text
+    namespace: dict = {}
+    lazy = __future__.annotations.compiler_flag  # a stub's annotations may name Plan itself
+    exec(compile(text, "plan.pyi", "exec", flags=lazy), namespace)  # the stub is valid Python
+    assert [n for n in vars(namespace["Plan"]) if not n.startswith("_")] == [
+        n for n in vars(plan_module._PlanMethods) if not n.startswith("_")
+    ]
+
+
+@given(st.sampled_from(["none", "full", "dots", "sqrt", "every:3", "save:conv_out",
+                        "blocks:full*2,none"]))  # fmt: skip
+def test_a_remat_policy_is_parsed_once_into_a_value_that_reads_as_its_text(text):
+    """``Plan(remat=...)`` holds a parsed :class:`RematSpec` (what every use reads, no parse
+    again), equal to, hashed as and written like its text (JSON, flags, ``repr``); a copy,
+    a replace and a pickle keep it parsed."""
+    from lowmem_jax.blocks.policy import RematSpec, parse_policy
+
+    plan = lm.Plan(remat=text)
+    assert isinstance(plan.remat, RematSpec) and plan.remat == text and str(plan.remat) == text
+    assert hash(plan) == hash(lm.Plan(remat=RematSpec(text)))
+    assert plan.remat.enabled == (text != "none")
+    assert parse_policy(plan.remat) is plan.remat
+    assert json.loads(json.dumps(plan.to_dict()))["remat"] == text
+    assert f"remat={text!r}" in repr(plan)
+    for copy in (dataclasses.replace(plan, microbatches=2), pickle.loads(pickle.dumps(plan))):
+        assert isinstance(copy.remat, RematSpec) and copy.remat == text
+        assert copy.remat.segment == plan.remat.segment
+    with pytest.raises(ValueError, match="Unknown remat='every:0'; allowed values"):
+        lm.Plan(remat="every:0")

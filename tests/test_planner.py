@@ -9,7 +9,7 @@ import pytest
 
 import lowmem_jax as lm
 from lowmem_jax.cli import dispatch as cli
-from lowmem_jax.compose.flags import parse_bytes
+from lowmem_jax.core.units import parse_bytes
 from lowmem_jax.planning import descent as plan_descent
 from lowmem_jax.planning import planner
 from lowmem_jax.planning import search as plan_search
@@ -17,7 +17,7 @@ from lowmem_jax.planning.envelope import ENVELOPES
 from lowmem_jax.planning.space import axes_in
 from lowmem_jax.techniques.factorize import FactorConfig
 from lowmem_jax.techniques.sparsity import report_sparsity
-from lowmem_jax.workloads.registry import analyze_model
+from lowmem_jax.workloads import analyze_model
 
 MIB = 2**20
 MODEL, BATCH = "wrn-10-1", 16  # baseline: ~11.3 MiB by XLA:CPU

@@ -16,19 +16,19 @@ import lowmem_jax as lm
     ],
 )
 def test_named_policies(name, param, compute):
-    policy = lm.techniques.precision.policy.get_policy(name)
+    policy = lm.techniques.precision.get_policy(name)
     assert policy.param_dtype == param and policy.compute_dtype == compute
     assert policy.output_dtype == jnp.float32
 
 
 def test_unknown_precision_names_parameter_and_choices():
     with pytest.raises(ValueError, match=r"precision='fp8'.*mixed_fp16"):
-        lm.techniques.precision.policy.get_policy("fp8")
+        lm.techniques.precision.get_policy("fp8")
 
 
 def test_cast_floating_only_touches_floats():
     tree = {"w": jnp.ones(2), "ids": jnp.arange(2), "mask": jnp.array([True, False])}
-    out = lm.techniques.precision.policy.cast_floating(tree, jnp.float16)
+    out = lm.techniques.precision.cast_floating(tree, jnp.float16)
     assert out["w"].dtype == jnp.float16
     assert out["ids"].dtype == tree["ids"].dtype and out["mask"].dtype == jnp.bool_
 
@@ -61,5 +61,5 @@ def test_cast_floating_handles_abstract_leaves():
         "w": jax.ShapeDtypeStruct((2, 3), jnp.float32),
         "i": jax.ShapeDtypeStruct((2,), jnp.int32),
     }
-    out = lm.techniques.precision.policy.cast_floating(tree, jnp.float16)
+    out = lm.techniques.precision.cast_floating(tree, jnp.float16)
     assert out["w"] == jax.ShapeDtypeStruct((2, 3), jnp.float16) and out["i"] == tree["i"]

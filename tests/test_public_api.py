@@ -112,3 +112,38 @@ def test_every_lm_path_in_the_docs_resolves():
                 _resolve(path)
             except AttributeError as error:
                 raise AssertionError(f"{doc.name}: lm.{path} does not resolve") from error
+
+
+#: Names of the flat layout (a88204e) that are gone, replaced: the activations' and the
+#: pipeline's context variables by per-block hooks (lowmem_jax.blocks.hooks).
+REPLACED = {"active_spec", "active", "pipelining"}
+
+
+def test_every_module_path_of_the_flat_layout_still_resolves_with_a_warning():
+    """Each module of the flat layout (``tests/data/flat_layout_names.json``: its public names
+    at a88204e) imports by its old path for one release, warning with its new home, and gives
+    the same objects as the new home (one module, not a copy)."""
+    import importlib
+    import json
+    import sys
+    import warnings
+
+    old = json.loads((ROOT / "tests" / "data" / "flat_layout_names.json").read_text())
+    for path, names in old.items():
+        kept = path.count(".") == 1 and path.split(".")[1] in vars(lm)  # lm.verdicts, lm.sparsity
+        if type(sys.modules.get(path)).__name__ == "_Alias" and not kept:  # imported before
+            del sys.modules[path]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(path)
+        missing = [n for n in names if n not in REPLACED and not hasattr(module, n)]
+        assert not missing, (path, missing)
+        if isinstance(module, types.ModuleType) and type(module).__name__ == "_Alias":
+            assert kept or any(issubclass(w.category, DeprecationWarning) for w in caught), path
+    from lowmem_jax.remat import parse_policy
+    from lowmem_jax.sparsity.transform import SparseTraining
+
+    assert parse_policy is lm.techniques.remat.parse_policy
+    assert SparseTraining is lm.techniques.sparsity.SparseTraining
+    assert lm.loss_scale.all_finite is lm.core.finite.all_finite
+    assert callable(lm.verdicts) and lm.sparsity is lm.techniques.sparsity  # names kept

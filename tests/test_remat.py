@@ -101,10 +101,10 @@ def test_temp_bytes_fall_as_remat_saves_less():
     ],
 )
 def test_a_schedule_parses_to_one_policy_per_block(name, policies):
-    spec = lm.blocks.remat.parse_policy(name)
+    spec = lm.techniques.remat.parse_policy(name)
     assert spec.schedule == policies and spec.enabled
-    assert lm.blocks.remat.schedule_name(policies) == name
-    assert not lm.blocks.remat.parse_policy("blocks:none*3").enabled
+    assert lm.techniques.remat.schedule_name(policies) == name
+    assert not lm.techniques.remat.parse_policy("blocks:none*3").enabled
 
 
 @pytest.mark.parametrize(
@@ -113,19 +113,19 @@ def test_a_schedule_parses_to_one_policy_per_block(name, policies):
 )
 def test_a_malformed_schedule_is_refused_naming_remat(name):
     with pytest.raises(ValueError, match=r"Unknown remat=.*blocks:P\[\*K\]"):
-        lm.blocks.remat.parse_policy(name)
+        lm.techniques.remat.parse_policy(name)
 
 
 def test_a_schedule_must_give_every_block_of_the_model_a_policy():
-    assert lm.blocks.remat.stack_policies("blocks:full*2,none", [1, 2], "M") == [
+    assert lm.techniques.remat.stack_policies("blocks:full*2,none", [1, 2], "M") == [
         ("full",),
         ("full", "none"),
     ]
-    assert lm.blocks.remat.stack_policies("dots", [1, 2], "M") == ["dots", "dots"]
+    assert lm.techniques.remat.stack_policies("dots", [1, 2], "M") == ["dots", "dots"]
     with pytest.raises(ValueError, match=r"schedules 2 blocks; WRN-16 runs 6"):
         _wrn_grads("blocks:full*2", depth=16)
     with pytest.raises(ValueError, match="needs the scanned block stacks"):
-        lm.blocks.remat.remat_module(Block(), "blocks:full")
+        lm.techniques.remat.remat_module(Block(), "blocks:full")
     with pytest.raises(ValueError, match="a stack takes its slice"):
         _stack_temp_bytes("blocks:full*16")
 
@@ -188,14 +188,14 @@ def test_parameters_do_not_depend_on_policy():
 @pytest.mark.parametrize("name", ["some", "every:0", "every:x", "save:", "offload:", "", None])
 def test_unknown_policy_raises(name):
     with pytest.raises(ValueError, match=r"remat=.*allowed values"):
-        lm.blocks.remat.parse_policy(name)
+        lm.techniques.remat.parse_policy(name)
 
 
 @pytest.mark.parametrize(
     "name, length, expected", [("sqrt", 9, 3), ("sqrt", 3, 2), ("every:4", 3, 3), ("full", 5, 1)]
 )
 def test_segment_length(name, length, expected):
-    assert lm.blocks.remat.parse_policy(name).segment_length(length) == expected
+    assert lm.techniques.remat.parse_policy(name).segment_length(length) == expected
 
 
 @pytest.mark.parametrize(

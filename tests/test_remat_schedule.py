@@ -14,7 +14,7 @@ from lowmem_jax.planning import search as plan_search
 from lowmem_jax.planning.envelope import ENVELOPES
 from lowmem_jax.planning.search import Search
 from lowmem_jax.techniques.remat import schedule as rs
-from lowmem_jax.workloads.registry import workload
+from lowmem_jax.workloads import workload
 
 
 @st.composite
@@ -79,7 +79,7 @@ def test_a_schedules_predicted_costs_match_the_whole_step_count():
     assert all(d < 0 for d in costs.dbytes["full"]) and all(f > 0 for f in costs.dflops["full"])
     policies = ("full", "none", "dots")
     predicted = rs.predict(costs, policies)
-    name = lm.blocks.remat.schedule_name(policies)
+    name = lm.techniques.remat.schedule_name(policies)
     traced = search._activations(plan_search._with(fp32, "remat", name), 1)
     assert predicted.bytes == pytest.approx(traced, rel=0.02)
     assert predicted.flops == pytest.approx(search.flops(lm.Plan(remat=name)), rel=1e-3)

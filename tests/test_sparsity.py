@@ -1,4 +1,4 @@
-"""Sparse training (lowmem_jax.techniques.sparsity): config, layout, selection, the optax wrapper."""
+"""Sparse training (lowmem_jax.sparsity): config, layout, selection, the optax wrapper."""
 
 import dataclasses
 
@@ -432,7 +432,7 @@ def test_stored_layout_grads_are_refused_where_they_cannot_work():
 
 @pytest.mark.slow
 def test_compressed_microbatch_accumulator_has_the_stored_size():
-    from lowmem_jax.workloads.registry import analyze_model
+    from lowmem_jax.workloads import analyze_model
 
     plan = lm.Plan(microbatches=2)
     dense = analyze_model("wrn-10-1", 8, plan, image_size=8).analytic["optimizer_breakdown"]
@@ -663,7 +663,7 @@ def test_blockwise_stacks_give_the_gradients_of_the_dense_materialization(monkey
     materialization (without remat the stacks are densified whole: ``CompressedStack.dense``,
     checked against ``materialize`` above)."""
     from lowmem_jax.core.base import differentiated_loss
-    from lowmem_jax.workloads.registry import build, workload
+    from lowmem_jax.workloads import build, workload
 
     cfg = sparsity.SparseConfig(
         algorithm="dsr", density=0.2, distribution="uniform", compressed=True

@@ -12,7 +12,7 @@ import lowmem_jax as lm
 from lowmem_jax.techniques import sparsity
 from lowmem_jax.techniques.sparsity import storage
 from lowmem_jax.techniques.sparsity.layout import make_layout
-from lowmem_jax.workloads.registry import build, workload
+from lowmem_jax.workloads import build, workload
 
 # Tiny activations (8x8 images, microbatches of 4, full remat), so the step's temporaries are
 # mostly weight-sized: the dense gradient, its microbatch accumulator and (compressed) the

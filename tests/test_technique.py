@@ -14,12 +14,7 @@ from hypothesis import strategies as st
 
 import lowmem_jax as lm
 from lowmem_jax.analysis import memory
-from lowmem_jax.compose.flags import (
-    add_plan_flags,
-    add_workload_flags,
-    analyze_argv,
-    plan_from_args,
-)
+from lowmem_jax.compose.flags import add_plan_flags, plan_from_args
 from lowmem_jax.core.report_hooks import GridContext, ReportRow
 from lowmem_jax.planning import planner
 from lowmem_jax.planning.envelope import ENVELOPES
@@ -28,6 +23,7 @@ from lowmem_jax.planning.space import axes_in
 from lowmem_jax.report import grid as report_grid
 from lowmem_jax.report.grid import model_grid, standard_grid
 from lowmem_jax.techniques import TECHNIQUES, technique
+from lowmem_jax.workloads.flags import add_workload_flags, analyze_argv
 
 PLAN_FIELDS = [f.name for f in dataclasses.fields(lm.Plan)]
 AXES = [t for t in TECHNIQUES if t.axis is not None]
@@ -46,7 +42,6 @@ def test_every_plan_field_is_owned_by_exactly_one_technique():
     assert owned == PLAN_FIELDS  # Plan is made of them, in the registry's order
     assert len({t.name for t in TECHNIQUES}) == len(TECHNIQUES)
     assert all(t.name == t.fields[0].name for t in TECHNIQUES)  # named by its first field
-    assert [t.order for t in TECHNIQUES] == sorted({t.order for t in TECHNIQUES})
 
 
 def test_every_technique_reaches_the_command_line():
@@ -120,22 +115,23 @@ def test_every_searched_technique_has_rows_in_a_report_grid():
 
 
 @pytest.mark.parametrize("images", [True, False])
-def test_every_technique_s_report_rows_reach_the_grid_in_position_order(images):
-    """The grid is the registry's rows (and the combined ones), sorted by position; each
-    technique that declares rows has one of them in the quick grid, with the plan its fields
-    make."""
+def test_every_technique_s_report_rows_reach_the_grid_in_row_order(images):
+    """The grid is the registry's rows (and the combined ones), in ``ROW_ORDER`` (a technique's
+    rows under its name); each technique that declares rows has one of them in the quick grid,
+    with the plan its fields make."""
     context = GridContext(BATCH, "conv_out", images)
     full = standard_grid(BATCH, images=images)
     quick = {name: plan for name, _, plan in standard_grid(BATCH, images=images, quick=True)}
     by_name = {name: (group, plan) for name, group, plan in full}
     for t in TECHNIQUES:
-        rows = t.report_rows(context) if t.report_rows else ()
+        rows = t.report.rows(context) if t.report.rows else ()
         for row in rows:
             assert by_name[row.name] == (row.group, lm.Plan(**row.fields)), row.name
         assert sum(row.quick for row in rows) == (1 if rows else 0), t.name
         assert all(row.name in quick for row in rows if row.quick)
-    positions = {row.name: row.position for t in TECHNIQUES if t.report_rows
-                 for row in t.report_rows(context)}  # fmt: skip
+    positions = {row.name: report_grid.ROW_ORDER.index(row.section or t.name)
+                 for t in TECHNIQUES if t.report.rows
+                 for row in t.report.rows(context)}  # fmt: skip
     ordered = [positions[name] for name, _, _ in full if name in positions]
     assert ordered == sorted(ordered)
 
@@ -144,8 +140,9 @@ def test_a_technique_s_rows_land_in_the_report_without_editing_the_grid(monkeypa
     """A new technique's rows reach ``lowmem report`` from its own module: here a copy of the
     precision technique that declares one more row, put in the registry."""
     old = technique("precision")
-    row = ReportRow("bf16 again", "precision", {"precision": "bf16"}, 10, quick=True)
-    new = dataclasses.replace(old, report_rows=lambda context: (*old.report_rows(context), row))
+    row = ReportRow("bf16 again", "precision", {"precision": "bf16"}, quick=True)
+    rows = lambda context: (*old.report.rows(context), row)  # noqa: E731
+    new = dataclasses.replace(old, report=dataclasses.replace(old.report, rows=rows))
     registry = tuple(new if t is old else t for t in TECHNIQUES)
     monkeypatch.setattr(report_grid, "TECHNIQUES", registry)
     names = [name for name, _, _ in model_grid("wrn-28-2", BATCH, "quick")]
@@ -179,7 +176,7 @@ def test_a_technique_s_report_section_lands_in_the_report_without_editing_it(mon
         plot=plot,
     )
     old = technique("precision")
-    new = dataclasses.replace(old, report_section=section)
+    new = dataclasses.replace(old, report=dataclasses.replace(old.report, section=section))
     monkeypatch.setattr(
         registry_module, "TECHNIQUES", tuple(new if t is old else t for t in TECHNIQUES)
     )
@@ -231,12 +228,14 @@ def test_a_plan_refuses_a_value_outside_a_fields_choices_naming_it(field, value)
 
 def test_technique_modules_import_no_other_technique_nor_the_composer():
     """A technique declares itself against the protocol (lowmem_jax.core.technique) and its own
-    implementation; Plan, the step and the other techniques' descriptors stay out."""
+    implementation; Plan, the step and the other techniques stay out (the import contract in
+    pyproject.toml says the same for every layer)."""
     here = pathlib.Path(lm.__file__).parent / "techniques"
-    forbidden = ("lowmem_jax.compose.plan", "lowmem_jax.compose.step", "lowmem_jax.techniques")
-    for path in here.glob("*.py"):
-        if path.name == "__init__.py":
-            continue
+    paths = sorted(here.glob("*/*.py"))
+    assert len({p.parent.name for p in paths}) == len(TECHNIQUES)
+    for path in paths:
+        own = f"lowmem_jax.techniques.{path.parent.name}"
+        forbidden = ("lowmem_jax.compose", "lowmem_jax.techniques")
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -246,7 +245,8 @@ def test_technique_modules_import_no_other_technique_nor_the_composer():
             else:
                 continue
             for name in names:
-                assert not name.startswith(forbidden), f"{path.name} imports {name}"
+                mine = name == own or name.startswith(own + ".")
+                assert mine or not name.startswith(forbidden), f"{path} imports {name}"
 
 
 #: A setting of each technique the planner does not search (an axis' values are taken from it).
@@ -375,3 +375,121 @@ def _default_program(model: str) -> str:
     work = lm.workload(model, 8)
     setup = lm.build(work, lm.Plan())
     return setup.step.lower(setup.abstract_state(), work.batch).as_text()
+
+
+#: A technique that acts per block, as a new one would be written: its folder (this file as its
+#: package's ``__init__``) and its line in the registry, nothing else. Its hook does nothing but
+#: tag each block's output (``checkpoint_name``), so its verdict counts what it reached.
+_SCRATCH = '''"""Block counter: a per-block hook tagging each block's output (a test's)."""
+
+import jax
+
+from lowmem_jax.blocks.hooks import BlockHook
+from lowmem_jax.core.report_hooks import rows_of
+from lowmem_jax.core.technique import (
+    Axis, EnvelopeRule, ModelHooks, PlanField, ReportHooks, Technique, Verdict,
+)
+
+TAG = "counted_block"
+
+
+class _Tagged(BlockHook):
+    def wrap_body(self, body, closed, iterations):
+        def tagged(h, xs, *rest):
+            h, out = body(h, xs, *rest)
+            return jax.ad_checkpoint.checkpoint_name(h, TAG), out
+
+        return tagged
+
+
+def _validate(plan):
+    if plan.block_counter not in (0, 1):
+        raise ValueError(f"block_counter must be 0 or 1, got {plan.block_counter!r}")
+
+
+def _verdict(evidence, plan):
+    if not plan.block_counter:
+        return None
+    tags = [e for e, _ in evidence.equations()
+            if e.primitive.name == "name" and e.params["name"] == TAG]
+    return Verdict("block_counter", bool(tags), f"{len(tags)} block bodies tagged")
+
+
+TECHNIQUE = Technique(
+    name="block_counter",
+    fields=(PlanField("block_counter", int, 0, "0 or 1: tag each block's output.",
+                      help="tag each block's output (a test's technique)"),),
+    validate=_validate,
+    label=lambda plan: "counted" if plan.block_counter else None,
+    envelope=EnvelopeRule("max_block_counter", {"report": 0, "any": 1},
+                          lambda config, limit: None if config.get("block_counter", 0) <= limit
+                          else "counted blocks", lambda limit: "" if limit else "blocks uncounted"),
+    axis=Axis("block_counter", (0, 1), plan_fields=lambda v: {"block_counter": v},
+              within=lambda v, limit, batch_size: v <= limit),
+    model=ModelHooks(block=lambda plan: _Tagged() if plan.block_counter else None),
+    report=ReportHooks(verdict=_verdict,
+                       rows=rows_of("counting", "counted", [("counted", {"block_counter": 1})])),
+)
+'''
+
+_SCRATCH_CHECKS = """
+import json, sys
+import lowmem_jax as lm
+from lowmem_jax.cli import dispatch
+from lowmem_jax.planning import planner
+from lowmem_jax.planning.envelope import ENVELOPES, in_words
+from lowmem_jax.planning.space import axes_in
+from lowmem_jax.report.grid import model_grid
+from lowmem_jax.techniques import TECHNIQUES
+
+assert "block_counter" in [t.name for t in TECHNIQUES]
+plan = lm.Plan(block_counter=1)                                   # Plan
+assert plan.to_dict()["block_counter"] == 1
+assert axes_in(ENVELOPES["any"], 8, planner.SPACE)["block_counter"] == (0, 1)   # planner
+assert axes_in(ENVELOPES["report"], 8, planner.SPACE)["block_counter"] == (0,)
+assert ENVELOPES["report"].why_outside({"batch_size": 8, **plan.to_dict()}) == "counted blocks"
+assert "blocks uncounted" in in_words(ENVELOPES["report"].describe())          # envelopes
+names = [name for name, _, p in model_grid("wrn-10-1", 8, "quick")]           # report
+assert "counted" in names, names
+verdicts = {v.technique: v for v in lm.build(lm.workload("wrn-10-1", 8), plan).verdicts()}
+assert verdicts["block_counter"].took_effect, verdicts                        # verdicts
+print(json.dumps(verdicts["block_counter"].evidence))
+sys.exit(dispatch.main(["analyze", "--model", "wrn-10-1", "--batch-size", "8",
+                        "--block-counter", "1"]))                             # the CLI
+"""
+
+
+def test_a_new_per_block_technique_needs_only_its_folder_and_its_registry_line(tmp_path):
+    """A scratch technique acting per block (a no-op hook that tags each block's output), added
+    to a copy of the package as its folder plus one line in the registry's tuple, reaches Plan,
+    the planner's axes, both envelopes, the report's grid, the verdicts and ``lowmem analyze``
+    (its flag and its verdict), and the import contract still holds."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = pathlib.Path(lm.__file__).resolve().parents[1]
+    shutil.copytree(root / "lowmem_jax", tmp_path / "lowmem_jax",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    shutil.copy(root / "pyproject.toml", tmp_path / "pyproject.toml")
+    folder = tmp_path / "lowmem_jax" / "techniques" / "block_counter"
+    folder.mkdir()
+    (folder / "__init__.py").write_text(_SCRATCH)
+    registry = tmp_path / "lowmem_jax" / "techniques" / "__init__.py"
+    text = registry.read_text()
+    text = text.replace("    activations,\n", "    activations,\n    block_counter,\n", 1)
+    line = "    remat.TECHNIQUE,\n"
+    text = text.replace(line, f"{line}    block_counter.TECHNIQUE,\n")
+    registry.write_text(text)
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", _SCRATCH_CHECKS], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "block bodies tagged" in run.stdout
+    assert "block_counter: took effect" in run.stdout, run.stdout[-2000:]
+    lint = subprocess.run(
+        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command;"
+         " sys.exit(lint_imports_command())"], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert lint.returncode == 0, lint.stdout[-2000:]

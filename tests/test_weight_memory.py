@@ -19,12 +19,12 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 import lowmem_jax as lm
+from lowmem_jax import workloads
 from lowmem_jax.cli import dispatch as cli
 from lowmem_jax.core import jaxprs
 from lowmem_jax.planning.search import plan_name
 from lowmem_jax.techniques import weight_memory
 from lowmem_jax.techniques.shard.offload import on_host
-from lowmem_jax.workloads import registry as workloads
 
 HOST = {"optimizer_memory": "pinned_host", "optimizer_update": "host", "remat": "full"}
 STREAMED = lm.Plan(weight_memory="pinned_host", **HOST)
@@ -78,7 +78,7 @@ def test_the_verdict_says_so_when_a_device_computation_reads_the_streamed_weight
     def computes_first(self, p):
         return jax.device_put(jax.tree.map(lambda a: a * 1.0, p), jax.memory.Space.Device)
 
-    monkeypatch.setattr(lm.blocks.scanned.ToDevice, "__call__", computes_first)
+    monkeypatch.setattr(lm.techniques.weight_memory.ToDevice, "__call__", computes_first)
     setup = workloads.build(workloads.workload("wrn-22-1", batch_size=8, image_size=8), STREAMED)
     (verdict,) = [v for v in setup.verdicts() if v.technique == "weight_memory"]
     assert not verdict.took_effect
@@ -384,7 +384,7 @@ def test_shared_decoder_embeddings_moved_where_used_compute_what_attend_computes
     src = jnp.array([[3, 4, 5, 1], [6, 7, 1, 1]])
     tgt = jnp.array([[2, 8, 9], [2, 10, 1]])
     params = jax.jit(model.init)(jax.random.PRNGKey(0), src, tgt)["params"]
-    moved = model.clone(outer_param_layout=lm.blocks.scanned.ToDevice())
+    moved = model.clone(outer_param_layout=lm.techniques.weight_memory.ToDevice())
 
     def loss(m, p):
         return jnp.sum(m.apply({"params": p}, src, tgt) ** 2)
@@ -445,7 +445,7 @@ def test_a_layer_laid_out_where_it_runs_initialises_as_without_the_layout():
 
     images = jnp.ones((2, 8, 8, 3))
     model = WideResNet(depth=10, width=1)
-    laid_out = model.clone(outer_param_layout=lm.blocks.scanned.ToDevice(jnp.bfloat16))
+    laid_out = model.clone(outer_param_layout=lm.techniques.weight_memory.ToDevice(jnp.bfloat16))
     init = [jax.jit(m.init, static_argnames="train")(jax.random.PRNGKey(0), images, train=False)
             for m in (model, laid_out)]  # fmt: skip
     assert_trees_close(init[1], init[0], rtol=0, atol=0)
@@ -476,7 +476,7 @@ def test_factorized_layers_stream_as_any_other():
 def test_a_streamed_leaf_states_the_shape_and_dtype_of_what_a_layer_reads(stored, compute):
     """``shape`` and ``dtype`` (``LazyLeaf``'s: the dense weights') are those of the moved
     array a layer receives, floating values cast to the compute dtype."""
-    leaf = lm.blocks.scanned.StreamedLeaf(jnp.ones((3, 2), stored), compute)
+    leaf = lm.techniques.weight_memory.StreamedLeaf(jnp.ones((3, 2), stored), compute)
     moved = leaf.dense()
     assert (leaf.shape, leaf.dtype) == (moved.shape, moved.dtype)
     assert moved.sharding.memory_kind == "device"

@@ -14,8 +14,7 @@ import lowmem_jax as lm
 from lowmem_jax.core.jaxprs import traced_equations
 from lowmem_jax.techniques import sparsity
 from lowmem_jax.techniques.precision import policy as precision
-from lowmem_jax.workloads import recipes
-from lowmem_jax.workloads.registry import build, translation_is_sparse, workload
+from lowmem_jax.workloads import build, recipes, translation_is_sparse, workload
 
 # --- the registry ------------------------------------------------------------------------
 
@@ -221,7 +220,8 @@ def test_snip_masks_come_from_the_gradient_on_the_init_batch():
         algorithm="static", init="snip", density=0.2, distribution="uniform", compressed=True
     )
     setup = build(workload("wrn-10-1", 8, image_size=8), lm.Plan(sparsity=snip))
-    assert setup.tx.needs_init_grads and not lm.core.base.as_optimizer(optax.sgd(0.1)).needs_init_grads
+    assert setup.tx.needs_init_grads
+    assert not lm.core.base.as_optimizer(optax.sgd(0.1)).needs_init_grads
     batch = setup.example_batch()
     state = setup.init_state(batch)
     # By hand: the loss's gradient on the whole batch at the initial parameters (jitted: op by

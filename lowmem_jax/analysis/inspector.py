@@ -38,10 +38,10 @@ import jax
 import numpy as np
 
 from lowmem_jax.analysis import memory, xla_dumps
+from lowmem_jax.core.units import MIB
 
 __all__ = ["Buffer", "Inspection", "inspect", "compare", "CATEGORIES"]
 
-MIB = 2.0**20
 #: Every category, in the order timelines stack them.
 CATEGORIES = (
     "parameter",

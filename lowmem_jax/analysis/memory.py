@@ -59,7 +59,6 @@ from lowmem_jax.analysis.analytic import (
     tree_bytes,
 )
 from lowmem_jax.analysis.flops import jaxpr_flops, xla_flops
-from lowmem_jax.blocks import remat
 from lowmem_jax.compose.plan import Plan
 from lowmem_jax.core.base import Optimizer, as_optimizer
 
@@ -207,7 +206,7 @@ def analyze(
         loss_fn=loss_fn,
         microbatches=microbatches,
         tx=tx,
-        blocks_rematerialized=plan is not None and remat.parse_policy(plan.remat).enabled,
+        blocks_rematerialized=plan is not None and plan.remat.enabled,
     )
     flops, flop_notes = jaxpr_flops(traced.jaxpr)
     notes = [

@@ -35,8 +35,9 @@ def verdicts(
     tx: optax.GradientTransformation | Optimizer,
     loss_fn: Callable | None = None,
 ) -> list[Verdict]:
-    """Each registered technique's :attr:`~lowmem_jax.core.technique.Technique.took_effect` on the
-    step ``train_step(state, batch)`` (traced, not compiled or run) of ``plan`` with optimizer
+    """Each registered technique's verdict
+    (:attr:`~lowmem_jax.core.technique_hooks.ReportHooks.verdict`) on the step
+    ``train_step(state, batch)`` (traced, not compiled or run) of ``plan`` with optimizer
     ``tx``, in the registry's order; techniques the plan leaves off give none. ``loss_fn``: the
     loss the step was made from (``make_train_step``'s); with it, remat's verdict weighs the
     residuals saved with and without its checkpoints."""
@@ -50,8 +51,8 @@ def verdicts(
     evidence = Evidence(state=state, batch=batch, tx=opt, jaxpr=jaxpr, saved_residuals=saved)
     found = []
     for technique in TECHNIQUES:
-        if technique.took_effect is not None:
-            verdict = technique.took_effect(evidence, plan)
+        if technique.report.verdict is not None:
+            verdict = technique.report.verdict(evidence, plan)
             if verdict is not None:
                 found.append(verdict)
     return found

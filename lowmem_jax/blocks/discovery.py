@@ -1,5 +1,5 @@
 """Which submodule classes are a model's blocks: the units remat checkpoints one by one when the
-user names none (``Plan(remat=...)`` with ``remat_blocks=()``; :mod:`lowmem_jax.blocks.remat`).
+user names none (``Plan(remat=...)`` with ``remat_blocks=()``; :mod:`lowmem_jax.blocks.policy`).
 
 A block class runs more than once and calls other modules (a layer such as ``Dense`` calls none);
 of nested ones, the outermost (a block's attention is not a block of its own). Linen: read from

@@ -11,9 +11,10 @@ include a lazy leaf under its own ``jax.checkpoint`` that saves nothing but the 
 where it reaches the layer, one layer at a time. JAX recomputes only what the backward pass
 reads, so a dense or convolution layer's output is not computed twice, only its dense weights.
 
-A layer called inside a block that :func:`lowmem_jax.blocks.remat.remat_module` already checkpoints
+A layer called inside a block that :func:`lowmem_jax.techniques.remat.remat_module` already
+checkpoints
 is left as it is (the block's backward pass rebuilds it). On XLA:CPU the checkpoints need
-:func:`lowmem_jax.blocks.remat.compiler_options`, or CSE merges each recomputation into the forward
+:func:`lowmem_jax.blocks.policy.compiler_options`, or CSE merges each recomputation into the forward
 pass. Inside a loop over stacked blocks (Linen's ``nn.scan``, ``nnx.scan``) a layer reads its
 block of a stacked leaf (:class:`~lowmem_jax.techniques.sparsity.storage.CompressedBlock`) and is
 checkpointed the same way.
@@ -26,7 +27,7 @@ from typing import Any, TypeVar
 import flax.linen as nn
 from flax import nnx
 
-from lowmem_jax.blocks import remat as remat_lib
+from lowmem_jax.blocks import checkpoint
 from lowmem_jax.core import linen_wrap
 from lowmem_jax.core.base import LazyLeaf
 
@@ -71,11 +72,11 @@ def _checkpoint_linen_layer(next_fun, args, kwargs, context) -> Any:
     module = context.module
     if (
         context.method_name != "__call__"
-        or remat_lib.INSIDE_BLOCK.get()
+        or checkpoint.INSIDE_BLOCK.get()
         or not reads_lazy_leaf(module)
     ):
         return next_fun(*args, **kwargs)
-    return remat_lib.checkpointed_call(nn.remat, module, type(module), args, kwargs, None)
+    return checkpoint.checkpointed_call(nn.remat, module, type(module), args, kwargs, None)
 
 
 def _checkpoint_nnx_layers(module: nnx.Module) -> nnx.Module:
@@ -88,9 +89,9 @@ def _checkpoint_nnx_layers(module: nnx.Module) -> nnx.Module:
 
     def make_call(cls):
         def call(self, *args, **kwargs):
-            if remat_lib.INSIDE_BLOCK.get() or not reads_lazy_leaf(self):
+            if checkpoint.INSIDE_BLOCK.get() or not reads_lazy_leaf(self):
                 return cls.__call__(self, *args, **kwargs)
-            return remat_lib.checkpointed_call(nnx.remat, self, cls, args, kwargs, None)
+            return checkpoint.checkpointed_call(nnx.remat, self, cls, args, kwargs, None)
 
         return call
 

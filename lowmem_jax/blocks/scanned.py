@@ -1,7 +1,7 @@
 """Stacks of identical blocks run with ``lax.scan``, each block under its remat policy.
 
 :class:`ScannedBlocks` stores its blocks' variables with a leading ``[n]`` axis (under
-:data:`STACK`) and applies them in sequence; the policies are :mod:`lowmem_jax.blocks.remat`'s (a
+:data:`STACK`) and applies them in sequence; the policies are :mod:`lowmem_jax.blocks.policy`'s (a
 name for the whole stack, or one per block: a stack's slice of a ``blocks:`` schedule, scanned run
 by run). Segmenting policies (``every:K``, ``sqrt``) nest two scans over ``[n // K, K]``, so the
 parameter layout does not depend on the policy.
@@ -9,7 +9,6 @@ parameter layout does not depend on the policy.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,16 +17,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax.blocks.remat import RematSpec, parse_policy
-from lowmem_jax.core.base import BlockwiseLeaf, LazyLeaf, cast_floating
-from lowmem_jax.techniques.activations.compress import active_spec, compress_residuals
-from lowmem_jax.techniques.pipeline import gpipe as pipeline_lib
+from lowmem_jax.blocks import hooks as block_hooks
+from lowmem_jax.blocks.policy import RematSpec, parse_policy
+from lowmem_jax.core.base import BlockwiseLeaf
 
 __all__ = [
     "ScannedBlocks",
     "STACK",
-    "ToDevice",
-    "StreamedLeaf",
     "in_stack",
     "straight_line",
     "with_layout",
@@ -43,68 +39,6 @@ def in_stack(names: Sequence[str]) -> bool:
     """Whether the parameter at path ``names`` belongs to a :class:`ScannedBlocks` stack (its
     leading axis indexes the blocks)."""
     return STACK in names
-
-
-@dataclasses.dataclass(frozen=True)
-class ToDevice:
-    """One block's parameters moved to the device, then their floating leaves cast to
-    ``dtype`` (``None``: as stored): the ``param_layout`` of weight streaming
-    (:mod:`lowmem_jax.techniques.weight_memory`), the stacks kept in host memory and cast, as
-    the loss casts the parameters it holds, once on the device."""
-
-    dtype: Any = None
-
-    def __call__(self, block_params: Any) -> Any:
-        moved = jax.device_put(block_params, jax.memory.Space.Device)
-        return moved if self.dtype is None else cast_floating(moved, self.dtype)
-
-
-@jax.tree_util.register_pytree_node_class
-class StreamedLeaf(LazyLeaf):
-    """A parameter in host memory, moved to the device and cast to ``compute_dtype`` where a
-    layer reads it (weight streaming of a model without layouts: Linen's ``self.param`` unboxes
-    it, NNX and ``jnp`` code convert it through ``__jax_array__``); its gradient, the move's
-    transpose, goes back to host memory. ``value`` is the only child: a transform that maps over
-    its leading axis (``nn.scan``, ``lax.scan``) slices it to a block's. Read again by a layer's
-    backward pass when the layer runs under its own checkpoint
-    (:func:`lowmem_jax.blocks.lazy_layers.checkpoint_lazy_layers`)."""
-
-    def __init__(self, value: jax.Array, compute_dtype: Any = None):
-        self.value, self.compute_dtype = value, compute_dtype
-
-    shape = property(lambda self: tuple(jnp.shape(self.value)))
-
-    @property
-    def dtype(self):  # the moved array's: floating values cast to ``compute_dtype``
-        stored = jnp.result_type(self.value)
-        cast = self.compute_dtype is not None and jnp.issubdtype(stored, jnp.floating)
-        return jnp.dtype(self.compute_dtype) if cast else stored
-
-    def tree_flatten(self):
-        return (self.value,), self.compute_dtype
-
-    @classmethod
-    def tree_unflatten(cls, compute_dtype, children):
-        return cls(children[0], compute_dtype)
-
-    def dense(self) -> jax.Array:
-        return ToDevice(self.compute_dtype)(self.value)
-
-    def __getattr__(self, name: str) -> Any:
-        """An array's public attributes (``.T``, ``.reshape``, ...) of the moved array, for a
-        model that reads its variables without unboxing them (GPT-2's tied output layer)."""
-        if name.startswith("_") or name in ("value", "compute_dtype"):
-            raise AttributeError(name)
-        return getattr(self.dense(), name)
-
-    def add_axis(self, index, params):
-        return self
-
-    def remove_axis(self, index, params):
-        return self
-
-    def sliceable(self) -> StreamedLeaf:
-        return self
 
 
 def at_use(layout: Callable[[Any], Any], param: Any, after: Any = None) -> tuple[Any, Any]:
@@ -242,29 +176,20 @@ class ScannedBlocks(nn.Module):
 
         xs = (params, others, keys, jnp.arange(self.length, dtype=jnp.int32))
         closed = (tuple(context), blockwise)
-        trace = None if self.is_initializing() else pipeline_lib.active()
-        if trace is not None:
-            stages = trace.pipeline.stages
-            trace.stacks.append((self.length, self.length % stages == 0))
-        if trace is not None and self.length % stages == 0:
-            if len(runs) > 1 or blockwise:
-                raise ValueError(
-                    f"pipeline={stages} runs a stack under one remat policy with its weights "
-                    "stored dense; got "
-                    + ("a per-block remat schedule" if len(runs) > 1 else "blockwise weights")
-                )
-            spec, length = runs[0][0], self.length // stages
-
-            def stage(blocks, state, h, context, microbatch):
-                p, keys, index = blocks
-                if use_dropout:  # each microbatch its own draws
-                    keys = jax.vmap(lambda key: jax.random.fold_in(key, microbatch))(keys)
-                return _scan_run(apply_block, h, (p, state, keys, index), (context, {}),
-                                 length, spec, self.unroll)  # fmt: skip
-
-            x, new_others = pipeline_lib.run(
-                stage, (params, keys, xs[3]), others, x, tuple(context), trace.pipeline
-            )
+        hooks = () if self.is_initializing() else block_hooks.current()
+        done = None
+        if hooks:
+            stack = block_hooks.Stack(
+                length=self.length, runs=tuple(runs), blockwise=bool(blockwise), x=x,
+                context=tuple(context), params=params, state=others, keys=keys, index=xs[3],
+                dropout=use_dropout,
+                scan=lambda h, run_xs, ctx, length, spec: _scan_run(
+                    apply_block, h, run_xs, (ctx, {}), length, spec, self.unroll
+                ),
+            )  # fmt: skip
+            done = next((out for hook in hooks if (out := hook.run(stack)) is not None), None)
+        if done is not None:  # a hook ran the stack (e.g. as a pipeline over devices)
+            x, new_others = done
             runs = []
         outs = []
         for spec, start, stop in runs:
@@ -299,7 +224,7 @@ def _policy_runs(remat: str | RematSpec | tuple[str, ...], length: int) -> list[
         if spec.schedule:
             raise ValueError(
                 f"remat={spec.name!r} is a model's schedule; a stack takes its slice "
-                "(lowmem_jax.blocks.remat.stack_policies)"
+                "(lowmem_jax.blocks.policy.stack_policies)"
             )
         return [(spec, 0, length)]
     if len(remat) != length:
@@ -317,29 +242,25 @@ def _scan_run(
 ):
     """``length`` blocks applied in sequence under ``spec``; ``(x, per-block outputs)``.
 
-    ``layout``: the stack's ``param_layout``; where it is a :class:`ToDevice` (weight streaming),
-    a lone block's parameters (``xs[0]``) are moved before they are taken out of their stack,
-    inside the block's checkpoint, so nothing indexes them in host memory.
+    ``layout``: the stack's ``param_layout``; where it moves memory (its ``moves_memory``
+    attribute: weight streaming's), a lone block's parameters (``xs[0]``) are moved before they
+    are taken out of their stack, inside the block's checkpoint, so nothing indexes them in
+    host memory.
 
     ``apply_block(h, xs, *closed)``: ``closed`` are the values every block reads (the context,
-    the blockwise-stored weights), passed explicitly so that a compressed-activations wrapper
-    (:func:`lowmem_jax.techniques.activations.compress.active_spec`, the outermost: each block's
-    residuals, its checkpointed input under remat, are stored compressed) sees them."""
+    the blockwise-stored weights), passed explicitly so that the active per-block hooks'
+    bodies (:meth:`~lowmem_jax.blocks.hooks.BlockHook.wrap_body`, the outermost: e.g. each
+    block's residuals, its checkpointed input under remat, stored compressed) see them."""
     unroll = straight_line(unroll, spec, x.dtype)
     segment = spec.segment_length(length) if spec.segment else 1
-    compressed = active_spec()
+    hooks = block_hooks.current()
 
     def outermost(fn, iterations: int):
-        if compressed is None:
-            return lambda h, block_xs: fn(h, block_xs, *closed)
-        # The block's input and its context are data. The loop would stack its input and
-        # per-block values, so none is kept as it is; the context is the same in every block.
-        body = compress_residuals(fn, compressed, data_argnums=(0, 2), keep_arguments=False,
-                                  invariant_argnums=range(2, 2 + len(closed)),
-                                  iterations=iterations)  # fmt: skip
-        return lambda h, block_xs: body(h, block_xs, *closed)
+        for hook in reversed(hooks):  # the first activated outermost
+            fn = hook.wrap_body(fn, len(closed), iterations)
+        return lambda h, block_xs: fn(h, block_xs, *closed)
 
-    if length == 1 and isinstance(layout, ToDevice):
+    if length == 1 and getattr(layout, "moves_memory", False):
         # Streamed from host memory: moved, then taken out of its stack, inside the checkpoint.
         def lone(h, block_xs, *rest):
             block_xs = (layout(block_xs[0]), *block_xs[1:])

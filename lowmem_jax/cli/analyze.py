@@ -9,12 +9,12 @@ import json
 import sys
 
 from lowmem_jax.compose.flags import plan_or_plain
-
-MIB = 2.0**20
+from lowmem_jax.core.units import MIB
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from lowmem_jax.workloads.registry import analyze_model, build, workload
+    from lowmem_jax.workloads.builder import analyze_model, build
+    from lowmem_jax.workloads.registry import workload
 
     plan = plan_or_plain(args)
     found = []

@@ -32,16 +32,13 @@ import warnings
 from lowmem_jax.cli import analyze as cli_analyze
 from lowmem_jax.cli import inspect as cli_inspect
 from lowmem_jax.cli.train import add_train_flags, cmd_train
-from lowmem_jax.compose.flags import (
-    add_plan_flags,
-    add_workload_flags,
-)
+from lowmem_jax.compose.flags import add_plan_flags
 from lowmem_jax.compose.plan import Plan
 from lowmem_jax.core import paths
+from lowmem_jax.core.units import MIB
 from lowmem_jax.report.grid import GRIDS
 from lowmem_jax.techniques import TECHNIQUES, report_sections
-
-MIB = 2.0**20
+from lowmem_jax.workloads.flags import add_workload_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,8 +83,8 @@ def _use_host_devices(args: argparse.Namespace) -> None:
     ``--shard``, ``lowmem report --shard-devices``; the planner's: ``--devices N`` with
     ``lowmem plan`` or ``--memory-budget``), asked of XLA:CPU before JAX starts."""
     for technique in TECHNIQUES:
-        if technique.host_devices is not None:
-            technique.host_devices(args)
+        if technique.layout.host_devices is not None:
+            technique.layout.host_devices(args)
     planned = args.command == "plan" or getattr(args, "memory_budget", None) is not None
     if planned and (getattr(args, "devices", None) or 1) > 1:
         from lowmem_jax.core.mesh import set_cpu_devices
@@ -128,7 +125,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from lowmem_jax.compose.flags import parse_bytes
+    from lowmem_jax.core.units import parse_bytes
     from lowmem_jax.planning.planner import plan_for_model
 
     budget = parse_bytes(args.budget)
@@ -362,4 +359,3 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(130)
     finally:
         warnings.showwarning = default_showwarning
-

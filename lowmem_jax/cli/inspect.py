@@ -10,8 +10,7 @@ import shlex
 
 from lowmem_jax.compose.flags import add_plan_flags, plan_from_args, plan_or_plain
 from lowmem_jax.compose.plan import Plan
-
-MIB = 2.0**20
+from lowmem_jax.core.units import MIB
 
 SUMMARY = (
     "the buffers live at the peak of a compiled step, their source lines, and what a plan removed",
@@ -41,7 +40,8 @@ def add_inspect_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup(args: argparse.Namespace, plan: Plan | None):
-    from lowmem_jax.workloads.registry import build, build_plain, workload
+    from lowmem_jax.workloads.builder import build, build_plain
+    from lowmem_jax.workloads.registry import workload
 
     work = workload(args.model, args.batch_size, seq_len=args.seq_len)
     return build_plain(work) if plan is None else build(work, plan)

@@ -29,7 +29,7 @@ _TRAIN_FIELDS = (
 
 
 def _train_config(args: argparse.Namespace):
-    from lowmem_jax.compose.flags import parse_bytes
+    from lowmem_jax.core.units import parse_bytes
     from lowmem_jax.training.loop import DEFAULT_PLAN, TrainConfig
 
     fields = {k: getattr(args, k) for k in _TRAIN_FIELDS if getattr(args, k) is not None}

@@ -1,5 +1,5 @@
 """Stored formats of activation residuals: one array in bf16, int8, int4 or int2, or a mask in
-bits (:mod:`lowmem_jax.techniques.activations.compress` stores a function's residuals in them).
+bits (:mod:`lowmem_jax.techniques.activations.residuals` stores a function's residuals in them).
 
 The formats (:func:`parse_spec`, ``Plan(activations=...)``):
 

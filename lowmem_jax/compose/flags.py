@@ -1,43 +1,23 @@
 """The technique flags of ``lowmem analyze`` / ``lowmem train``: one flag per :class:`Plan` field
 declared with a help text, each registered technique's own flags
 (:data:`lowmem_jax.techniques.TECHNIQUES`), the plan they give (:func:`plan_from_args`), and
-back (:func:`analyze_argv`: the flags of a plan, e.g. for a report row's command)."""
+back (:func:`plan_argv`; a whole command: :func:`lowmem_jax.workloads.flags.analyze_argv`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 
 from lowmem_jax.compose.plan import Plan
 from lowmem_jax.techniques import TECHNIQUES
-from lowmem_jax.workloads.registry import MODEL_NAMES
 
 __all__ = [
-    "add_workload_flags",
     "add_plan_flags",
     "plan_from_args",
-    "analyze_argv",
+    "plan_argv",
+    "plan_or_plain",
     "given_technique_flags",
 ]
-
-
-def add_workload_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="wrn-28-2", help=f"{MODEL_NAMES}. Default: %(default)s")
-
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        help="examples (sentences for dynamicconv-*) per batch. Default: 128 for wrn-D-K, 100 "
-        "for dynamicconv-*",
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        default=40,
-        help="tokens per sentence for dynamicconv-* (100 x 40 = the recipe's 4,000 tokens). "
-        "Default: %(default)s",
-    )
 
 
 def add_plan_flags(parser: argparse.ArgumentParser, base: Plan) -> None:
@@ -48,7 +28,7 @@ def add_plan_flags(parser: argparse.ArgumentParser, base: Plan) -> None:
         default = getattr(base, field.name)
         group.add_argument(
             "--" + field.name.replace("_", "-"),
-            type=type(default),
+            type=str if isinstance(default, str) else type(default),  # a policy's text
             choices=field.metadata["choices"],
             help=f"{field.metadata['help']}. Default: {default}",
         )
@@ -70,20 +50,10 @@ def plan_from_args(args: argparse.Namespace, base: Plan) -> Plan:
     return dataclasses.replace(base, **given)
 
 
-def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 40) -> list[str]:
-    """The ``lowmem analyze`` arguments that analyse ``plan`` (``None``: ``--plain``).
-
-    Technique flags are given where they differ from the flag's default. The result is checked
-    by parsing it back: the plan it gives must equal ``plan``.
-
-    Raises:
-      ValueError: a plan with a setting no flag expresses (e.g. a sparsity ``seed``).
-    """
-    argv = ["--model", model, "--batch-size", str(batch_size)]
-    if model.startswith("dynamicconv"):
-        argv += ["--seq-len", str(seq_len)]
-    if plan is None:
-        return [*argv, "--plain"]
+def plan_argv(plan: Plan) -> list[str]:
+    """The technique flags that give ``plan`` from the defaults: each where it differs from the
+    flag's default, then each technique's own (:attr:`Technique.flags`)."""
+    argv: list[str] = []
     default = Plan()
     for field in Plan.flag_fields():
         if getattr(plan, field.name) != getattr(default, field.name):
@@ -91,12 +61,6 @@ def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 
     for technique in TECHNIQUES:
         if technique.flags is not None:
             argv += technique.flags.argv(plan)
-    parser = argparse.ArgumentParser()
-    add_workload_flags(parser)
-    add_plan_flags(parser, Plan())
-    args = parser.parse_args(argv)
-    if plan_from_args(args, Plan()) != plan:
-        raise ValueError(f"lowmem analyze has no flags for every setting of {plan}")
     return argv
 
 
@@ -125,23 +89,3 @@ def given_technique_flags(args: argparse.Namespace) -> list[str]:
         if technique.flags is not None:
             given += technique.flags.given(args)
     return given
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30}  # fmt: skip
-
-
-def parse_bytes(text: str) -> int:
-    """``"48MiB"``, ``"1.5 GiB"``, ``"500MB"``, ``"1024"`` (bytes) -> bytes.
-
-    Raises:
-      ValueError: anything else, naming the units allowed.
-    """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(
-            f"budget {text!r} is not a positive size; give a number and a unit, one of "
-            "B, KiB, MiB, GiB, KB, MB, GB (e.g. 48MiB)"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])

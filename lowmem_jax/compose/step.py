@@ -5,13 +5,14 @@ registered technique's hook (:data:`lowmem_jax.techniques.TECHNIQUES`, in order)
 stage has:
 
     loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))
-      -> wrap_loss                  precision: params and batch cast to the compute dtype,
-                                    loss back to fp32
+      -> step.loss                  precision: params and batch cast to the compute dtype,
+                                    loss back to fp32; activations: residuals compressed
+      -> model.block                per-block hooks active while the loss is traced (pipeline)
       -> base.differentiated_loss   the model's parameters from the stored ones (the optimizer's
                                     storage: identity, or e.g. dense weights from sparse values)
-      -> wrap_stored_loss           shard (zero3): the parameters gathered where the loss reads
+      -> step.stored_loss           shard (zero3): the parameters gathered where the loss reads
       -> scaled_grad_fn             grad of (loss x S), divided by S (S from the loss-scale state)
-      -> wrap_grad_fn               microbatches: lax.scan over k microbatches, BatchNorm state
+      -> step.grad_fn               microbatches: lax.scan over k microbatches, BatchNorm state
                                     threaded in order; shard (zero2): the gradients partitioned
       = grad_fn(params, model_state, batch, rng) -> (grads, model_state, metrics)
     optimizer (any optax transformation, or a plan's wrap_optimizer): grads -> updates -> params
@@ -19,7 +20,7 @@ stage has:
     state and model state (the whole update is skipped, the optimizer's own step counter
     included) and count the skip; the loss-scale state backs off on non-finite gradients;
     no host sync.
-      -> wrap_step                  shard: the state laid out over the mesh in and out, the
+      -> step.step                  shard: the state laid out over the mesh in and out, the
                                     batch split over the devices, offloaded state moved
 
 Remat, the compute dtype and factorized layers live in the model (:meth:`Plan.configure_model`).
@@ -44,9 +45,10 @@ from lowmem_jax.core.base import (
     differentiated_loss,
     in_host_memory,
 )
+from lowmem_jax.core.finite import all_finite, select_tree
+from lowmem_jax.core.host import on_host
 from lowmem_jax.techniques import TECHNIQUES
-from lowmem_jax.techniques.loss_scale import scale as loss_scale_lib
-from lowmem_jax.techniques.shard.offload import on_host
+from lowmem_jax.techniques import loss_scale as loss_scale_lib
 
 __all__ = ["TrainState", "scaled_grad_fn", "make_train_step", "make_plain_train_step"]
 
@@ -197,8 +199,8 @@ def make_train_step(
         plan.check_optimizer(tx, state.params)  # traced once: the same refusal as create's
         rng = jax.random.fold_in(state.rng, state.step)
         loss, wrt = differentiated_loss(model_loss, opt, state.params, state.opt_state)
-        loss = _fold(loss, "wrap_stored_loss", plan)
-        grad_fn = _fold(scaled_grad_fn(loss, state.loss_scale), "wrap_grad_fn", plan)
+        loss = _fold(loss, "stored_loss", plan)
+        grad_fn = _fold(scaled_grad_fn(loss, state.loss_scale), "grad_fn", plan)
         grads, model_state, metrics = grad_fn(wrt, state.model_state, batch, rng)
 
         if opt.applies_updates:  # updated where the state lives, the skip rule applied there
@@ -206,21 +208,21 @@ def make_train_step(
                 grads, state.opt_state, state.params
             )
         else:
-            grads_finite = loss_scale_lib.all_finite(grads)
+            grads_finite = all_finite(grads)
             updates, opt_state = opt.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             # Finite gradients can still give a non-finite update (e.g. 0/0 in a low-precision
             # optimizer): what is applied is checked too, so nothing non-finite reaches the state.
-            update_finite = loss_scale_lib.all_finite((updates, params))
+            update_finite = all_finite((updates, params))
         applied = grads_finite & update_finite
         if opt.applies_updates:  # the parameters and state chosen already
-            model_state = loss_scale_lib.select_tree(applied, model_state, state.model_state)
+            model_state = select_tree(applied, model_state, state.model_state)
         elif opt.selects_state:  # the update chose its state by the same rule, where it lives
-            params, model_state = loss_scale_lib.select_tree(
+            params, model_state = select_tree(
                 applied, (params, model_state), (state.params, state.model_state)
             )
         else:
-            params, opt_state, model_state = loss_scale_lib.select_tree(
+            params, opt_state, model_state = select_tree(
                 applied,
                 (params, opt_state, model_state),
                 (state.params, state.opt_state, state.model_state),
@@ -246,7 +248,7 @@ def make_train_step(
         }
         return new_state, metrics
 
-    step = _fold(train_step, "wrap_step", plan)
+    step = _fold(train_step, "step", plan)
     if not jit:
         return step
     return jax.jit(
@@ -257,9 +259,9 @@ def make_train_step(
 
 
 def _fold(fn: Callable, hook: str, plan: Plan) -> Callable:
-    """``fn`` wrapped by each registered technique's ``hook``, in the registry's order."""
+    """``fn`` wrapped by each registered technique's ``step.<hook>``, in the registry's order."""
     for technique in TECHNIQUES:
-        wrap = getattr(technique, hook)
+        wrap = getattr(technique.step, hook)
         if wrap is not None:
             fn = wrap(fn, plan)
     return fn

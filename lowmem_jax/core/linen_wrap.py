@@ -1,5 +1,5 @@
 """A user's Linen model with another ``__call__``, without edits to its code: what
-:func:`lowmem_jax.blocks.remat.remat_module` and
+:func:`lowmem_jax.techniques.remat.remat_module` and
 :func:`lowmem_jax.techniques.factorize.factorize_module` do to a Linen model (each ``call`` runs the
 model's own ``__call__`` under ``nn.intercept_methods``). :func:`swap_calls` is the same for an NNX
 model's submodules (remat, :mod:`lowmem_jax.blocks.lazy_layers`).

@@ -1,21 +1,12 @@
-"""ZeRO-style partitioning of the train state over a one-axis data-parallel device mesh.
-
-Stages (Rajbhandari et al. 2020, "ZeRO"), on a mesh of ``N`` devices with axis ``"data"``:
-
-=========  ======================================================================================
-``none``   one device; nothing is partitioned
-``dp``     data parallelism: each device computes on ``B / N`` examples; parameters, gradients
-           and optimizer state replicated (gradients all-reduced)
-``zero1``  ``dp`` + the optimizer state partitioned: each device updates its ``1/N`` slice
-``zero2``  ``zero1`` + the gradients partitioned (XLA:CPU all-reduces, then slices them)
-``zero3``  ``zero2`` + the parameters partitioned (gathered where a layer uses them)
-=========  ======================================================================================
+"""The device mesh a step is laid out over, and where each leaf of a pytree lives on it:
+which axis of an array is split over which mesh axis, in which memory.
 
 The step is one ``jax.jit`` program over the global arrays (SPMD): XLA's partitioner inserts the
 collectives the shardings imply, so a global reduction (the loss, the gradients' finiteness, a
 sparse layer's top-k budget, BatchNorm's statistics) means the same on every device as on one.
 
-**How a leaf is partitioned** (:func:`leaf_spec`). ZeRO partitions the flat concatenation of all
+**How a leaf is partitioned** (:func:`leaf_spec`). ZeRO
+(:mod:`lowmem_jax.techniques.shard`) partitions the flat concatenation of all
 parameters; here each array is partitioned along one of its own axes (no flattening, so a
 layer's slices stay arrays XLA can gather per layer): the largest axis divisible by ``N``
 (the last of equal ones). A leaf with no such axis (a scalar, a ``[3]`` vector) stays
@@ -33,7 +24,6 @@ there the move is a copy and saves nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -41,14 +31,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lowmem_jax.core.base import choose
-
 __all__ = [
-    "STAGES",
     "AXIS",
     "MEMORY_KINDS",
-    "Stage",
-    "stage",
     "data_mesh",
     "device_mesh",
     "leaf_spec",
@@ -69,40 +54,7 @@ __all__ = [
 
 PyTree = Any
 AXIS = "data"
-STAGES = ("none", "dp", "zero1", "zero2", "zero3")
 MEMORY_KINDS = ("device", "pinned_host")
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """What a stage partitions over the ``data`` axis (the batch always, from ``dp`` on)."""
-
-    name: str
-    optimizer_state: bool
-    gradients: bool
-    parameters: bool
-
-    @property
-    def parallel(self) -> bool:
-        return self.name != "none"
-
-
-_STAGES = {
-    "none": Stage("none", False, False, False),
-    "dp": Stage("dp", False, False, False),
-    "zero1": Stage("zero1", True, False, False),
-    "zero2": Stage("zero2", True, True, False),
-    "zero3": Stage("zero3", True, True, True),
-}
-
-
-def stage(name: str) -> Stage:
-    """The :class:`Stage` called ``name``.
-
-    Raises:
-      ValueError: naming ``shard`` and the allowed values.
-    """
-    return choose(_STAGES, name, "shard")
 
 
 def set_cpu_devices(count: int, *, require: bool = True) -> None:

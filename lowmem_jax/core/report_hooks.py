@@ -1,6 +1,6 @@
 """What a technique declares for ``lowmem report`` (:mod:`lowmem_jax.report.run`): the rows it
-adds to the grid (:class:`ReportRow`, through ``Technique.report_rows``) and a section of its
-own after the grid (:class:`ReportSection`, through ``Technique.report_section``).
+adds to the grid (:class:`ReportRow`, through ``ReportHooks.rows``) and a section of its
+own after the grid (:class:`ReportSection`, through ``ReportHooks.section``).
 
 This module imports no technique and nothing that builds a step.
 """
@@ -59,33 +59,31 @@ class ReportRow:
       name: the row's label (``"state int8"``).
       group: the report's group it belongs to (``"optimizer state"``).
       fields: ``{plan field: value}`` of its plan (the rest at their defaults).
-      position: where the row sits: a report lists rows by it (``plain`` and ``baseline``
-        first, then precision 10, microbatching 20, remat 30, sparsity 40, optimizer state 50,
-        input 60, activations 70, factorization 80, the combined rows 100), ties in the
-        order given.
       quick: in ``lowmem report``'s default grid (``--grid quick``): a technique's setting
         there is the one the report's study uses.
+      section: where the row sits among the report's rows (a key of
+        :data:`lowmem_jax.report.grid.ROW_ORDER`); ``None``: with the rows of the technique
+        that declares it.
     """
 
     name: str
     group: str
     fields: dict[str, Any]
-    position: int
     quick: bool = False
+    section: str | None = None
 
 
 def rows_of(
     group: str,
-    position: int,
     quick: str,
     settings: list[tuple[str, dict[str, Any]]] | Callable[[GridContext], list],
 ) -> Callable[[GridContext], tuple[ReportRow, ...]]:
-    """A technique's ``report_rows``: a :class:`ReportRow` per ``(name, fields)`` of ``settings``
-    (a list, or a function of the :class:`GridContext`) at ``position``; ``quick`` by name."""
+    """A technique's ``ReportHooks.rows``: a :class:`ReportRow` per ``(name, fields)`` of
+    ``settings`` (a list, or a function of the :class:`GridContext`); ``quick`` by name."""
 
     def report_rows(context: GridContext) -> tuple[ReportRow, ...]:
         given = settings(context) if callable(settings) else settings
-        return tuple(ReportRow(n, group, f, position, quick=n == quick) for n, f in given)
+        return tuple(ReportRow(n, group, f, quick=n == quick) for n, f in given)
 
     return report_rows
 

@@ -2,9 +2,12 @@
 iterate over techniques instead of naming them.
 
 A :class:`Technique` is a value (like optax's ``GradientTransformation``): the :class:`Plan`
-fields it owns and their validation, the text of its plan labels, and optionally its command-line
-flags (:class:`Flags`), its rule in the accuracy envelopes (:class:`EnvelopeRule`) and its axis in
-the planner's search (:class:`Axis`). The ordered registry of them is
+fields it owns and their validation, the text of its plan labels, its command-line flags
+(:class:`Flags`), its rule in the accuracy envelopes (:class:`EnvelopeRule`) and its axis in the
+planner's search (:class:`Axis`), and its hooks, grouped by what they act on
+(:mod:`lowmem_jax.core.technique_hooks`: the model, the optimizer, the step, the layout over
+devices, a workload and a run, what it reports). Every hook is optional; a group left out is
+empty. The ordered registry of them is
 :data:`lowmem_jax.techniques.TECHNIQUES`; this module imports no technique.
 
 ``plan`` below is a :class:`lowmem_jax.Plan`; ``config`` a step's JSON description
@@ -18,8 +21,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from lowmem_jax.core.jaxprs import equations
-from lowmem_jax.core.report_hooks import GridContext, ReportRow, ReportSection
+from lowmem_jax.core.technique_hooks import (
+    Evidence,
+    LayoutHooks,
+    ModelHooks,
+    OptimizerHooks,
+    ReportHooks,
+    StepHooks,
+    Verdict,
+    WorkloadHooks,
+)
 
 __all__ = [
     "Technique",
@@ -30,6 +41,7 @@ __all__ = [
     "Family",
     "Evidence",
     "Verdict",
+    "examples_rule",
 ]
 
 
@@ -49,6 +61,9 @@ class PlanField:
       help: the help text of its ``--field-name`` flag; ``None``: no flag of its own.
       choices: the flag's allowed values (``None``: any of ``type``).
       omit_default: :meth:`Plan.to_dict` leaves the field out at its default.
+      parse: ``parse(value) -> value``: the typed value ``Plan`` holds for what it is given
+        (e.g. a remat policy's text parsed once into a
+        :class:`~lowmem_jax.blocks.policy.RematSpec`); ``None``: kept as given.
     """
 
     name: str
@@ -58,10 +73,15 @@ class PlanField:
     help: str | None = None
     choices: tuple[str, ...] | None = None
     omit_default: bool = False
+    parse: Callable[[Any], Any] | None = None
 
     def field(self) -> dataclasses.Field:
         """The ``dataclasses`` field (``help`` and ``choices`` in its metadata when a flag)."""
-        metadata: dict[str, Any] = {"omit_default": self.omit_default, "doc": self.doc}
+        metadata: dict[str, Any] = {
+            "omit_default": self.omit_default,
+            "doc": self.doc,
+            "parse": self.parse,
+        }
         if self.help is not None:
             metadata.update(help=self.help, choices=self.choices)
         return dataclasses.field(default=self.default, metadata=metadata)
@@ -104,6 +124,28 @@ class EnvelopeRule:
     limits: dict[str, Any]
     outside: Callable[[dict[str, Any], Any], str | None]
     describe: Callable[[Any], str]
+
+
+def examples_rule(
+    key: str, what: str, examples: Callable[[dict[str, Any]], int | None]
+) -> EnvelopeRule:
+    """The rule on how few examples BatchNorm may normalise at once: at least 8 in the report's
+    envelope (it kept accuracy down to microbatches of about 8 examples; applied to every
+    model, which is conservative for those without BatchNorm), any number in ``any``.
+
+    ``examples(config) -> n | None``: the examples of one of the step's ``what`` (e.g.
+    ``"microbatches"``), ``None`` where the batch is not split."""
+
+    def outside(config: dict[str, Any], limit: int) -> str | None:
+        n = examples(config)
+        return f"{what} of {n} examples (< {limit})" if n is not None and n < limit else None
+
+    return EnvelopeRule(
+        key,
+        {"report": 8, "any": 1},
+        outside,
+        lambda limit: f"{what} of at least {limit} examples" if limit > 1 else "",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,129 +263,38 @@ class Axis:
 
 
 @dataclasses.dataclass(frozen=True)
-class Verdict:
-    """Whether a technique the plan turns on changed the step, and the evidence.
-
-    Attributes:
-      technique: the technique's name.
-      took_effect: ``False`` where the setting is on but the step is as without it (e.g. an
-        int8 state whose every leaf is under the size that gets quantized).
-      evidence: what was found, in one line (counts, bytes, dtypes).
-    """
-
-    technique: str
-    took_effect: bool
-    evidence: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Evidence:
-    """What a compiled-step check looks at (nothing is run).
-
-    Attributes:
-      state: the train state (arrays or ``jax.ShapeDtypeStruct``).
-      batch: the batch (arrays or shapes).
-      tx: the step's optimizer (an ``lm.Optimizer``).
-      jaxpr: the step's jaxpr (``jax.make_jaxpr(step)(state, batch).jaxpr``).
-      saved_residuals: ``saved_residuals(checkpoints: bool) -> bytes | None``: what one
-        microbatch's forward pass saves for the backward pass (analytic), with the step's
-        ``jax.checkpoint`` regions or with them inlined (no rematerialization; ``None`` where
-        one sits inside a custom derivative, whose rule cannot be rewritten); ``None`` where
-        the caller gave no loss (:func:`lowmem_jax.analysis.verdicts`).
-    """
-
-    state: Any
-    batch: Any
-    tx: Any
-    jaxpr: Any
-    saved_residuals: Callable[[bool], int | None] | None = None
-
-    def equations(self) -> list[Any]:
-        """Every equation of the step, those of nested jaxprs (loops, conds, checkpoints,
-        custom derivatives) included, with the number of enclosing loops: ``(eqn, depth)``."""
-        return list(equations(self.jaxpr))
-
-
-@dataclasses.dataclass(frozen=True)
 class Technique:
     """One technique, as the library's generic code sees it.
 
     Attributes:
       name: the registry key (the name of its main ``Plan`` field).
-      order: its place in the registry (:data:`lowmem_jax.techniques.TECHNIQUES` is sorted by
-        it): where its hooks act in the step, its fields in ``Plan``, its label in a plan's
-        name.
       fields: the ``Plan`` fields it owns (:class:`PlanField`; ``Plan`` is made of them).
       validate: ``validate(plan)`` raises ``ValueError`` naming the field and the allowed
-        values; called by ``Plan`` on construction.
-      label: ``label(plan) -> text | None``: its part of a plan's short name (``"microbatches 4"``),
-        ``None`` where it is off.
+        values; called by ``Plan`` on construction, in the registry's order (a later rule may
+        read an earlier field).
       envelope, axis: see :class:`EnvelopeRule`, :class:`Axis`; required (``None`` says
         "no limit" / "not searched", a decision each technique states, not a default).
-      flags: see :class:`Flags`.
+      label: ``label(plan) -> text | None``: its part of a plan's short name (``"microbatches
+        4"``), ``None`` where it is off.
+      flags: command-line flags beyond one per field with a help text (:class:`Flags`).
+      model, optimizer, step, layout, workload, report: its hooks (:class:`ModelHooks`,
+        :class:`OptimizerHooks`, :class:`StepHooks`, :class:`LayoutHooks`,
+        :class:`WorkloadHooks`, :class:`ReportHooks`), applied in the registry's order.
 
-    Hooks, each optional, each ``(thing, plan) -> thing`` (the optimizer's also take the
-    model's ``params``: arrays or shapes, or ``None``); the composers apply them in the
-    registry's order (:meth:`Plan.configure_model`, :meth:`Plan.wrap_optimizer`,
-    :func:`lowmem_jax.make_train_step`):
-
-      configure_model: the model (Linen or NNX) with the technique's settings.
-      inner_optimizer: the user's optax transformation, innermost (e.g. its state's float
-        format); applied for every technique before any ``wrap_optimizer``.
-      wrap_optimizer: the optimizer so far (e.g. sparse training around it).
-      wrap_loss: the model's loss ``loss_fn(params, model_state, batch, rng) -> (loss, (model
-        state, metrics))``, on the parameters the model sees (e.g. cast to the compute dtype).
-      wrap_stored_loss: the loss as differentiated, on what the gradient is taken w.r.t.
-        (e.g. the parameters gathered from their partitions).
-      wrap_grad_fn: ``grad_fn(params, model_state, batch, rng) -> (grads, model_state,
-        metrics)`` (e.g. accumulated over microbatches).
-      wrap_step: ``step(state, batch) -> (state, metrics)``, traced inside ``jit`` (e.g. the
-        state's layout over a mesh on the way in and out).
-      compiler_options: XLA options the jitted step needs.
-      mesh_axis: ``mesh_axis(plan) -> (name, size) | None``: the axis of the device mesh the
-        technique lays the step out along (:meth:`Plan.mesh` is one mesh with every
-        technique's axis; a size of ``0``: the visible devices the other axes leave).
-      state_shardings: ``state_shardings(state, plan) -> shardings | None``: where the train
-        state's leaves live over :meth:`Plan.mesh` (arrays or shapes in, a matching tree of
-        shardings out; :meth:`Plan.state_shardings` merges the techniques' per leaf).
-      one_device: ``one_device(plan) -> {field: value}``: the settings that put the plan's
-        step on one device, for a comparison (``{}`` where it runs on one).
-      took_effect: ``took_effect(evidence, plan) -> Verdict | None``: whether the setting
-        changed the step (``None`` where the technique is off);
-        :func:`lowmem_jax.analysis.verdicts`.
-      report_rows: ``report_rows(context) -> (ReportRow, ...)``: the technique alone at the
-        settings a memory report shows (:mod:`lowmem_jax.core.report_hooks`); ``None``: no
-        rows.
-      report_section: a section of ``lowmem report`` of its own, after the grid, with its
-        own flag (:class:`lowmem_jax.core.report_hooks.ReportSection`).
-      host_devices: ``host_devices(args)`` asks XLA:CPU for the host devices the technique's
-        command-line flags need; the CLI calls it before JAX starts.
-      compile_cost: ``compile_cost(plan) -> factor``: about how many times longer the step
-        takes to trace and compile with the setting than without it (measured on XLA:CPU);
-        ``lowmem report``'s estimate of the time left weighs its rows by the product.
+    Its place in the registry (:data:`lowmem_jax.techniques.TECHNIQUES`, an explicit tuple) is
+    where its hooks act in the step, its fields in ``Plan``, its label in a plan's name.
     """
 
     name: str
-    order: int
     fields: tuple[PlanField, ...]
     validate: Callable[[Any], None]
     envelope: EnvelopeRule | None = dataclasses.field(kw_only=True)
     axis: Axis | None = dataclasses.field(kw_only=True)
     label: Callable[[Any], str | None] = _no_label
     flags: Flags | None = None
-    configure_model: Callable[[Any, Any], Any] | None = None
-    inner_optimizer: Callable[[Any, Any, Any], Any] | None = None
-    wrap_optimizer: Callable[[Any, Any, Any], Any] | None = None
-    wrap_loss: Callable[[Callable, Any], Callable] | None = None
-    wrap_stored_loss: Callable[[Callable, Any], Callable] | None = None
-    wrap_grad_fn: Callable[[Callable, Any], Callable] | None = None
-    wrap_step: Callable[[Callable, Any], Callable] | None = None
-    compiler_options: Callable[[Any], dict[str, str]] | None = None
-    mesh_axis: Callable[[Any], tuple[str, int] | None] | None = None
-    state_shardings: Callable[[Any, Any], Any] | None = None
-    one_device: Callable[[Any], dict[str, Any]] | None = None
-    took_effect: Callable[[Evidence, Any], Verdict | None] | None = None
-    report_rows: Callable[[GridContext], tuple[ReportRow, ...]] | None = None
-    report_section: ReportSection | None = None
-    host_devices: Callable[[argparse.Namespace], None] | None = None
-    compile_cost: Callable[[Any], float] | None = None
+    model: ModelHooks = ModelHooks()
+    optimizer: OptimizerHooks = OptimizerHooks()
+    step: StepHooks = StepHooks()
+    layout: LayoutHooks = LayoutHooks()
+    workload: WorkloadHooks = WorkloadHooks()
+    report: ReportHooks = ReportHooks()

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax.blocks.remat import CONV_OUT, stack_policies
+from lowmem_jax.blocks.policy import CONV_OUT, stack_policies
 from lowmem_jax.blocks.scanned import ScannedBlocks, with_layout
 from lowmem_jax.models.layers import BatchNorm
 from lowmem_jax.techniques.factorize import FactorConfig, conv_layer, dense_layer
@@ -96,7 +96,7 @@ class WideResNet(nn.Module):
       width: the widening factor ``k``.
       num_classes: size of the output layer.
       dtype: computation dtype (``None``: follow inputs and parameters).
-      remat: remat policy name applied per block (see :mod:`lowmem_jax.blocks.remat`), or a
+      remat: remat policy name applied per block (see :mod:`lowmem_jax.blocks.policy`), or a
         ``blocks:`` schedule of ``3 * (depth - 4) // 6`` blocks, the groups in order.
       conv_impl: ``"auto" | "xla" | "loop_friendly"`` (see :mod:`lowmem_jax.ops.conv`).
       unroll: run the stacks of identical blocks as straight-line code instead of a loop (same

@@ -1,2 +1,1 @@
-"""The budget planner: the search space inside an accuracy envelope, the search, the descent.
-"""
+"""The budget planner: the search space inside an accuracy envelope, the search, the descent."""

@@ -86,8 +86,9 @@ from lowmem_jax.planning.space import (
     refuse_below_the_least_state,
 )
 from lowmem_jax.techniques import TECHNIQUES
+from lowmem_jax.workloads.definition import Workload
 from lowmem_jax.workloads.recipes import Recipe
-from lowmem_jax.workloads.registry import Workload, workload
+from lowmem_jax.workloads.registry import workload
 
 __all__ = [
     "OBJECTIVES",

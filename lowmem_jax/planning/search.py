@@ -26,14 +26,14 @@ from typing import Any
 from lowmem_jax.analysis import memory
 from lowmem_jax.analysis.flops import count_flops
 from lowmem_jax.analysis.timing import time_step
-from lowmem_jax.compose.flags import analyze_argv
 from lowmem_jax.compose.plan import Plan
 from lowmem_jax.core import mesh as sharding
+from lowmem_jax.core.units import MIB
 from lowmem_jax.planning.envelope import Envelope
 from lowmem_jax.techniques import TECHNIQUES
-from lowmem_jax.workloads.registry import Workload, build
-
-MIB = 2.0**20
+from lowmem_jax.workloads.builder import build
+from lowmem_jax.workloads.definition import Workload
+from lowmem_jax.workloads.flags import analyze_argv
 
 
 class NoPlanFits(ValueError):

@@ -16,7 +16,7 @@ from lowmem_jax.core.technique import Axis
 from lowmem_jax.planning.envelope import Envelope
 from lowmem_jax.planning.search import AXES, COMPUTE, MIB, SPLIT, NoPlanFits, Search, plan_of
 from lowmem_jax.techniques import TECHNIQUES
-from lowmem_jax.workloads.registry import build
+from lowmem_jax.workloads.builder import build
 
 __all__ = [
     "applicable",

@@ -1,6 +1,6 @@
 """The memory report's combined rows: the settings of the technical report's study (Sohoni et
 al. 2019) and of the headline, as data (``{plan field: value}``); each technique's rows alone
-come from the registry (:attr:`lowmem_jax.core.technique.Technique.report_rows`).
+come from the registry (:attr:`lowmem_jax.core.technique_hooks.ReportHooks.rows`).
 """
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ def combined_rows(context: GridContext) -> list[ReportRow]:
     uint8 = {"input_dtype": "uint8"} if context.images else None
     rows = [
         ReportRow(f"sparse 90% dsr + state {fmt}", "optimizer state",
-                  {"optimizer_state": fmt, "sparsity": report_sparsity(0.9)}, 75)
+                  {"optimizer_state": fmt, "sparsity": report_sparsity(0.9)},
+                  section="sparse + state")
         for fmt in ("bf16", "int8", "int4")
     ]  # fmt: skip
     tucker = FactorConfig("tucker", 0.25)
     rows.append(ReportRow("factorize tucker 25% + remat full", "factorization",
-                          {"remat": "full", "factorize": tucker}, 81))  # fmt: skip
+                          {"remat": "full", "factorize": tucker},
+                          section="factorize + remat"))  # fmt: skip
 
     def combined(name: str, fields: dict, quick: bool = False) -> None:
-        rows.append(ReportRow(name, "combined", fields, 100, quick))
+        rows.append(ReportRow(name, "combined", fields, quick, section="combined"))
 
     seen = set()
     for precision, target, remat in _STUDY:

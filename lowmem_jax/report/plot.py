@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lowmem_jax.core.units import MIB
 from lowmem_jax.techniques import report_sections
 
 __all__ = ["plot_report"]
-
-MIB = 2.0**20
 
 
 def _breakdown_bars(ax, rows: list[dict[str, Any]], src: str) -> None:

@@ -28,13 +28,14 @@ from typing import Any
 
 import jax
 
-from lowmem_jax.compose.flags import analyze_argv
 from lowmem_jax.compose.plan import Plan
+from lowmem_jax.core.units import MIB
 from lowmem_jax.planning.envelope import ENVELOPES, in_words
 from lowmem_jax.report.grid import GridRow, model_grid
 from lowmem_jax.report.plot import plot_report
 from lowmem_jax.techniques import report_sections
-from lowmem_jax.workloads.registry import analyze_model
+from lowmem_jax.workloads.builder import analyze_model
+from lowmem_jax.workloads.flags import analyze_argv
 
 __all__ = [
     "ENVELOPE",
@@ -45,7 +46,6 @@ __all__ = [
     "summary_table",
 ]
 
-MIB = 2.0**20
 # Sohoni et al. 2019, best combined reduction (analytic)
 PUBLISHED = {"wrn-28-2": 60.7, "dynamicconv-iwslt": 8.7}
 

@@ -1,2 +1,1 @@
-"""The training loop, its per-run configuration and tasks, checkpoints and metrics.
-"""
+"""The training loop, its per-run configuration and tasks, checkpoints and metrics."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from lowmem_jax.compose.plan import Plan
 from lowmem_jax.core import base
+from lowmem_jax.techniques import TECHNIQUES
 from lowmem_jax.training import tasks as tasks_lib
 from lowmem_jax.workloads.recipes import Recipe
 from lowmem_jax.workloads.registry import workload
@@ -146,20 +147,9 @@ class TrainConfig:
             raise ValueError(f"eval_sentences must be >= 0 or None, got {self.eval_sentences}")
         if self.length_penalty < 0:
             raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
-        if self.decompose_from and self.plan.factorize is None:
-            raise ValueError(
-                "decompose_from needs a plan with factorized layers (--factorize cp|tucker|lowrank)"
-            )
-        factorize = self.plan.factorize
-        if (
-            factorize is not None
-            and factorize.rank_rule != "compression"
-            and not (self.decompose_from or factorize.ranks)
-        ):
-            raise ValueError(
-                f"rank_rule={factorize.rank_rule!r} chooses ranks from a trained dense model: "
-                "it needs decompose_from (--decompose-from DIR)"
-            )
+        for technique in TECHNIQUES:  # a run from trained variables (decompose_from)
+            if technique.workload.warm_start is not None:
+                technique.workload.warm_start.check(self.plan, self.decompose_from)
         if self.memory_budget is not None and self.plan != DEFAULT_PLAN:
             raise ValueError("memory_budget chooses the plan: leave plan at its default")
         if base.check_int(self.memory_devices, "memory_devices", 1) > 1 and (

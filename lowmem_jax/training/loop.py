@@ -33,8 +33,9 @@ import jax
 
 from lowmem_jax.compose.plan import Plan
 from lowmem_jax.compose.step import model_params
+from lowmem_jax.core.units import MIB
 from lowmem_jax.planning.planner import plan_for_budget
-from lowmem_jax.techniques.factorize import decompose_params, select_ranks
+from lowmem_jax.techniques import TECHNIQUES
 from lowmem_jax.training import tasks as tasks_lib
 from lowmem_jax.training.checkpointing import (
     check_directory,
@@ -46,8 +47,7 @@ from lowmem_jax.training.checkpointing import (
 from lowmem_jax.training.config import DEFAULT_PLAN, TrainConfig
 from lowmem_jax.training.run_identity import check_run
 from lowmem_jax.training.skip_guard import NoProgressError, SkipGuard
-from lowmem_jax.workloads.registry import build
-from lowmem_jax.workloads.setup import variable_shapes
+from lowmem_jax.workloads.builder import build
 
 __all__ = ["TrainConfig", "train_and_evaluate", "DEFAULT_PLAN", "NoProgressError"]
 
@@ -105,7 +105,7 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
         )
     work = task.workload(config)
     recipe = config.recipe(work.recipe)
-    plan, dense = config.plan, None
+    plan, warm_start = config.plan, None
     if config.memory_budget is not None:
         chosen = plan_for_budget(
             work, config.memory_budget, envelope=config.memory_envelope, recipe=recipe,
@@ -115,20 +115,19 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
         if log:
             each = " per device" if config.memory_devices > 1 else ""
             log(
-                f"memory budget {config.memory_budget / 2**20:.1f} MiB{each}: "
+                f"memory budget {config.memory_budget / MIB:.1f} MiB{each}: "
                 f"{' '.join(chosen.argv[4:]) or 'no technique'} "
-                f"({chosen.xla['source']} {chosen.xla['total_bytes'] / 2**20:.1f} MiB, FLOPs "
+                f"({chosen.xla['source']} {chosen.xla['total_bytes'] / MIB:.1f} MiB, FLOPs "
                 f"{chosen.flops_overhead:.3f} of the fp32 step)"
             )
     if config.decompose_from:  # ranks from its weights are needed on resume too (the shapes)
-        dense = restore_model(config.decompose_from)
-        plan = _plan_with_ranks(work, plan, dense[0])
+        plan, warm_start = _warm_started(work, plan, config.decompose_from, log)
     setup = build(work, plan, recipe=recipe, total_steps=total_steps)
     rng = jax.random.PRNGKey(config.seed)
     first_batch = next(task.train_batches(0, 1))[1]  # SNIP's gradient is taken on it
     variables = None
-    if dense is not None and not config.resume:
-        variables = _decomposed_variables(setup, dense, config.decompose_from, log)
+    if warm_start is not None and not config.resume:
+        variables = warm_start(setup)
     state = setup.init_state(first_batch, rng, jit=task.jit_init, variables=variables)
     checkpointer, state, metrics_writer = resume_or_start(
         state,
@@ -242,44 +241,31 @@ def train_and_evaluate(config: TrainConfig, log=print) -> dict[str, Any]:
     return summary
 
 
-def _plan_with_ranks(work, plan: Plan, dense_params) -> Plan:
-    """``plan`` with the ranks its ``rank_rule`` chooses from ``dense_params`` (unchanged for
-    ``compression``); where the factorized layers are comes from the model at compression
-    ranks."""
-    factorize = plan.factorize
-    if factorize.rank_rule == "compression":
-        return plan
-    placeholder = dataclasses.replace(factorize, rank_rule="compression")
-    model = dataclasses.replace(plan, factorize=placeholder).configure_model(work.model)
-    shapes = variable_shapes(model, work)["params"]
-    try:
-        factorize = select_ranks(dense_params, shapes, factorize)
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"decompose_from: not a dense {work.name}: {err}") from None
-    return dataclasses.replace(plan, factorize=factorize)
+def _warm_started(work, plan: Plan, source: str, log):
+    """``(plan, start)`` for a run from the trained variables in ``source`` (``decompose_from``):
+    each technique's warm start (:class:`~lowmem_jax.core.technique.WarmStart`) reads the plan
+    from them, and ``start(setup) -> variables`` gives the built model's first variables."""
+    dense_params, dense_state, step = restore_model(source)
+    variables = {"params": dense_params, **dense_state}
+    starts = [t.workload.warm_start for t in TECHNIQUES if t.workload.warm_start is not None]
+    for warm in starts:
+        try:
+            plan = warm.plan(work, plan, variables)
+        except ValueError as err:
+            raise ValueError(f"decompose_from: {err}") from None
 
+    def start(setup):
+        made = variables
+        for warm in starts:
+            try:
+                made = warm.variables(setup, made)
+            except ValueError as err:
+                raise ValueError(f"decompose_from: step {step} in {source} is {err}") from None
+            if log:
+                log(warm.describe(setup.plan, f"step {step} of {source}"))
+        return made
 
-def _decomposed_variables(setup, dense, directory: str, log) -> dict[str, Any]:
-    """The factorized model's variables from ``dense`` (``restore_model`` of ``directory``)."""
-    dense_params, dense_state, step = dense
-    shapes = setup.abstract_variables()
-    try:
-        variables = {
-            "params": decompose_params(dense_params, shapes["params"], setup.plan.factorize),
-            **decompose_params(
-                dense_state, {k: v for k, v in shapes.items() if k != "params"}, None
-            ),
-        }
-    except ValueError as err:
-        raise ValueError(
-            f"decompose_from: step {step} in {directory} is not a dense {setup.workload.name}: "
-            f"{err}"
-        ) from None
-    if log:
-        factorize = setup.plan.factorize
-        ranks = "" if factorize.rank_rule == "compression" else f", ranks by {factorize.rank_rule}"
-        log(f"decomposed step {step} of {directory} ({factorize.method}{ranks})")
-    return variables
+    return plan, start
 
 
 def _warn_if_mostly_skipped(history: list[dict[str, Any]], start: dict[str, int]) -> None:

@@ -23,7 +23,7 @@ from flax import nnx
 from lowmem_jax.compose.nnx_split import split_nnx
 from lowmem_jax.core.base import LossFn, PyTree
 from lowmem_jax.techniques import sparsity
-from lowmem_jax.workloads.registry import Workload
+from lowmem_jax.workloads.definition import Workload
 
 __all__ = ["custom_workload"]
 

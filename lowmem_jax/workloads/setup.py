@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,8 @@ from lowmem_jax.compose.step import TrainState
 from lowmem_jax.core import mesh as sharding_lib
 from lowmem_jax.core.base import LossFn, Optimizer, PyTree
 from lowmem_jax.core.technique import Verdict
+from lowmem_jax.workloads.definition import Workload, variable_shapes
 from lowmem_jax.workloads.recipes import Recipe
-
-if TYPE_CHECKING:
-    from lowmem_jax.workloads.registry import Workload
 
 __all__ = ["Setup", "variable_shapes"]
 
@@ -193,31 +190,3 @@ class Setup:
                 "analytic: one device, the whole batch"
             )
         return report
-
-
-def variable_shapes(model: Any, work: Workload) -> PyTree:
-    """The shapes and dtypes of ``model``'s variables (``jax.eval_shape`` of ``model.init`` on
-    ``work``'s batch); kept per (model, input shapes) when the model is hashable, since a
-    search builds the same model many times (treat the result as read-only)."""
-    if work.init is not None:  # a user's model: its own init on the whole batch
-        leaves, treedef = jax.tree.flatten(work.batch)
-        inputs = (work.init, treedef, *((x.shape, jnp.dtype(x.dtype)) for x in leaves))
-    else:
-        inputs = (None, None, *(work.batch[k] for k in work.init_inputs))
-    try:
-        return _cached_variable_shapes(model, inputs)
-    except TypeError:  # an unhashable field (a user model's list): trace it each time
-        return _trace_variable_shapes(model, inputs)
-
-
-def _trace_variable_shapes(model: Any, inputs: tuple) -> PyTree:
-    """``inputs``: ``(init, treedef, *(shape, dtype))`` of a user's init and batch, or
-    ``(None, None, *arrays)``, the arrays ``model.init`` takes."""
-    init, treedef, *rest = inputs
-    if init is None:
-        return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x, train=False), *rest)
-    batch = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*leaf) for leaf in rest])
-    return jax.eval_shape(lambda b: init(model, jax.random.PRNGKey(0), b), batch)
-
-
-_cached_variable_shapes = functools.lru_cache(maxsize=64)(_trace_variable_shapes)

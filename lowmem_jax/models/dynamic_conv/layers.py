@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax.blocks.remat import DOT_OUT
+from lowmem_jax.blocks.policy import DOT_OUT
 from lowmem_jax.models.dynamic_conv.conv import DynamicConv, LightConv, _deterministic, _linear
 from lowmem_jax.techniques.factorize import FactorConfig
 

@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax.blocks.remat import parse_policy, stack_policies
+from lowmem_jax.blocks.policy import parse_policy, stack_policies
 from lowmem_jax.blocks.scanned import ScannedBlocks, at_use
 from lowmem_jax.models.dynamic_conv.conv import CONV_TYPES, _check_dropout, _deterministic
 from lowmem_jax.models.dynamic_conv.layers import (
@@ -65,7 +65,7 @@ class DynamicConvTransformer(nn.Module):
       share_decoder_embeddings: tie the output projection to the decoder input embedding.
       pad_id: the padding token id (both vocabularies).
       dtype: computation dtype (``None``: follow the parameters).
-      remat: a :mod:`lowmem_jax.blocks.remat` policy name, applied per layer, or a ``blocks:``
+      remat: a :mod:`lowmem_jax.blocks.policy` policy name, applied per layer, or a ``blocks:``
         schedule of one policy per layer, the encoder's then the decoder's.
       unroll: unroll the scans over identical layers (same parameters and results).
       factorize: a :class:`~lowmem_jax.techniques.factorize.FactorConfig`: the layers' Linear

@@ -1,8 +1,39 @@
-"""Compressed activations (:mod:`lowmem_jax.techniques.activations.compress`): ``activations``."""
+"""Compressed activations: ``activations``, the residuals the backward pass reads stored in fewer
+bits (ActNN; :mod:`.residuals`, loops: :mod:`.loops`)."""
 
 from lowmem_jax.core.report_hooks import rows_of
 from lowmem_jax.core.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
-from lowmem_jax.techniques.activations import compress as compression_lib
+from lowmem_jax.core.technique_hooks import ReportHooks, StepHooks
+from lowmem_jax.core.units import MIB
+from lowmem_jax.techniques.activations import residuals as compression_lib
+from lowmem_jax.techniques.activations.residuals import (
+    FORMATS,
+    ActivationSpec,
+    CompressedBodies,
+    ResidualReport,
+    compiler_options,
+    compress,
+    compress_activation,
+    compress_residuals,
+    decompress,
+    parse_spec,
+    residual_report,
+)
+
+__all__ = [
+    "TECHNIQUE",
+    "FORMATS",
+    "ActivationSpec",
+    "CompressedBodies",
+    "ResidualReport",
+    "compiler_options",
+    "compress",
+    "compress_activation",
+    "compress_residuals",
+    "decompress",
+    "parse_spec",
+    "residual_report",
+]
 
 
 def _wrap_loss(loss_fn, plan):
@@ -40,8 +71,8 @@ def _took_effect(evidence, plan):
         "activations",
         bool(calls),
         f"{len(calls)} activation residuals stored in {spec.name} (masks in bits): "
-        f"{before / 2**20:.2f} -> "
-        f"{after / 2**20:.2f} MiB per call (a loop's body counts once)",
+        f"{before / MIB:.2f} -> "
+        f"{after / MIB:.2f} MiB per call (a loop's body counts once)",
     )
 
 
@@ -49,22 +80,15 @@ def _nbytes(aval) -> int:
     return aval.size * aval.dtype.itemsize
 
 
-# Its rows in `lowmem report`: (name, plan fields).
-_ROWS = [(f"act {f}", {"activations": f}) for f in ("bf16", "int8", "int2")]
-
-
 TECHNIQUE = Technique(
     name="activations",
-    # Order: acts on the loss: the residuals its backward pass reads, stored compressed; around
-    # remat's checkpoints (a block's saved input is compressed too)
-    order=45,
     fields=(
         PlanField(
             "activations",
             str,
             "none",
             "the stored format of the activation residuals the backward pass reads "
-            "(:mod:`lowmem_jax.techniques.activations.compress`): ``none``, ``bf16``, ``int8``, "
+            "(:mod:`lowmem_jax.techniques.activations.residuals`): ``none``, ``bf16``, ``int8``, "
             "``int4``, ``int2`` (per-group minimum and range, stochastic rounding as in "
             "ActNN; ``int8:nearest`` etc. round to nearest). The forward pass is exact; "
             "weight gradients and gradients through nonlinearities see the compression.",
@@ -77,8 +101,6 @@ TECHNIQUE = Technique(
     ),
     validate=lambda plan: compression_lib.parse_spec(plan.activations),
     label=lambda plan: None if plan.activations == "none" else f"act {plan.activations}",
-    wrap_loss=_wrap_loss,
-    compiler_options=lambda plan: compression_lib.compiler_options(plan.activations),
     # Not in the report. Measured: within -0.5 points on digits at int8 and int2, but -6.68 BLEU
     # (int8) and -54.74 (int2) on the translation stand-in: inside no envelope but "any".
     envelope=EnvelopeRule(
@@ -103,6 +125,16 @@ TECHNIQUE = Technique(
         own_ratio=True,
         in_default_space=False,
     ),
-    report_rows=rows_of("activations", 70, "act int8", _ROWS),
-    took_effect=_took_effect,
+    step=StepHooks(
+        loss=_wrap_loss,
+        compiler_options=lambda plan: compression_lib.compiler_options(plan.activations),
+    ),
+    report=ReportHooks(
+        rows=rows_of(
+            "activations",
+            "act int8",
+            [(f"act {f}", {"activations": f}) for f in ("bf16", "int8", "int2")],
+        ),
+        verdict=_took_effect,
+    ),
 )

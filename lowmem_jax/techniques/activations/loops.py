@@ -1,5 +1,5 @@
 """A function re-evaluated from its jaxpr with each loop body that reads the data wrapped
-(:mod:`lowmem_jax.techniques.activations.compress` wraps them so that a loop stacks its iterations'
+(:mod:`lowmem_jax.techniques.activations.residuals` wraps them so that a loop stacks its iterations'
 residuals compressed and its backward pass decompresses one iteration's at a time).
 """
 

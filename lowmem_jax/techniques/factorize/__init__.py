@@ -89,6 +89,8 @@ from flax import nnx
 
 from lowmem_jax.core.report_hooks import rows_of
 from lowmem_jax.core.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict
+from lowmem_jax.core.technique_hooks import ModelHooks, ReportHooks, WorkloadHooks
+from lowmem_jax.techniques.factorize.warm_start import DECOMPOSE
 
 
 def _validate(plan) -> None:
@@ -200,15 +202,13 @@ _ROWS = [("factorize tucker 25%", {"factorize": FactorConfig("tucker", 0.25)})]
 
 TECHNIQUE = Technique(
     name="factorize",
-    # Order: acts on the model's layers; first: the hooks after it copy an NNX model, and a copy
-    # loses the order its layers were assigned in (which are the first and last)
-    order=5,
     fields=(
         PlanField(
             "factorize",
             FactorConfig | None,
             None,
-            "a :class:`lowmem_jax.techniques.factorize.FactorConfig` (CP / Tucker-2 / low-rank layers: "
+            "a :class:`~lowmem_jax.techniques.factorize.FactorConfig` (CP / Tucker-2 / low-rank "
+            "layers: "
             "a bundled model's own, any other Linen or NNX model's Dense / Linear / Conv layers "
             "by :func:`lowmem_jax.techniques.factorize.factorize_module`), or ``None``.",
         ),
@@ -225,7 +225,6 @@ TECHNIQUE = Technique(
         argv=_argv,
         given=lambda args: ["--factorize"] if args.factorize != "none" else [],
     ),
-    configure_model=_configure_model,
     # The report did not study factorized layers: outside its envelope.
     envelope=EnvelopeRule(
         "factorize",
@@ -243,6 +242,10 @@ TECHNIQUE = Technique(
         compute=True,
         parts=("stored", "activations"),
     ),
-    report_rows=rows_of("factorization", 80, "factorize tucker 25%", _ROWS),
-    took_effect=_took_effect,
+    model=ModelHooks(configure=_configure_model),
+    workload=WorkloadHooks(warm_start=DECOMPOSE),
+    report=ReportHooks(
+        rows=rows_of("factorization", "factorize tucker 25%", _ROWS),
+        verdict=_took_effect,
+    ),
 )

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from lowmem_jax.core.report_hooks import rows_of
 from lowmem_jax.core.technique import PlanField, Technique, Verdict
+from lowmem_jax.core.technique_hooks import ReportHooks, WorkloadHooks
 
 #: How a batch may store its images (``Plan.input_dtype``).
 INPUT_DTYPES = ("float32", "uint8")
@@ -39,8 +40,6 @@ def _rows(context):
 
 TECHNIQUE = Technique(
     name="input_dtype",
-    # Order: acts on the batch's stored images (the data pipeline and the model)
-    order=90,
     fields=(
         PlanField(
             "input_dtype",
@@ -62,6 +61,8 @@ TECHNIQUE = Technique(
     envelope=None,
     # Not searched: the planner's workloads are not all image batches.
     axis=None,
-    report_rows=rows_of("input", 60, "uint8 input", _rows),
-    took_effect=_took_effect,
+    workload=WorkloadHooks(
+        bind=lambda work, plan, total_steps: (work.with_input_dtype(plan.input_dtype), plan)
+    ),
+    report=ReportHooks(rows=rows_of("input", "uint8 input", _rows), verdict=_took_effect),
 )

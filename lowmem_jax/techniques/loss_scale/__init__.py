@@ -1,8 +1,9 @@
 """Loss scaling (:mod:`lowmem_jax.techniques.loss_scale.scale`): ``loss_scale`` and its settings."""
 
 from lowmem_jax.core.technique import PlanField, Technique, Verdict
+from lowmem_jax.core.technique_hooks import ReportHooks
 from lowmem_jax.techniques.loss_scale import scale as loss_scale_lib
-from lowmem_jax.techniques.loss_scale.scale import (  # noqa: F401 -- the technique's public names
+from lowmem_jax.techniques.loss_scale.scale import (
     LOSS_SCALES,
     DynamicLossScale,
     LossScale,
@@ -12,6 +13,18 @@ from lowmem_jax.techniques.loss_scale.scale import (  # noqa: F401 -- the techni
     make_loss_scale,
     select_tree,
 )
+
+__all__ = [
+    "TECHNIQUE",
+    "LOSS_SCALES",
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "all_finite",
+    "make_loss_scale",
+    "select_tree",
+]
 
 
 def _validate(plan) -> None:
@@ -50,8 +63,6 @@ def _took_effect(evidence, plan):
 
 TECHNIQUE = Technique(
     name="loss_scale",
-    # Order: acts on the gradient (scale, unscale, skip, adjust): the step's core
-    order=20,
     fields=(
         PlanField(
             "loss_scale",
@@ -74,5 +85,5 @@ TECHNIQUE = Technique(
     # Accuracy-neutral by design: a step with non-finite gradients is skipped and counted.
     envelope=None,
     axis=None,  # follows the precision (auto)
-    took_effect=_took_effect,
+    report=ReportHooks(verdict=_took_effect),
 )

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from lowmem_jax.core.finite import all_finite, select_tree
+
 PyTree = Any
 
 __all__ = [
@@ -39,19 +41,6 @@ __all__ = [
     "all_finite",
     "select_tree",
 ]
-
-
-def all_finite(tree: PyTree) -> jax.Array:
-    """A scalar bool array: True iff every element of every floating leaf is finite."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    if not leaves:
-        return jnp.array(True)
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
-
-
-def select_tree(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
-    """Leafwise ``where(pred, on_true, on_false)`` for a scalar bool ``pred``; no host sync."""
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
 def _scale(tree: PyTree, factor: jax.Array) -> PyTree:

@@ -1,18 +1,60 @@
-"""Microbatching (:mod:`lowmem_jax.techniques.microbatches.accumulate`): ``microbatches``, a count per batch."""
+"""Microbatching: ``microbatches``, a count per batch, its gradients accumulated with
+``lax.scan`` (:mod:`.accumulate`)."""
 
 import jax
+from flax import nnx
 
+from lowmem_jax.blocks.scanned import straight_line
 from lowmem_jax.core import mesh as sharding_lib
+from lowmem_jax.core.batches import check_num_microbatches, split_batch
 from lowmem_jax.core.report_hooks import ReportRow
-from lowmem_jax.core.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
-from lowmem_jax.techniques.microbatches import accumulate as microbatch_lib
+from lowmem_jax.core.technique import Axis, PlanField, Technique, Verdict, examples_rule
+from lowmem_jax.core.technique_hooks import ModelHooks, ReportHooks, StepHooks, WorkloadHooks
+from lowmem_jax.techniques.microbatches.accumulate import accumulate_gradients, compiler_options
+
+__all__ = [
+    "TECHNIQUE",
+    "accumulate_gradients",
+    "split_batch",
+    "check_num_microbatches",
+    "compiler_options",
+]
 
 
-def _outside(config, limit):
-    examples = config["batch_size"] // config["microbatches"]
-    if config["microbatches"] > 1 and examples < limit:
-        return f"microbatches of {examples} examples (< {limit})"
-    return None
+def _examples(config):
+    """A microbatch's examples, where the batch is split."""
+    k = config["microbatches"]
+    return config["batch_size"] // k if k > 1 else None
+
+
+def _configure_model(model, plan):
+    """A Linen model whose ``conv_impl`` is ``"auto"`` (the bundled ones) gets ``"xla"`` when the
+    step has no loop (one microbatch, every stack unrolled:
+    :func:`lowmem_jax.blocks.scanned.straight_line`): the loop-friendly convolution is for
+    XLA:CPU's loop bodies; in a step with no loop XLA's own keeps fewer buffers."""
+    if (
+        not isinstance(model, nnx.Module)
+        and getattr(model, "conv_impl", None) == "auto"
+        and plan.microbatches == 1
+        and straight_line(getattr(model, "unroll", False), plan.remat, plan.policy.compute_dtype)
+    ):
+        return model.clone(conv_impl="xla")
+    return model
+
+
+def _fits(work, plan, total_steps):
+    """The workload's batch splits into the plan's microbatches, each over the plan's data
+    devices (every device takes its share of every microbatch)."""
+    batch_size, k = work.batch_size, plan.microbatches
+    if batch_size % k:
+        raise ValueError(f"batch_size={batch_size} is not divisible by microbatches={k}")
+    devices = sharding_lib.data_devices(plan.mesh())
+    if batch_size % (k * devices):
+        raise ValueError(
+            f"batch_size={batch_size} is not divisible by microbatches={k} x devices={devices} "
+            "(the plan's device mesh: each device takes its share of every microbatch)"
+        )
+    return work, plan
 
 
 def _accumulate(grad_fn, plan):
@@ -23,7 +65,7 @@ def _accumulate(grad_fn, plan):
 
     def accumulated(*args):
         shards = sharding_lib.shards_in_batch(mesh)
-        return microbatch_lib.accumulate_gradients(grad_fn, plan.microbatches, shards)(*args)
+        return accumulate_gradients(grad_fn, plan.microbatches, shards)(*args)
 
     return accumulated if plan.microbatches > 1 else grad_fn
 
@@ -38,7 +80,7 @@ def _took_effect(evidence, plan):
         if eqn.primitive.name == "scan" and eqn.params.get("length") == k
     ]  # fmt: skip
     examples = jax.tree.leaves(evidence.batch)[0].shape[0] // k
-    hoisting = "; no loop-invariant code motion" if microbatch_lib.compiler_options(k) else ""
+    hoisting = "; no loop-invariant code motion" if compiler_options(k) else ""
     return Verdict(
         "microbatches",
         bool(loops),
@@ -54,15 +96,13 @@ def _report_rows(context):
     nearest = min(sizes, key=lambda size: abs(size - 8), default=None)
     return tuple(
         ReportRow(f"microbatch {size}", "microbatching",
-                  {"microbatches": context.batch_size // size}, 20, quick=size == nearest)
+                  {"microbatches": context.batch_size // size}, quick=size == nearest)
         for size in sizes
     )  # fmt: skip
 
 
 TECHNIQUE = Technique(
     name="microbatches",
-    # Order: acts on the gradient (lax.scan accumulation)
-    order=30,
     fields=(
         PlanField(
             "microbatches",
@@ -73,19 +113,12 @@ TECHNIQUE = Technique(
             "(BatchNorm uses per-microbatch statistics)",
         ),
     ),
-    validate=lambda plan: microbatch_lib.check_num_microbatches(plan.microbatches),
+    validate=lambda plan: check_num_microbatches(plan.microbatches),
     # As the flag reads (--microbatches 4: a count); a report row's "mb k" is k examples each.
     label=lambda plan: f"microbatches {plan.microbatches}" if plan.microbatches > 1 else None,
-    wrap_grad_fn=_accumulate,
-    compiler_options=lambda plan: microbatch_lib.compiler_options(plan.microbatches),
     # The report kept accuracy down to microbatches of about 8 examples (BatchNorm statistics
     # per microbatch); applied to every model, which is conservative for those without it.
-    envelope=EnvelopeRule(
-        "min_microbatch_examples",
-        {"report": 8, "any": 1},
-        _outside,
-        lambda limit: f"microbatches of at least {limit} examples" if limit > 1 else "",
-    ),
+    envelope=examples_rule("min_microbatch_examples", "microbatches", _examples),
     axis=Axis(
         "microbatches",
         None,
@@ -95,6 +128,11 @@ TECHNIQUE = Technique(
             m for m in range(1, batch_size + 1) if batch_size % m == 0
         ),
     ),
-    report_rows=_report_rows,
-    took_effect=_took_effect,
+    model=ModelHooks(configure=_configure_model),
+    step=StepHooks(
+        grad_fn=_accumulate,
+        compiler_options=lambda plan: compiler_options(plan.microbatches),
+    ),
+    workload=WorkloadHooks(bind=_fits),
+    report=ReportHooks(rows=_report_rows, verdict=_took_effect),
 )

@@ -7,12 +7,25 @@ import jax.numpy as jnp
 from lowmem_jax.codecs.quantization import Quantized, quantized_nbytes
 from lowmem_jax.core.report_hooks import rows_of
 from lowmem_jax.core.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.core.technique_hooks import OptimizerHooks, ReportHooks
+from lowmem_jax.core.units import MIB
 from lowmem_jax.techniques.optimizer_state import quantized as optimizer_state_lib
-from lowmem_jax.techniques.optimizer_state.quantized import (  # noqa: F401 -- the technique's public names
+from lowmem_jax.techniques.optimizer_state.quantized import (
+    FORMATS,
+    QUANTIZED_FORMATS,
     QuantizedState,
     QuantizedStateOptimizer,
     quantized_state,
 )
+
+__all__ = [
+    "TECHNIQUE",
+    "FORMATS",
+    "QUANTIZED_FORMATS",
+    "QuantizedState",
+    "QuantizedStateOptimizer",
+    "quantized_state",
+]
 
 #: How int8 / int4 codes are rounded: to the nearest (the papers' rule) or stochastically.
 ROUNDING = ("nearest", "stochastic")
@@ -113,7 +126,7 @@ def _took_effect(evidence, plan):
     return Verdict(
         "optimizer_state",
         bool(stored),
-        f"{len(stored)} of {len(arrays)} state arrays stored in {fmt} ({nbytes / 2**20:.2f} MiB)"
+        f"{len(stored)} of {len(arrays)} state arrays stored in {fmt} ({nbytes / MIB:.2f} MiB)"
         + rest
         + _schedule(evidence),
     )
@@ -125,14 +138,13 @@ _ROWS = [(f"state {f}", {"optimizer_state": f}) for f in ("bf16", "int8", "int4"
 
 TECHNIQUE = Technique(
     name="optimizer_state",
-    # Order: the stored format of the user's transformation's state (inside sparse training)
-    order=60,
     fields=(
         PlanField(
             "optimizer_state",
             str,
             "auto",
-            "the stored format of the optimizer's state (a :mod:`lowmem_jax.techniques.optimizer_state.quantized` "
+            "the stored format of the optimizer's state (a "
+            ":mod:`~lowmem_jax.techniques.optimizer_state.quantized` "
             "format): ``auto`` (float32, or bfloat16 when the parameters are 16-bit), ``fp32``, "
             "``bf16``, ``int8``, ``int4``. The update's arithmetic is float32 whenever the state "
             "or the parameters are stored in fewer bits.",
@@ -158,7 +170,6 @@ TECHNIQUE = Technique(
     ),
     validate=_validate,
     label=lambda plan: None if plan.optimizer_state == "auto" else f"state {plan.optimizer_state}",
-    inner_optimizer=_stored_state,
     # 8 bits or more: Dettmers et al. 2022 matched 32-bit Adam; 4-bit states lose accuracy.
     envelope=EnvelopeRule(
         "optimizer_states",
@@ -173,6 +184,6 @@ TECHNIQUE = Technique(
         within=lambda value, limit, batch_size: value in limit,
         own_ratio=True,
     ),
-    report_rows=rows_of("optimizer state", 50, "state int8", _ROWS),
-    took_effect=_took_effect,
+    optimizer=OptimizerHooks(inner=_stored_state),
+    report=ReportHooks(rows=rows_of("optimizer state", "state int8", _ROWS), verdict=_took_effect),
 )

@@ -22,10 +22,28 @@ from jax.sharding import PartitionSpec
 from lowmem_jax.blocks import scanned as scanned_blocks
 from lowmem_jax.core import base
 from lowmem_jax.core import mesh as sharding_lib
-from lowmem_jax.core.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.core.technique import Axis, PlanField, Technique, Verdict, examples_rule
+from lowmem_jax.core.technique_hooks import LayoutHooks, ModelHooks, ReportHooks, StepHooks
 from lowmem_jax.techniques.pipeline import gpipe as pipeline_lib
+from lowmem_jax.techniques.pipeline.gpipe import (
+    STAGE,
+    Pipeline,
+    PipelinedStacks,
+    bubble_fraction,
+    microbatch_count,
+    run,
+)
 
-__all__ = ["TECHNIQUE", "state_specs"]
+__all__ = [
+    "TECHNIQUE",
+    "state_specs",
+    "STAGE",
+    "Pipeline",
+    "PipelinedStacks",
+    "bubble_fraction",
+    "microbatch_count",
+    "run",
+]
 
 
 #: Where the parameters and optimizer state outside the pipelined stacks live.
@@ -119,27 +137,12 @@ def _state_shardings(state, plan):
     return None if mesh is None else sharding_lib.named(mesh, state_specs(state, plan))
 
 
-def _pipelined_loss(loss_fn, plan):
-    """The loss with the model's stacks traced as pipelines; refused where none could be."""
+def _pipelined_stacks(plan):
+    """The per-block hook running the model's stacks as pipelines (a fresh one per trace)."""
     if plan.pipeline == 1:
-        return loss_fn
+        return None
     settings = pipeline_lib.Pipeline(plan.pipeline, plan.pipeline_microbatches, _mesh(plan))
-
-    @functools.wraps(loss_fn)
-    def pipelined(*args):
-        with pipeline_lib.pipelining(settings) as trace:
-            out = loss_fn(*args)
-        if not any(split for _, split in trace.stacks):
-            lengths = [length for length, _ in trace.stacks]
-            stages = sorted({s for n in lengths for s in range(2, n + 1) if n % s == 0})
-            raise ValueError(
-                f"pipeline={plan.pipeline} divides none of the model's block stacks "
-                + (f"(lengths {lengths}; stage counts that divide one: {stages or 'none'})"
-                   if lengths else "(it has no ScannedBlocks stack)")
-            )  # fmt: skip
-        return out
-
-    return pipelined
+    return pipeline_lib.PipelinedStacks(settings)
 
 
 def _gathered(loss, plan):
@@ -209,11 +212,12 @@ def _took_effect(evidence, plan):
     )
 
 
-def _outside(config, limit):
-    """BatchNorm inside a pipelined stack normalises each pipeline microbatch (over every data
-    device's share of it) as microbatching's does: fewer than ``limit`` examples is outside.
-    With ``devices=0`` beside ``shard`` the data devices are not known here: counted as one,
-    which gives the default count of microbatches its largest value (the conservative side)."""
+def _examples(config):
+    """A pipeline microbatch's examples (over every data device's share of it), where a stack's
+    batch is split: BatchNorm inside a pipelined stack normalises each pipeline microbatch as
+    microbatching's does. With ``devices=0`` beside ``shard`` the data devices are not known
+    here: counted as one, which gives the default count of microbatches its largest value (the
+    conservative side)."""
     stages = config.get("pipeline", 1)
     if stages == 1:
         return None
@@ -222,9 +226,12 @@ def _outside(config, limit):
     count = pipeline_lib.microbatch_count(
         examples // data, stages, config.get("pipeline_microbatches", 0)
     )
-    if count > 1 and examples // count < limit:
-        return f"pipeline microbatches of {examples // count} examples (< {limit})"
-    return None
+    return examples // count if count > 1 else None
+
+
+# The step's arithmetic, but BatchNorm inside a pipelined stack normalises per microbatch (as
+# GPipe does): microbatching's limit, applied to every model as that one is.
+_ENVELOPE = examples_rule("min_pipeline_microbatch_examples", "pipeline microbatches", _examples)
 
 
 def _host_devices(args) -> None:
@@ -237,15 +244,13 @@ def _host_devices(args) -> None:
 
 TECHNIQUE = Technique(
     name="pipeline",
-    # Order: acts on the loss (its stacks traced as pipelines) and on the step's layouts over
-    # the stages; after every technique that changes the model's computation
-    order=78,
     fields=(
         PlanField(
             "pipeline",
             int,
             1,
-            "the stages ``S`` of a GPipe pipeline (:mod:`lowmem_jax.techniques.pipeline.gpipe`): each scanned "
+            "the stages ``S`` of a GPipe pipeline (:mod:`~lowmem_jax.techniques.pipeline.gpipe`): "
+            "each scanned "
             "block stack whose length divides by ``S`` is split over ``S`` devices, its "
             "blocks' parameters and optimizer state with it; ``1``: no pipeline.",
             help="GPipe stages: split each scanned block stack that divides by S over S "
@@ -280,14 +285,7 @@ TECHNIQUE = Technique(
     ),
     validate=_validate,
     label=lambda plan: None if plan.pipeline == 1 else f"pipeline {plan.pipeline}",
-    # The step's arithmetic, but BatchNorm inside a pipelined stack normalises per microbatch
-    # (as GPipe does): microbatching's limit, applied to every model as that one is
-    envelope=EnvelopeRule(
-        "min_pipeline_microbatch_examples",
-        {"report": 8, "any": 1},
-        _outside,
-        lambda limit: f"pipeline microbatches of at least {limit} examples" if limit > 1 else "",
-    ),
+    envelope=_ENVELOPE,
     # Searched where the planner has several devices: the stage counts that divide them (the
     # rest, data devices). Inside an envelope only if it is at the batch's one microbatch and
     # one data device; the whole plan's rule is the planner's check
@@ -296,7 +294,7 @@ TECHNIQUE = Technique(
         (1, 2, 4, 8),
         plan_fields=lambda stages: {"pipeline": stages},
         within=lambda stages, limit, batch_size: (
-            _outside({"pipeline": stages, "batch_size": batch_size}, limit) is None
+            _ENVELOPE.outside({"pipeline": stages, "batch_size": batch_size}, limit) is None
         ),
         parts=("stored", "activations"),  # the stacks' layout; each device's examples
         own_ratio=True,
@@ -304,16 +302,17 @@ TECHNIQUE = Technique(
         stored_falls=False,  # more stages leave fewer data devices for ZeRO to split over
         over_devices=lambda devices: tuple(s for s in range(1, devices + 1) if devices % s == 0),
     ),
-    wrap_loss=_pipelined_loss,
-    wrap_stored_loss=_gathered,
-    wrap_step=_laid_out,
-    mesh_axis=_mesh_axis,
-    state_shardings=_state_shardings,
-    one_device=lambda plan: (
-        {"pipeline": 1, "pipeline_microbatches": 0, "pipeline_rest": "replicate"}
-        if plan.pipeline > 1
-        else {}
-    ),  # fmt: skip
-    took_effect=_took_effect,
-    host_devices=_host_devices,
+    model=ModelHooks(block=_pipelined_stacks),
+    step=StepHooks(stored_loss=_gathered, step=_laid_out),
+    layout=LayoutHooks(
+        mesh_axis=_mesh_axis,
+        state_shardings=_state_shardings,
+        one_device=lambda plan: (
+            {"pipeline": 1, "pipeline_microbatches": 0, "pipeline_rest": "replicate"}
+            if plan.pipeline > 1
+            else {}
+        ),  # fmt: skip
+        host_devices=_host_devices,
+    ),
+    report=ReportHooks(verdict=_took_effect),
 )

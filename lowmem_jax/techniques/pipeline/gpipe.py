@@ -26,10 +26,8 @@ The default microbatch count is the largest divisor of the stack's examples at m
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,16 +35,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from lowmem_jax.blocks.hooks import BlockHook, Stack
 from lowmem_jax.core import mesh as sharding_lib
-from lowmem_jax.techniques.microbatches import accumulate as microbatch_lib
+from lowmem_jax.core.batches import split_batch
 
 __all__ = [
     "STAGE",
     "Pipeline",
     "microbatch_count",
     "bubble_fraction",
-    "active",
-    "pipelining",
+    "PipelinedStacks",
     "run",
 ]
 
@@ -96,35 +94,52 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-@dataclasses.dataclass
-class _Trace:
-    """What the stacks traced under :func:`pipelining` did: ``(length, pipelined)`` each."""
+class PipelinedStacks(BlockHook):
+    """The per-block hook (:mod:`lowmem_jax.blocks.hooks`) that runs each stack whose length
+    divides by the stages as a pipeline of ``pipeline`` (:func:`run`), one per trace of the
+    step's loss; :meth:`done` refuses the plan where no stack could be.
 
-    pipeline: Pipeline
-    stacks: list[tuple[int, bool]] = dataclasses.field(default_factory=list)
+    Attributes:
+      pipeline: the stages, microbatches and mesh.
+      stacks: ``(length, pipelined)`` of each stack traced.
+    """
 
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+        self.stacks: list[tuple[int, bool]] = []
 
-_ACTIVE: contextvars.ContextVar[_Trace | None] = contextvars.ContextVar(
-    "lowmem_pipeline", default=None
-)
+    def run(self, stack: Stack) -> tuple[jax.Array, PyTree] | None:
+        stages = self.pipeline.stages
+        split = stack.length % stages == 0
+        self.stacks.append((stack.length, split))
+        if not split:
+            return None
+        if len(stack.runs) > 1 or stack.blockwise:
+            raise ValueError(
+                f"pipeline={stages} runs a stack under one remat policy with its weights "
+                "stored dense; got "
+                + ("a per-block remat schedule" if len(stack.runs) > 1 else "blockwise weights")
+            )
+        spec, length = stack.runs[0][0], stack.length // stages
 
+        def stage(blocks, state, h, context, microbatch):
+            params, keys, index = blocks
+            if stack.dropout:  # each microbatch its own draws
+                keys = jax.vmap(lambda key: jax.random.fold_in(key, microbatch))(keys)
+            return stack.scan(h, (params, state, keys, index), context, length, spec)
 
-def active() -> _Trace | None:
-    """The pipeline of the :func:`pipelining` being traced (``None`` outside one); a stack
-    records in it whether it was pipelined."""
-    return _ACTIVE.get()
+        blocks = (stack.params, stack.keys, stack.index)
+        return run(stage, blocks, stack.state, stack.x, stack.context, self.pipeline)
 
-
-@contextlib.contextmanager
-def pipelining(pipeline: Pipeline) -> Iterator[_Trace]:
-    """Stacks traced inside run as pipelines of ``pipeline`` where their length divides by its
-    stages; yields the record of what they did."""
-    trace = _Trace(pipeline)
-    token = _ACTIVE.set(trace)
-    try:
-        yield trace
-    finally:
-        _ACTIVE.reset(token)
+    def done(self) -> None:
+        if not any(split for _, split in self.stacks):
+            lengths = [length for length, _ in self.stacks]
+            stages = sorted({s for n in lengths for s in range(2, n + 1) if n % s == 0})
+            raise ValueError(
+                f"pipeline={self.pipeline.stages} divides none of the model's block stacks "
+                + (f"(lengths {lengths}; stage counts that divide one: {stages or 'none'})"
+                   if lengths else "(it has no ScannedBlocks stack)")
+            )  # fmt: skip
 
 
 def run(
@@ -160,7 +175,7 @@ def run(
     count = microbatch_count(examples // shards, stages, pipeline.microbatches)
 
     def split(a):
-        return microbatch_lib.split_batch(a, count, shards)
+        return split_batch(a, count, shards)
 
     def batched(a) -> bool:
         return getattr(a, "ndim", 0) >= 1 and a.shape[0] == examples

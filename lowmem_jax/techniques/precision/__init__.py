@@ -5,13 +5,24 @@ from flax import nnx
 
 from lowmem_jax.core.report_hooks import rows_of
 from lowmem_jax.core.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.core.technique_hooks import ModelHooks, ReportHooks, StepHooks
 from lowmem_jax.techniques.precision import policy as precision_lib
-from lowmem_jax.techniques.precision.policy import (  # noqa: F401 -- the technique's public names
+from lowmem_jax.techniques.precision.policy import (
+    POLICIES,
     Policy,
     cast_floating,
     cast_loss_fn,
     get_policy,
 )
+
+__all__ = [
+    "TECHNIQUE",
+    "POLICIES",
+    "Policy",
+    "cast_floating",
+    "cast_loss_fn",
+    "get_policy",
+]
 
 
 def _configure_model(model, plan):
@@ -54,14 +65,13 @@ _ROWS = [(p, {"precision": p}) for p in ("mixed_bf16", "mixed_fp16", "bf16", "fp
 
 TECHNIQUE = Technique(
     name="precision",
-    # Order: acts on the model's compute dtype; the loss (casts in, float32 out)
-    order=10,
     fields=(
         PlanField(
             "precision",
             str,
             "fp32",
-            "a :mod:`lowmem_jax.techniques.precision.policy` policy name (``fp32``, ``bf16``, ``fp16``, "
+            "a :mod:`~lowmem_jax.techniques.precision.policy` policy name (``fp32``, ``bf16``, "
+            "``fp16``, "
             "``mixed_bf16``, ``mixed_fp16``).",
             help="dtype policy: fp32; bf16/fp16 (params and compute half); mixed_bf16/mixed_fp16 "
             "(fp32 master weights, half compute)",
@@ -70,8 +80,6 @@ TECHNIQUE = Technique(
     ),
     validate=lambda plan: precision_lib.get_policy(plan.precision),
     label=lambda plan: plan.precision,
-    configure_model=_configure_model,
-    wrap_loss=lambda loss_fn, plan: precision_lib.cast_loss_fn(loss_fn, plan.policy),
     # The report kept float32 master weights (fp16 compute with loss scaling).
     envelope=EnvelopeRule(
         "precisions",
@@ -95,6 +103,7 @@ TECHNIQUE = Technique(
         own_ratio=True,
         stored_falls=False,
     ),
-    report_rows=rows_of("precision", 10, "mixed_fp16", _ROWS),
-    took_effect=_took_effect,
+    model=ModelHooks(configure=_configure_model),
+    step=StepHooks(loss=lambda loss_fn, plan: precision_lib.cast_loss_fn(loss_fn, plan.policy)),
+    report=ReportHooks(rows=rows_of("precision", "mixed_fp16", _ROWS), verdict=_took_effect),
 )

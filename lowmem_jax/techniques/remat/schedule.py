@@ -3,7 +3,7 @@
 A model's blocks run in sequence (its :class:`~lowmem_jax.ScannedBlocks` stacks, in the
 order ``model.block_stacks()`` lists them). Each block may keep every residual (``none``), keep
 its matmul / convolution outputs (``dots``) or only its input (``full``): a ``blocks:`` remat
-schedule (:mod:`lowmem_jax.blocks.remat`) gives each block one of them.
+schedule (:mod:`lowmem_jax.blocks.policy`) gives each block one of them.
 
 **Costs** (:func:`measure_block_costs`), measured once per model and precision by the analytic
 count (the residuals of the step's jaxpr, no compile) and the jaxpr's FLOPs: for each stack
@@ -36,7 +36,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
-from lowmem_jax.blocks.remat import SCHEDULE_POLICIES, parse_policy, schedule_name
+from lowmem_jax.blocks.policy import SCHEDULE_POLICIES, parse_policy, schedule_name
 from lowmem_jax.core.technique import Family
 
 __all__ = [
@@ -162,7 +162,7 @@ def _pareto(points: list[tuple[float, float, tuple[str, ...]]]) -> list:
 def pareto_schedules(costs: BlockCosts, policies: Sequence[str] | None = None) -> list[Schedule]:
     """Every schedule that is the least recomputation for some activation budget, by bytes
     (module docstring). ``policies``: those the blocks may take (default: every one measured,
-    in :data:`~lowmem_jax.blocks.remat.SCHEDULE_POLICIES` order)."""
+    in :data:`~lowmem_jax.blocks.policy.SCHEDULE_POLICIES` order)."""
     policies = tuple(p for p in SCHEDULE_POLICIES if p in (policies or costs.dbytes))
     if "none" not in policies or any(p not in costs.dbytes for p in policies):
         raise ValueError(

@@ -1,5 +1,5 @@
-"""ZeRO-style partitioning and offload (:mod:`lowmem_jax.core.mesh`): ``shard``, ``devices``,
-``optimizer_memory``, ``optimizer_update``; compressed gradient communication
+"""ZeRO-style partitioning and offload (:mod:`.zero`, :mod:`lowmem_jax.core.mesh`): ``shard``,
+``devices``, ``optimizer_memory``, ``optimizer_update``; compressed gradient communication
 (:mod:`lowmem_jax.techniques.shard.compression`): ``grad_compression``, ``powersgd_rank``,
 ``topk_fraction``.
 
@@ -31,6 +31,13 @@ from lowmem_jax.blocks import scanned as scanned_blocks
 from lowmem_jax.core import base
 from lowmem_jax.core import mesh as sharding_lib
 from lowmem_jax.core.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
+from lowmem_jax.core.technique_hooks import (
+    LayoutHooks,
+    ModelHooks,
+    OptimizerHooks,
+    ReportHooks,
+    StepHooks,
+)
 from lowmem_jax.techniques.shard import compression as compression_lib
 from lowmem_jax.techniques.shard import report_section as sharding_report
 from lowmem_jax.techniques.shard.offload import (
@@ -39,8 +46,9 @@ from lowmem_jax.techniques.shard.offload import (
     HostUpdate,
     HostUpdateState,
 )
+from lowmem_jax.techniques.shard.zero import STAGES, Stage, stage
 
-__all__ = ["TECHNIQUE", "state_specs", "state_shardings"]
+__all__ = ["TECHNIQUE", "state_specs", "state_shardings", "STAGES", "Stage", "stage"]
 
 
 # The stages whose gradient is reduced whole on every device (compressed: grad_compression).
@@ -50,7 +58,7 @@ UPDATES = ("device", "host")
 
 
 def _validate(plan) -> None:
-    sharding_lib.stage(plan.shard)
+    stage(plan.shard)
     devices = base.check_int(plan.devices, "devices", 0, " (0: all visible)")
     if devices and plan.shard == "none":
         raise ValueError(
@@ -94,12 +102,12 @@ def state_specs(state: Any, plan: Any, num_shards: int) -> Any:
     :class:`lowmem_jax.TrainState` of arrays or shapes) under ``plan.shard``: the optimizer
     state partitioned from ``zero1`` on, the parameters at ``zero3``
     (:func:`lowmem_jax.core.mesh.leaf_spec`), everything else replicated."""
-    stage = sharding_lib.stage(plan.shard)
+    zero = stage(plan.shard)
     specs = sharding_lib.tree_specs(state, num_shards, partition=False)
     opt = state.opt_state
     in_host = isinstance(opt, HostUpdateState)  # in host memory, updated on the device
     opt = opt.inner_state if in_host else opt
-    opt_specs = sharding_lib.tree_specs(opt, num_shards, stage.optimizer_state)
+    opt_specs = sharding_lib.tree_specs(opt, num_shards, zero.optimizer_state)
     if isinstance(opt, compression_lib.CompressionState):  # a row per device
         rows = PartitionSpec(sharding_lib.AXIS)
         opt_specs = opt_specs._replace(
@@ -108,7 +116,7 @@ def state_specs(state: Any, plan: Any, num_shards: int) -> Any:
         )
     opt_specs = HostUpdateState(opt_specs) if in_host else opt_specs
     return specs.replace(
-        params=sharding_lib.tree_specs(state.params, num_shards, stage.parameters),
+        params=sharding_lib.tree_specs(state.params, num_shards, zero.parameters),
         opt_state=opt_specs,
     )
 
@@ -148,7 +156,7 @@ def _configure_model(model, plan):
     """zero3: a model with a ``param_layout`` field (the bundled ones) gathers each scanned
     block's partitioned parameters inside its loop, so one block's, not the whole model's, are
     whole on a device at a time."""
-    if not sharding_lib.stage(plan.shard).parameters or isinstance(model, nnx.Module):
+    if not stage(plan.shard).parameters or isinstance(model, nnx.Module):
         return model
     if not hasattr(model, "param_layout"):
         return model
@@ -165,7 +173,7 @@ def _gathered(loss, plan):
     parameters' layout split the convolutions' channels instead of the batch. The stacks of
     scanned blocks stay partitioned here: a configured model gathers one block's inside its
     loop (:func:`_configure_model`)."""
-    if not sharding_lib.stage(plan.shard).parameters:
+    if not stage(plan.shard).parameters:
         return loss
     mesh = _mesh(plan)
 
@@ -194,7 +202,7 @@ def _partitioned_grads(grad_fn, plan):
         return grad_fn
     if plan.grad_compression != "none":
         return compression_lib.per_device_gradients(grad_fn, mesh, sharding_lib.AXIS)
-    partition = sharding_lib.stage(plan.shard).gradients
+    partition = stage(plan.shard).gradients
     others = len(mesh.axis_names) > 1
 
     def partitioned(*args):
@@ -276,7 +284,7 @@ def _took_effect(evidence, plan):
         return None
     parts = []
     if plan.shard != "none":
-        partitioned = sharding_lib.stage(plan.shard).optimizer_state
+        partitioned = stage(plan.shard).optimizer_state
         state = evidence.state.opt_state
         data = sharding_lib.data_devices(mesh)
         share = sharding_lib.partitioned_fraction(state, data) if partitioned else 0.0
@@ -300,8 +308,6 @@ def _took_effect(evidence, plan):
 
 TECHNIQUE = Technique(
     name="shard",
-    # Order: acts on the step's layouts over a device mesh; zero3's gathering
-    order=80,
     fields=(
         PlanField(
             "shard",
@@ -312,7 +318,7 @@ TECHNIQUE = Technique(
             "partitioned; the batch size must divide by the devices (times ``microbatches``).",
             help="partition over a data-parallel mesh: dp (batch), zero1 (+ optimizer state), "
             "zero2 (+ gradients), zero3 (+ parameters); figures are per device",
-            choices=sharding_lib.STAGES,
+            choices=STAGES,
         ),
         PlanField(
             "devices",
@@ -330,7 +336,8 @@ TECHNIQUE = Technique(
             "the memory the optimizer state stays in between steps (a "
             ":data:`lowmem_jax.core.mesh.MEMORY_KINDS` name): ``device``, or ``pinned_host`` "
             "(host memory; the step moves it to the device for the update, once the gradient "
-            "exists, and the new state back: :class:`lowmem_jax.techniques.shard.offload.DeviceUpdate`).",
+            "exists, and the new state back: "
+            ":class:`~lowmem_jax.techniques.shard.offload.DeviceUpdate`).",
             help="where the optimizer state lives between steps: device, or pinned_host (host "
             "memory, moved to the device for the update and back, as ZeRO-Offload places it; "
             "XLA:CPU has one memory, so the device bytes it saves show on a GPU only)",
@@ -405,15 +412,14 @@ TECHNIQUE = Technique(
         in_default_space=False,
         over_devices=lambda devices: sharding_report.SHARD_STAGES,
     ),
-    configure_model=_configure_model,
-    wrap_stored_loss=_gathered,
-    wrap_grad_fn=_partitioned_grads,
-    wrap_optimizer=_outermost_optimizer,
-    wrap_step=_laid_out,
-    mesh_axis=_mesh_axis,
-    state_shardings=state_shardings,
-    one_device=_one_device,
-    took_effect=_took_effect,
-    report_section=sharding_report.SECTION,
-    host_devices=sharding_report.use_host_devices,
+    model=ModelHooks(configure=_configure_model),
+    optimizer=OptimizerHooks(wrap=_outermost_optimizer),
+    step=StepHooks(stored_loss=_gathered, grad_fn=_partitioned_grads, step=_laid_out),
+    layout=LayoutHooks(
+        mesh_axis=_mesh_axis,
+        state_shardings=state_shardings,
+        one_device=_one_device,
+        host_devices=sharding_report.use_host_devices,
+    ),
+    report=ReportHooks(verdict=_took_effect, section=sharding_report.SECTION),
 )

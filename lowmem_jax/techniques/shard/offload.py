@@ -37,25 +37,15 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
-from jax.experimental import compute_on as compute_on_lib
 
 from lowmem_jax.core.base import Optimizer, PyTree, Wrapper
-from lowmem_jax.techniques.loss_scale import scale as loss_scale_lib
+from lowmem_jax.core.finite import all_finite, select_tree
+from lowmem_jax.core.host import on_host
 
-__all__ = ["HOST_UPDATE", "HostUpdateState", "HostUpdate", "DeviceUpdate", "on_host"]
+__all__ = ["HOST_UPDATE", "HostUpdateState", "HostUpdate", "DeviceUpdate"]
 
 #: The name of the nested ``jit`` that runs on the host (what a verdict counts).
 HOST_UPDATE = "host_update"
-
-
-# The function transform: ``compute_on2`` in JAX 0.10, renamed ``compute_on`` in 0.11 (whose
-# ``compute_on`` of 0.10, a context manager taking the type alone, is gone).
-_COMPUTE_ON = getattr(compute_on_lib, "compute_on2", compute_on_lib.compute_on)
-
-
-def on_host(fn):
-    """``fn`` run by the host's processor, its results in host memory (``Space.Host``)."""
-    return _COMPUTE_ON(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
 
 
 class HostUpdateState(NamedTuple):
@@ -110,9 +100,9 @@ class HostUpdate(_StateInHostMemory):
         def host_update(grads, inner_state, params):  # named HOST_UPDATE in the program
             updates, new_state = inner.update(grads, inner_state, params)
             new_params = optax.apply_updates(params, updates)
-            grads_finite = loss_scale_lib.all_finite(grads)
-            update_finite = loss_scale_lib.all_finite((updates, new_params))
-            kept = loss_scale_lib.select_tree(
+            grads_finite = all_finite(grads)
+            update_finite = all_finite((updates, new_params))
+            kept = select_tree(
                 grads_finite & update_finite, (new_params, new_state), (params, inner_state)
             )
             return *kept, grads_finite, update_finite
@@ -171,7 +161,7 @@ def _kept_if_finite(inner: Optimizer, grads, inner_state, params):
     """``inner.update``'s updates and new state, the old state where any gradient, update or new
     parameter is non-finite (:func:`lowmem_jax.make_train_step`'s skip rule)."""
     updates, new_state = inner.update(grads, inner_state, params)
-    finite = loss_scale_lib.all_finite((grads, updates))
+    ok = all_finite((grads, updates))
     if params is not None:
-        finite &= loss_scale_lib.all_finite(optax.apply_updates(params, updates))
-    return updates, loss_scale_lib.select_tree(finite, new_state, inner_state)
+        ok &= all_finite(optax.apply_updates(params, updates))
+    return updates, select_tree(ok, new_state, inner_state)

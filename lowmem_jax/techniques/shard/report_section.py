@@ -2,7 +2,7 @@
 ``--shard-devices``): per-device bytes of a step under each ZeRO stage.
 
 :func:`sharding_rows` compiles (never runs) a plan's step on one device and under every stage of
-:data:`SHARD_STAGES` (:mod:`lowmem_jax.core.mesh`) for each device count, and keeps XLA's figures
+:data:`SHARD_STAGES` (:mod:`.zero`) for each device count, and keeps XLA's figures
 for the program one device runs; :func:`sharding_markdown` and :func:`sharding_plot` render
 them. JAX must see the devices (on CPU: host devices, asked for before it starts:
 :func:`use_host_devices`).
@@ -19,6 +19,7 @@ import jax
 
 from lowmem_jax.core.mesh import set_cpu_devices
 from lowmem_jax.core.report_hooks import ReportSection
+from lowmem_jax.core.units import MIB
 
 __all__ = [
     "SECTION",
@@ -30,7 +31,6 @@ __all__ = [
     "sharding_plot",
 ]
 
-MIB = 2.0**20
 SHARD_STAGES = ("dp", "zero1", "zero2", "zero3")
 _SHARD_FIGURES = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "total_bytes")
 # --shard-devices auto: those of these that divide the batch (and the backend has).

@@ -83,14 +83,23 @@ __all__ = [
 ]
 
 import argparse
+import dataclasses
 
 import jax
 
 from lowmem_jax.blocks import lazy_layers
-from lowmem_jax.blocks import remat as remat_lib
+from lowmem_jax.blocks import policy as remat_policy
 from lowmem_jax.blocks import scanned as scanned_blocks
 from lowmem_jax.core.report_hooks import rows_of
 from lowmem_jax.core.technique import Axis, EnvelopeRule, Flags, PlanField, Technique, Verdict
+from lowmem_jax.core.technique_hooks import (
+    ModelHooks,
+    OptimizerHooks,
+    ReportHooks,
+    StepHooks,
+    WorkloadHooks,
+)
+from lowmem_jax.core.units import MIB
 
 
 def _validate(plan) -> None:
@@ -99,6 +108,20 @@ def _validate(plan) -> None:
             f"sparsity must be a lowmem_jax.techniques.sparsity.SparseConfig or None, got "
             f"{type(plan.sparsity).__name__}"
         )
+
+
+def _bind(work, plan, total_steps):
+    """A sparse plan whose ``is_sparse`` is the default gets the workload's (e.g. the
+    transformer's Linear kernels), and with the run's length, its default ``end_step`` (75% of
+    the run; ``None``: an analysis, never stop)."""
+    sparse = plan.sparsity
+    if sparse is None:
+        return work, plan
+    if sparse.is_sparse is default_is_sparse:
+        sparse = dataclasses.replace(sparse, is_sparse=work.is_sparse)
+    if sparse.end_step is None and total_steps is not None:
+        sparse = dataclasses.replace(sparse, end_step=int(0.75 * total_steps))
+    return work, dataclasses.replace(plan, sparsity=sparse)
 
 
 def _sparse_training(opt, plan, params):
@@ -115,11 +138,7 @@ def _sparse_training(opt, plan, params):
 def _densifies_per_layer(plan) -> bool:
     """Compressed storage without remat: each layer that reads compressed weights runs under its
     own checkpoint (:mod:`lowmem_jax.blocks.lazy_layers`); under remat the blocks rebuild them."""
-    return (
-        plan.sparsity is not None
-        and plan.sparsity.compressed
-        and not remat_lib.parse_policy(plan.remat).enabled
-    )
+    return plan.sparsity is not None and plan.sparsity.compressed and not plan.remat.enabled
 
 
 def _configure_model(model, plan):
@@ -128,7 +147,7 @@ def _configure_model(model, plan):
 
 def _compiler_options(plan) -> dict[str, str]:
     """The per-layer checkpoints' XLA option (remat's: keep recomputations apart on CPU)."""
-    return remat_lib.compiler_options("full") if _densifies_per_layer(plan) else {}
+    return remat_policy.compiler_options("full") if _densifies_per_layer(plan) else {}
 
 
 def _add_flags(parser: argparse.ArgumentParser, base) -> None:
@@ -227,7 +246,7 @@ def _took_effect(evidence, plan):
     stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(evidence.state.params))
     text = (
         f"{len(leaves)} weight leaves at {plan.sparsity.density:.0%} density, stored "
-        f"{plan.sparsity.storage.name}: parameters {stored / 2**20:.2f} MiB"
+        f"{plan.sparsity.storage.name}: parameters {stored / MIB:.2f} MiB"
     )
     if _densifies_per_layer(plan):
         names = ("remat2", "checkpoint")
@@ -242,14 +261,12 @@ _ROWS = [(f"sparse {s:.0%} dsr", {"sparsity": report_sparsity(s)}) for s in (0.5
 
 TECHNIQUE = Technique(
     name="sparsity",
-    # Order: acts on the optimizer and the parameters' storage
-    order=50,
     fields=(
         PlanField(
             "sparsity",
             SparseConfig | None,
             None,
-            "a :class:`lowmem_jax.techniques.sparsity.SparseConfig` (sparse training, masked or compressed "
+            "a :class:`lowmem_jax.sparsity.SparseConfig` (sparse training, masked or compressed "
             "storage), or ``None`` for dense training.",
         ),
     ),
@@ -261,9 +278,6 @@ TECHNIQUE = Technique(
         argv=_argv,
         given=lambda args: ["--sparsity"] if args.sparsity else [],
     ),
-    configure_model=_configure_model,
-    wrap_optimizer=_sparse_training,
-    compiler_options=_compiler_options,
     # DSR kept WRN-28-2 within 0.3 points of dense up to 70-80% sparsity (Mostafa & Wang).
     envelope=EnvelopeRule(
         "max_sparsity",
@@ -280,9 +294,17 @@ TECHNIQUE = Technique(
         value_of=lambda plan: 0.0 if plan.sparsity is None else 1 - plan.sparsity.density,
         corner="last",
     ),
-    report_rows=rows_of("sparsity", 40, "sparse 70% dsr", _ROWS),
-    took_effect=_took_effect,
-    # The rewiring compiles per sparse layer: WRN-28-2's dynamic-sparse report rows take about
-    # 3x the others to analyse cold (benchmarks/results/report_time.md).
-    compile_cost=lambda plan: 3.5 if plan.sparsity is not None and plan.sparsity.dynamic else 1.0,
+    model=ModelHooks(configure=_configure_model),
+    optimizer=OptimizerHooks(wrap=_sparse_training),
+    workload=WorkloadHooks(bind=_bind),
+    step=StepHooks(compiler_options=_compiler_options),
+    report=ReportHooks(
+        rows=rows_of("sparsity", "sparse 70% dsr", _ROWS),
+        verdict=_took_effect,
+        # The rewiring compiles per sparse layer: WRN-28-2's dynamic-sparse report rows take about
+        # 3x the others to analyse cold (benchmarks/results/report_time.md).
+        compile_cost=lambda plan: (
+            3.5 if plan.sparsity is not None and plan.sparsity.dynamic else 1.0
+        ),
+    ),
 )

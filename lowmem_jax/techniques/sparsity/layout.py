@@ -15,6 +15,7 @@ import jax
 
 from lowmem_jax.codecs.state_format import is_quantized
 from lowmem_jax.techniques.sparsity.config import SparseConfig
+from lowmem_jax.techniques.sparsity.storage import LeafSpec
 
 PyTree = Any
 
@@ -27,24 +28,6 @@ __all__ = [
     "leaves_by_key",
     "replace_leaves",
 ]
-
-
-class LeafSpec(NamedTuple):
-    """One sparse leaf.
-
-    Attributes:
-      key: ``"a/b/kernel"``, the leaf's path (the keys of ``SparseState.pattern``).
-      shape: the dense shape.
-      size: ``prod(shape)``.
-      budget: non-zeros at initialisation (from ``density`` and ``distribution``).
-      capacity: compressed storage length ``min(size, ceil(capacity_factor * budget))``.
-    """
-
-    key: str
-    shape: tuple[int, ...]
-    size: int
-    budget: int
-    capacity: int
 
 
 class Layout(NamedTuple):

@@ -1,18 +1,14 @@
-"""The sparse optimizer's state: its type, where it sits in a (wrapped) optimizer state, and how
-dense its pattern is."""
+"""The sparse optimizer's state: its type, and where it sits in a (wrapped) optimizer state."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 
 from lowmem_jax.core.base import PyTree
 
-if TYPE_CHECKING:
-    from lowmem_jax.techniques.sparsity.transform import SparseTraining
-
-__all__ = ["SparseState", "find_state", "density_report"]
+__all__ = ["SparseState", "find_state"]
 
 
 class SparseState(NamedTuple):
@@ -52,15 +48,3 @@ def find_state(tree: PyTree) -> SparseState:
     if len(found) != 1:
         raise ValueError(f"expected exactly one SparseState in opt_state, found {len(found)}")
     return found[0]
-
-
-def density_report(sparse: SparseTraining, opt_state: PyTree) -> dict[str, Any]:
-    """Per-layer and total non-zero counts of the current pattern (host-side, for logging)."""
-    pattern = find_state(opt_state).pattern
-    layers = {}
-    for s in sparse.layout.leaves:
-        nnz = int(sparse.storage.nnz(pattern[s.key], s))
-        layers[s.key] = {"nnz": nnz, "size": s.size, "density": nnz / s.size}
-    total = sum(v["nnz"] for v in layers.values())
-    size = sum(v["size"] for v in layers.values())
-    return {"layers": layers, "nnz": total, "size": size, "density": total / size}

@@ -32,7 +32,7 @@ slot (compressed). Both classes answer the same questions, so the sparse optimiz
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +40,8 @@ import jax.numpy as jnp
 from lowmem_jax.core.base import BlockwiseLeaf, LazyLeaf
 from lowmem_jax.techniques.sparsity import algorithms
 
-if TYPE_CHECKING:
-    from lowmem_jax.techniques.sparsity.layout import LeafSpec
-
 __all__ = [
+    "LeafSpec",
     "Storage",
     "MaskedStorage",
     "CompressedStorage",
@@ -53,6 +51,24 @@ __all__ = [
     "MASKED",
     "COMPRESSED",
 ]
+
+
+class LeafSpec(NamedTuple):
+    """One sparse leaf.
+
+    Attributes:
+      key: ``"a/b/kernel"``, the leaf's path (the keys of ``SparseState.pattern``).
+      shape: the dense shape.
+      size: ``prod(shape)``.
+      budget: non-zeros at initialisation (from ``density`` and ``distribution``).
+      capacity: compressed storage length ``min(size, ceil(capacity_factor * budget))``.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    size: int
+    budget: int
+    capacity: int
 
 
 class Storage:

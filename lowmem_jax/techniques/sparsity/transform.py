@@ -35,7 +35,7 @@ from lowmem_jax.techniques.sparsity import masks as masks_lib
 from lowmem_jax.techniques.sparsity import slots as slots_lib
 from lowmem_jax.techniques.sparsity.config import DSR_PRUNED_FRACTION, SparseConfig
 from lowmem_jax.techniques.sparsity.layout import Layout, leaves_by_key, make_layout, replace_leaves
-from lowmem_jax.techniques.sparsity.state import SparseState, density_report, find_state
+from lowmem_jax.techniques.sparsity.state import SparseState, find_state
 from lowmem_jax.techniques.sparsity.storage import Storage
 
 PyTree = Any
@@ -386,3 +386,15 @@ def sparse_training(
     if not layout.leaves:
         raise ValueError("config.is_sparse selected no parameter leaf; nothing to sparsify")
     return SparseTraining(inner=inner, config=config, layout=layout, stacked=stacked)
+
+
+def density_report(sparse: SparseTraining, opt_state: PyTree) -> dict[str, Any]:
+    """Per-layer and total non-zero counts of the current pattern (host-side, for logging)."""
+    pattern = find_state(opt_state).pattern
+    layers = {}
+    for s in sparse.layout.leaves:
+        nnz = int(sparse.storage.nnz(pattern[s.key], s))
+        layers[s.key] = {"nnz": nnz, "size": s.size, "density": nnz / s.size}
+    total = sum(v["nnz"] for v in layers.values())
+    size = sum(v["size"] for v in layers.values())
+    return {"layers": layers, "nnz": total, "size": size, "density": total / size}

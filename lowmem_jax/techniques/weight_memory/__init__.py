@@ -3,7 +3,7 @@ moved to the device where the step uses it: a stack's blocks one at a time in it
 
 With ``weight_memory="pinned_host"`` every parameter lives in page-locked host memory between
 steps, laid out by :func:`state_shardings`. The model moves them in through two layouts, both a
-:class:`~lowmem_jax.blocks.scanned.ToDevice` (move, then cast to the compute dtype):
+:class:`~.streaming.ToDevice` (move, then cast to the compute dtype):
 ``param_layout`` for a :class:`~lowmem_jax.ScannedBlocks` stack (``[n, ...]``, its leading axis
 the blocks): inside the loop it moves one block's parameters, inside the block's checkpoint
 (remat is required for such a model), so the backward pass moves them again rather than
@@ -20,7 +20,7 @@ device holds no parameter; during a step, one unit at a time: a stack's block or
 (:func:`lowmem_jax.compose.step.scaled_grad_fn`).
 
 Any other Linen model (no layouts) streams through its reads: inside the step its parameters in
-host memory reach the layers as :class:`~lowmem_jax.blocks.scanned.StreamedLeaf` boxes (Flax's
+host memory reach the layers as :class:`~.streaming.StreamedLeaf` boxes (Flax's
 ``nn.map_variables`` over the model's call), each moved and cast where a layer reads it, and
 every such layer runs under its own checkpoint
 (:func:`lowmem_jax.blocks.lazy_layers.checkpoint_lazy_layers`), so its backward pass moves its
@@ -39,20 +39,26 @@ the device. XLA:CPU has one memory, so the bytes show only on a GPU
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowmem_jax.blocks import lazy_layers
 from lowmem_jax.blocks import scanned as scanned_blocks
-from lowmem_jax.core import base, jaxprs, linen_wrap
+from lowmem_jax.core import base, jaxprs
 from lowmem_jax.core import mesh as sharding_lib
 from lowmem_jax.core.technique import PlanField, Technique, Verdict
+from lowmem_jax.core.technique_hooks import LayoutHooks, ModelHooks, ReportHooks
+from lowmem_jax.core.units import MIB
+from lowmem_jax.techniques.weight_memory.streaming import (
+    StreamedLeaf,
+    ToDevice,
+    read_where_used,
+    units,
+)
 
-__all__ = ["TECHNIQUE", "state_shardings", "units"]
+__all__ = ["TECHNIQUE", "state_shardings", "units", "ToDevice", "StreamedLeaf"]
 
-MIB = 2**20
 #: The layers weight streaming keeps in host memory: every one, or the stacks' blocks alone.
 STREAMED_LAYERS = ("all", "stacks")
 
@@ -85,7 +91,7 @@ def _validate(plan) -> None:
 def _configure_model(model, plan):
     if plan.weight_memory == "device":
         return model
-    to_device = scanned_blocks.ToDevice(plan.policy.compute_dtype)
+    to_device = ToDevice(plan.policy.compute_dtype)
     linen = not isinstance(model, nnx.Module)
     if hasattr(model, "param_layout") and plan.remat == "none":
         raise ValueError(
@@ -103,86 +109,13 @@ def _configure_model(model, plan):
         return model.clone(param_layout=to_device, outer_param_layout=to_device)
     # Any other model: each layer moves what it reads, under its own checkpoint, so that its
     # backward pass moves it again rather than keeping the forward pass's copy
-    read = _read_where_used if linen else _read_where_used_nnx
-    return lazy_layers.checkpoint_lazy_layers(read(model, plan))
-
-
-def _boxed(plan):
-    """``box(x)``: a :class:`~lowmem_jax.blocks.scanned.StreamedLeaf` of ``x`` in host memory
-    (moved and cast to the compute dtype where a layer reads it), ``x`` elsewhere."""
-    dtype = plan.policy.compute_dtype
-    return lambda x: scanned_blocks.StreamedLeaf(x, dtype) if base.in_host_memory(x) else x
-
-
-def _read_where_used(model, plan):
-    """A Linen ``model`` without layouts whose parameters in host memory reach its layers as
-    :class:`~lowmem_jax.blocks.scanned.StreamedLeaf` boxes, each moved to the device and cast
-    where a layer reads it (Flax's ``nn.map_variables`` over the model's call, not while
-    initialising, so the stored parameters and their paths are the model's own)."""
-    cls, box = type(model), _boxed(plan)
-
-    def boxed(params):
-        return jax.tree.map(box, params)
-
-    def call(self, *args, **kwargs):
-        if self.is_initializing():
-            return cls.__call__(self, *args, **kwargs)
-
-        def body(module, *positional):  # keyword arguments (``train``) closed over, as static
-            return cls.__call__(module, *positional, **kwargs)
-
-        return nn.map_variables(body, "params", trans_in_fn=boxed)(self, *args)
-
-    return linen_wrap.with_call(model, call, ("weight streaming", plan.policy.compute_dtype))
-
-
-def _read_where_used_nnx(model, plan):
-    """An NNX ``model`` (a copy) whose call boxes its ``nnx.Param`` values in host memory as
-    :func:`_read_where_used` does (each ``Param`` holds the box during the call, its array
-    again after it)."""
-    module, box = nnx.clone(model), _boxed(plan)
-
-    def make_call(cls):
-        def call(self, *args, **kwargs):
-            params = [value for _, sub in nnx.iter_graph(self) if isinstance(sub, nnx.Module)
-                      for value in vars(sub).values() if isinstance(value, nnx.Param)]  # fmt: skip
-            arrays = [param.get_raw_value() for param in params]
-            for param, array in zip(params, arrays, strict=True):
-                param.set_raw_value(box(array))
-            try:
-                return cls.__call__(self, *args, **kwargs)
-            finally:
-                for param, array in zip(params, arrays, strict=True):
-                    param.set_raw_value(array)
-
-        return call
-
-    linen_wrap.swap_calls([module], make_call)
-    return module
+    return lazy_layers.checkpoint_lazy_layers(read_where_used(model, plan))
 
 
 def _streamed(path, plan) -> bool:
     """A parameter ``plan`` keeps in host memory: every one, or a stack's (``stacks``)."""
     names = [getattr(key, "key", None) for key in path]
     return plan.streamed_layers == "all" or scanned_blocks.in_stack(names)
-
-
-def units(params, stacks_only: bool = False) -> dict[str, int]:
-    """Bytes of each unit the step moves to the device at once: one block of each stack (its
-    leaves' bytes over the blocks), each layer outside the stacks (a top-level entry; none with
-    ``stacks_only``), by path."""
-    sizes: dict[str, int] = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = [getattr(key, "key", None) for key in path]
-        if scanned_blocks.in_stack(names):
-            unit, blocks = names[: names.index(scanned_blocks.STACK)], x.shape[0]
-        elif stacks_only:
-            continue
-        else:
-            unit, blocks = names[:1], 1
-        key = "/".join(map(str, unit))
-        sizes[key] = sizes.get(key, 0) + x.size * x.dtype.itemsize // blocks
-    return sizes
 
 
 def state_shardings(state, plan):
@@ -234,8 +167,6 @@ def _took_effect(evidence, plan):
 
 TECHNIQUE = Technique(
     name="weight_memory",
-    # Order: acts on where the stacked parameters live (the model's param_layout, the layout)
-    order=85,
     fields=(
         PlanField(
             "weight_memory",
@@ -277,7 +208,7 @@ TECHNIQUE = Technique(
     envelope=None,
     # Not searched: XLA:CPU, where the planner compiles, drops memory kinds (one memory).
     axis=None,
-    configure_model=_configure_model,
-    state_shardings=state_shardings,
-    took_effect=_took_effect,
+    model=ModelHooks(configure=_configure_model),
+    layout=LayoutHooks(state_shardings=state_shardings),
+    report=ReportHooks(verdict=_took_effect),
 )

@@ -20,16 +20,18 @@ the data order and augmentation are functions of ``(seed, step)``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from lowmem_jax import data as data_lib
-from lowmem_jax.workloads.registry import Workload, workload
+from lowmem_jax.workloads.definition import Workload
+from lowmem_jax.workloads.registry import workload
 
-if TYPE_CHECKING:
-    from lowmem_jax.training.loop import TrainConfig
+#: The run's :class:`lowmem_jax.training.config.TrainConfig` (which imports the tasks: named,
+#: not imported).
+TrainConfig = Any
 
 KIND = "classification"
 DATASETS = ("digits", "fashion-mnist", "cifar10")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -41,10 +41,12 @@ from lowmem_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_t
 from lowmem_jax.models import beam_search, greedy_decode
 from lowmem_jax.training.averaging import average_last_checkpoints
 from lowmem_jax.training.checkpointing import param_checksum
-from lowmem_jax.workloads.registry import Workload, workload
+from lowmem_jax.workloads.definition import Workload
+from lowmem_jax.workloads.registry import workload
 
-if TYPE_CHECKING:
-    from lowmem_jax.training.loop import TrainConfig
+#: The run's :class:`lowmem_jax.training.config.TrainConfig` (which imports the tasks: named,
+#: not imported).
+TrainConfig = Any
 
 __all__ = ["Task", "load_translation_data", "detokenize", "bleu"]
 

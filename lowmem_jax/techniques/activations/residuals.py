@@ -23,9 +23,9 @@ gradients and the gradients through nonlinearities see the compression error.
 Loops compress per iteration, so that a loop's backward pass decompresses one iteration's
 residuals at a time instead of the whole stack: scanned stacks
 (:class:`~lowmem_jax.ScannedBlocks`) wrap their blocks while a :func:`compress_residuals` is
-tracing around them (:func:`active_spec`); any other ``scan`` that reads the data (a model's
-``nn.scan`` / ``nnx.scan``, at the top level or inside ``jit`` calls) gets its body wrapped by
-re-evaluating ``fn``'s jaxpr (:func:`lowmem_jax.techniques.activations.loops.with_wrapped_loops`). A
+tracing around them (:class:`CompressedBodies`, a per-block hook); any other ``scan`` that reads
+the data (a model's ``nn.scan`` / ``nnx.scan``, at the top level or inside ``jit`` calls) gets
+its body wrapped by re-evaluating ``fn``'s jaxpr (:func:`.loops.with_wrapped_loops`). A
 residual read from a loop's constants alone (the padded input every tap of a dynamic
 convolution slices, a decoder's encoder output) is the same in every iteration: it is stored
 once as it is, where one compressed copy per iteration would weigh as much or more
@@ -35,9 +35,8 @@ once as it is, where one compressed copy per iteration would weigh as much or mo
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -45,7 +44,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
-from lowmem_jax.blocks import remat as remat_lib
+from lowmem_jax.blocks import hooks as block_hooks
+from lowmem_jax.blocks import policy as remat_policy
+from lowmem_jax.blocks.hooks import BlockHook
 from lowmem_jax.codecs.activation_formats import (
     FORMATS,
     MASK,
@@ -67,7 +68,7 @@ __all__ = [
     "compress_activation",
     "compress_residuals",
     "compiler_options",
-    "active_spec",
+    "CompressedBodies",
     "residual_report",
     "ResidualReport",
 ]
@@ -77,30 +78,27 @@ def compiler_options(spec: ActivationSpec | str, backend: str | None = None) -> 
     """XLA options under which compressed residuals take effect on ``backend``: the
     optimization barriers that keep XLA from decompressing in the forward pass (or fusing the
     compression into the backward pass) must survive, which on CPU is remat's option
-    (:func:`lowmem_jax.blocks.remat.compiler_options`); ``{}`` for ``none``."""
-    return remat_lib.compiler_options("full" if parse_spec(spec).enabled else "none", backend)
+    (:func:`lowmem_jax.blocks.policy.compiler_options`); ``{}`` for ``none``."""
+    return remat_policy.compiler_options("full" if parse_spec(spec).enabled else "none", backend)
 
 
 # --- a function's residuals -------------------------------------------------------------------
 
-_ACTIVE: contextvars.ContextVar[ActivationSpec | None] = contextvars.ContextVar(
-    "lowmem_activations", default=None
-)
 
+class CompressedBodies(BlockHook):
+    """The per-block hook active while a :func:`compress_residuals` traces its forward pass: a
+    scanned stack (:class:`~lowmem_jax.ScannedBlocks`) stores each iteration's residuals in
+    ``spec``'s format, so its backward pass decompresses one iteration's at a time."""
 
-def active_spec() -> ActivationSpec | None:
-    """The format of the :func:`compress_residuals` whose forward pass is being traced (``None``
-    outside one): a model's loop may compress per iteration with it."""
-    return _ACTIVE.get()
+    def __init__(self, spec: ActivationSpec):
+        self.spec = spec
 
-
-@contextlib.contextmanager
-def _active(spec: ActivationSpec) -> Iterator[None]:
-    token = _ACTIVE.set(spec)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    def wrap_body(self, body, closed: int, iterations: int):
+        # The block's input and its context are data. The loop would stack its input and
+        # per-block values, so none is kept as it is; the context is the same in every block.
+        return compress_residuals(body, self.spec, data_argnums=(0, 2), keep_arguments=False,
+                                  invariant_argnums=range(2, 2 + closed),
+                                  iterations=iterations)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,10 +208,10 @@ def _plan_residuals(
     fn, args, data_argnums, spec, *, keep_arguments=True, invariant_argnums=(), iterations=1,
     active=True,
 ):  # fmt: skip
-    """Traces ``fn``'s VJP once (``active``: with :func:`active_spec` set, so that loops inside
-    compress per iteration): ``(closed jaxpr of flat args -> out leaves + residual leaves,
-    {"out", "res": trees, "n_out": count, "inputs": which residuals are arguments}, which
-    residuals to compress)``."""
+    """Traces ``fn``'s VJP once (``active``: with :class:`CompressedBodies` active, so that the
+    stacks inside compress per iteration): ``(closed jaxpr of flat args -> out leaves +
+    residual leaves, {"out", "res": trees, "n_out": count, "inputs": which residuals are
+    arguments}, which residuals to compress)``."""
     flat, in_tree = jax.tree.flatten(args)
     trees = {}
     arg_of = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
@@ -228,7 +226,7 @@ def _plan_residuals(
         trees["n_out"] = len(out_leaves)
         return out_leaves + res
 
-    with _active(spec) if active else contextlib.nullcontext():
+    with block_hooks.active(CompressedBodies(spec)) if active else contextlib.nullcontext():
         closed = jax.make_jaxpr(run)(*flat)
     jaxpr = closed.jaxpr
     depends = data_dependence(jaxpr, data)[trees["n_out"] :]
