@@ -177,7 +177,7 @@ class ScannedBlocks(nn.Module):
         xs = (params, others, keys, jnp.arange(self.length, dtype=jnp.int32))
         closed = (tuple(context), blockwise)
         hooks = () if self.is_initializing() else block_hooks.current()
-        done = None
+        ran = None
         if hooks:
             stack = block_hooks.Stack(
                 length=self.length, runs=tuple(runs), blockwise=bool(blockwise), x=x,
@@ -187,9 +187,9 @@ class ScannedBlocks(nn.Module):
                     apply_block, h, run_xs, (ctx, {}), length, spec, self.unroll
                 ),
             )  # fmt: skip
-            done = next((out for hook in hooks if (out := hook.run(stack)) is not None), None)
-        if done is not None:  # a hook ran the stack (e.g. as a pipeline over devices)
-            x, new_others = done
+            ran = next((out for hook in hooks if (out := hook.run(stack)) is not None), None)
+        if ran is not None:  # a hook ran the stack (e.g. as a pipeline over devices)
+            x, new_others = ran
             runs = []
         outs = []
         for spec, start, stop in runs:
