@@ -5,6 +5,10 @@ here the way Flax users commonly write them.
   from a config (no weights, nothing downloaded). ``transformers`` 4.46.x: the last line with
   Flax models (5.0 removed them); a test-only dependency (``pip install "transformers<4.47"``,
   about 10 s here). Chosen as the most used published Flax transformer.
+* ``bert`` (masked LM; its layers take their flags positionally), ``bart`` (encoder-decoder),
+  ``llama`` (grouped-query attention, rotary positions), ``vit`` (images): more of the same
+  family, each from a tiny config, dropout on where the model has it. Not T5: transformers
+  4.46's Flax T5 calls ``jnp.clip(a_max=...)``, which JAX 0.10 no longer takes.
 * ``linen_resnet`` -- a ResNet-18 (basic blocks [2, 2, 2, 2], widths 32..256) with BatchNorm.
 * ``linen_lm_scan`` -- a decoder-only LM, dropout, its blocks applied with ``nn.scan``.
 * ``nnx_scan`` -- NNX scan over layers: blocks created with ``nnx.vmap`` over split RNG streams
@@ -124,6 +128,143 @@ def _gpt2_loss(model):
 
 def gpt2() -> lm.workloads.Workload:
     return _linen_workload("gpt2", _gpt2_model(), _tokens(), _gpt2_init, _gpt2_loss)
+
+
+# --- bert, t5, llama, vit: more of transformers' Flax family ------------------------------------
+# Tiny configs (nothing downloaded); dropout on where the model has it, as a user trains.
+
+
+def _transformers_module(family: str, module: str, config: str, **fields):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config, no weights: nothing to fetch
+    import importlib
+
+    import transformers
+
+    models = importlib.import_module(f"transformers.models.{family}.modeling_flax_{family}")
+    return getattr(models, module)(getattr(transformers, config)(**fields))
+
+
+def _masked(tokens, rate: float = 0.15):
+    """BERT's masked-LM batch: ``mask`` marks the positions predicted (a fixed draw)."""
+    mask = jax.random.bernoulli(jax.random.key(2), rate, tokens.shape)
+    return {"tokens": tokens, "mask": mask}
+
+
+def bert() -> lm.workloads.Workload:
+    model = _transformers_module(
+        "bert", "FlaxBertForMaskedLMModule", "BertConfig", vocab_size=VOCAB, hidden_size=WIDTH,
+        num_hidden_layers=4, num_attention_heads=4, intermediate_size=4 * WIDTH,
+        max_position_embeddings=SEQ,
+    )  # fmt: skip
+
+    def init(model, rng, batch):
+        return model.init(rng, batch["tokens"][:1], jnp.ones_like(batch["tokens"][:1]),
+                          jnp.zeros_like(batch["tokens"][:1]),
+                          jnp.broadcast_to(jnp.arange(SEQ), (1, SEQ)), None)  # fmt: skip
+
+    def loss(model):
+        def loss_fn(params, model_state, batch, rng):
+            ids, mask = batch["tokens"], batch["mask"]
+            masked = jnp.where(mask, 0, ids)  # the [MASK] id: 0 in this tiny vocabulary
+            logits = model.apply({"params": params}, masked, jnp.ones_like(ids),
+                                 jnp.zeros_like(ids),
+                                 jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), None,
+                                 deterministic=False, rngs={"dropout": rng}).logits  # fmt: skip
+            token = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids)
+            loss = (token * mask).sum() / mask.shape[0] / SEQ  # a fixed normaliser: exact
+            return loss, (model_state, {"loss": loss})
+
+        return loss_fn
+
+    return _linen_workload("bert", model, _masked(_tokens()["tokens"]), init, loss)
+
+
+def bart() -> lm.workloads.Workload:
+    model = _transformers_module(
+        "bart", "FlaxBartForConditionalGenerationModule", "BartConfig", vocab_size=VOCAB,
+        d_model=WIDTH, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=4 * WIDTH, decoder_ffn_dim=4 * WIDTH,
+        max_position_embeddings=SEQ,
+    )  # fmt: skip
+    half = SEQ // 2
+
+    def call(model, variables, source, decoder_in, **kw):
+        positions = jnp.broadcast_to(jnp.arange(half), source.shape)
+        return model.apply(variables, source, jnp.ones_like(source), decoder_in,
+                           jnp.ones_like(decoder_in), positions, positions, **kw)  # fmt: skip
+
+    def init(model, rng, batch):
+        ids = batch["tokens"][:1]
+        positions = jnp.broadcast_to(jnp.arange(half), (1, half))
+        return model.init(rng, ids[:, :half], jnp.ones((1, half), jnp.int32), ids[:, half:],
+                          jnp.ones((1, half), jnp.int32), positions, positions)  # fmt: skip
+
+    def loss(model):
+        def loss_fn(params, model_state, batch, rng):
+            ids = batch["tokens"]  # the first half the source, the second the target
+            source, target = ids[:, :half], ids[:, half:]
+            decoder_in = jnp.pad(target[:, :-1], ((0, 0), (1, 0)))  # shifted right, start 0
+            out = call(model, {"params": params}, source, decoder_in, deterministic=False,
+                       rngs={"dropout": rng})  # fmt: skip
+            loss = optax.softmax_cross_entropy_with_integer_labels(
+                out.logits.astype(jnp.float32), target
+            ).mean()
+            return loss, (model_state, {"loss": loss})
+
+        return loss_fn
+
+    return _linen_workload("bart", model, _tokens(), init, loss)
+
+
+def llama() -> lm.workloads.Workload:
+    model = _transformers_module(
+        "llama", "FlaxLlamaForCausalLMModule", "LlamaConfig", vocab_size=VOCAB,
+        hidden_size=WIDTH, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4 * SEQ,
+    )  # fmt: skip  # its rotary table needs max_position_embeddings >= 2 x the head size
+
+    def call(model, params, ids, **kw):
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+        return model.apply(params, ids, jnp.ones_like(ids), positions, **kw)
+
+    def init(model, rng, batch):
+        ids = batch["tokens"][:1]
+        positions = jnp.broadcast_to(jnp.arange(SEQ), ids.shape)
+        return model.init(rng, ids, jnp.ones_like(ids), positions)
+
+    def loss(model):
+        def loss_fn(params, model_state, batch, rng):
+            out = call(model, {"params": params}, batch["tokens"], deterministic=True)
+            loss = _lm_loss(out.logits, batch["tokens"])
+            return loss, (model_state, {"loss": loss})
+
+        return loss_fn
+
+    return _linen_workload("llama", model, _tokens(), init, loss)
+
+
+def vit() -> lm.workloads.Workload:
+    model = _transformers_module(
+        "vit", "FlaxViTForImageClassificationModule", "ViTConfig", image_size=32, patch_size=4,
+        num_channels=3, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=512, num_labels=10,
+    )  # fmt: skip
+
+    def init(model, rng, batch):
+        return model.init(rng, batch["image"][:1])
+
+    def loss(model):
+        def loss_fn(params, model_state, batch, rng):
+            logits = model.apply({"params": params}, batch["image"], deterministic=False,
+                                 rngs={"dropout": rng}).logits  # fmt: skip
+            loss = optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), batch["label"]
+            ).mean()
+            return loss, (model_state, {"loss": loss})
+
+        return loss_fn
+
+    return _linen_workload("vit", model, _images(), init, loss)
 
 
 # --- linen_resnet: ResNet-18 with BatchNorm -----------------------------------------------------
@@ -296,6 +437,22 @@ def nnx_cnn() -> lm.workloads.Workload:
 #: name -> (its workload, the block class a user would name, where the code comes from)
 MODELS: dict[str, tuple[Callable[[], lm.workloads.Workload], str, str]] = {
     "gpt2": (gpt2, "FlaxGPT2Block", "transformers 4.46 FlaxGPT2LMHeadModule (Hugging Face)"),
+    "bert": (bert, "FlaxBertLayer", "transformers 4.46 FlaxBertForMaskedLMModule (Hugging Face)"),
+    "bart": (
+        bart,
+        "FlaxBartEncoderLayer",
+        "transformers 4.46 FlaxBartForConditionalGenerationModule (Hugging Face)",
+    ),
+    "llama": (
+        llama,
+        "FlaxLlamaDecoderLayer",
+        "transformers 4.46 FlaxLlamaForCausalLMModule (Hugging Face)",
+    ),
+    "vit": (
+        vit,
+        "FlaxViTLayer",
+        "transformers 4.46 FlaxViTForImageClassificationModule (Hugging Face)",
+    ),
     "linen_resnet": (linen_resnet, "BasicBlock", "written here: Linen ResNet-18, BatchNorm"),
     "linen_lm_scan": (linen_lm_scan, "DecoderBlock", "written here: Linen LM, dropout, nn.scan"),
     "nnx_scan": (nnx_scan, "MLPBlock", "written here: NNX nnx.vmap + nnx.scan, split RNG streams"),

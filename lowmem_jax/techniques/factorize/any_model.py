@@ -47,9 +47,11 @@ from flax import nnx
 from lowmem_jax.core import linen_wrap
 from lowmem_jax.techniques.factorize.config import FactorConfig, layer_method
 from lowmem_jax.techniques.factorize.layers import (
+    FACTOR_NAMES,
     FactorizedConv,
     LowRankDense,
     NNXFactorized,
+    factor_names,
     factor_shapes,
     factorize_kernel,
 )
@@ -232,7 +234,7 @@ def _linen_layers(
         return next_fun(*args, **kwargs)
 
     shapes = linen_wrap.traced_init(base, fields, rng_names, args, kwargs, recorder)
-    params = shapes.get("params", {})
+    params = nn.meta.unbox(shapes.get("params", {}))
     layers = []
     for path, (target, unsupported) in seen.items():
         node = params
@@ -339,17 +341,34 @@ def _nnx_factorized(layer: nnx.Module, config: FactorConfig, path: str) -> NNXFa
         if name in factor_shapes(method, shape, ranks)
     }
     bias = layer.bias if getattr(layer, "use_bias", False) else None
+    metadata = _factor_metadata(layer.kernel, method, len(lead))
     if not conv:
-        return NNXFactorized(method, factors, bias, dtype=layer.dtype)
+        return NNXFactorized(method, factors, bias, dtype=layer.dtype, metadata=metadata)
     return NNXFactorized(
         method,
         factors,
         bias,
+        metadata=metadata,
         kernel_size=tuple(layer.kernel_size),
         strides=_pairs(layer.strides),
         padding=_padding(layer.padding),
         dtype=layer.dtype,
     )
+
+
+def _factor_metadata(kernel: nnx.Param, method: str, stacked: int) -> dict[str, dict]:
+    """Each factor's ``nnx.Param`` metadata: the kernel's, with its partitioning names
+    (``out_sharding``, from ``nnx.with_partitioning``) mapped to the factors by
+    :func:`~lowmem_jax.techniques.factorize.layers.factor_names` (a layer axis keeps its name)."""
+    metadata = {k: v for k, v in kernel.get_metadata().items() if k not in ("hijax", "ref")}
+    names = metadata.get("out_sharding")
+    if names is None:
+        return dict.fromkeys(FACTOR_NAMES[method], metadata)
+    lead, inner = tuple(names[:stacked]), tuple(names[stacked:])
+    return {
+        name: {**metadata, "out_sharding": (*lead, *factor)}
+        for name, factor in factor_names(method, inner).items()
+    }
 
 
 def _factorize_nnx(module: nnx.Module, config: FactorConfig) -> nnx.Module:

@@ -171,21 +171,58 @@ def factor_shapes(
             "last": (r, t)}  # fmt: skip
 
 
+def factor_names(
+    method: str, kernel_names: Sequence[str | None]
+) -> dict[str, tuple[str | None, ...]]:
+    """The partitioning names of the factors (:func:`factor_shapes`'s layout) of a dense kernel
+    whose axes are named ``kernel_names`` (``nn.with_partitioning`` or
+    ``nn.with_logical_partitioning`` of the layer's ``kernel_init``): a factor's input and
+    output axes keep the kernel's names, a rank axis is unnamed (replicated)."""
+    *spatial, s, t = kernel_names
+    if method == "lowrank":
+        return {"first": (*spatial, s, None), "last": (None, t)}
+    if method == "tucker":
+        return {"first": (s, None), "core": (*spatial, None, None), "last": (None, t)}
+    return {"first": (s, None), "vertical": (spatial[0], None),
+            "horizontal": (spatial[1], None), "last": (None, t)}  # fmt: skip
+
+
 class _Factor(nn.Module):
     """One factor: the parameter ``kernel``, initialised to ``value`` (computed by the parent;
-    ``None`` outside initialisation, where Flax only checks the shape)."""
+    ``None`` outside initialisation, where Flax only checks the shape), in ``box`` (the layer's
+    kernel's ``nn.Partitioned`` metadata with this factor's names) when the layer has one."""
 
     shape: tuple[int, ...]
     param_dtype: Any
+    box: nn.Partitioned | None = None
 
     @nn.compact
     def __call__(self, value: jax.Array | None) -> jax.Array:
         def init(_):
             if value is None:
-                return jnp.zeros(self.shape, self.param_dtype)
-            return value.astype(self.param_dtype)
+                out = jnp.zeros(self.shape, self.param_dtype)
+            else:
+                out = value.astype(self.param_dtype)
+            return out if self.box is None else self.box.replace_boxed(out)
 
         return self.param("kernel", init)
+
+
+def _unboxed_kernel(kernel: Any, layer: str) -> tuple[jax.Array, nn.Partitioned | None]:
+    """A ``kernel_init`` draw as an array and its partitioning box (``None``: unboxed).
+
+    Raises:
+      ValueError: metadata other than ``nn.Partitioned`` (and its subclasses), whose meaning
+        for the factors' shapes is unknown.
+    """
+    if isinstance(kernel, nn.Partitioned):
+        return kernel.unbox(), kernel
+    if isinstance(kernel, nn.meta.AxisMetadata):
+        raise ValueError(
+            f"factorize: layer {layer}'s kernel_init returns {type(kernel).__name__} metadata; "
+            "only nn.Partitioned / nn.LogicallyPartitioned boxes carry over to the factors"
+        )
+    return kernel, None
 
 
 def _factors(module: nn.Module, method: str, shape: tuple[int, ...]) -> list[jax.Array]:
@@ -193,8 +230,8 @@ def _factors(module: nn.Module, method: str, shape: tuple[int, ...]) -> list[jax
     spectral initialisation at the config's ranks on init; read back (their shapes as stored)
     on apply, so a copy of the layer applied to its own parameters needs no ranks."""
     names = FACTOR_NAMES[method]
-    stored = module.variables.get("params", {})
-    values = None
+    stored = nn.meta.unbox(module.variables.get("params", {}))
+    values, boxes = None, dict.fromkeys(names)
     if all(name in stored for name in names):
         shapes = {name: stored[name]["kernel"].shape for name in names}
     else:
@@ -202,12 +239,15 @@ def _factors(module: nn.Module, method: str, shape: tuple[int, ...]) -> list[jax
         shapes = factor_shapes(method, shape, ranks)
         if module.is_initializing():
             key = module.make_rng("params")
-            dense = module.kernel_init(key, shape, jnp.float32)
+            dense, box = _unboxed_kernel(module.kernel_init(key, shape, jnp.float32), module.name)
             values = factorize_kernel(
                 module.config, method, dense, ranks, jax.random.fold_in(key, 1)
             )
+            if box is not None:
+                named = factor_names(method, box.names)
+                boxes = {name: box.replace(names=named[name]) for name in names}
     return [
-        _Factor(shapes[name], module.param_dtype, name=name)(values and values[name])
+        _Factor(shapes[name], module.param_dtype, boxes[name], name=name)(values and values[name])
         for name in names
     ]
 
@@ -336,8 +376,8 @@ class _NNXFactor(nnx.Module):
     """One factor: the ``nnx.Param`` ``kernel`` (the Linen layers' layout, ``first/kernel``: what
     sparse training and weight decay select by the name ``kernel`` reach it)."""
 
-    def __init__(self, value: jax.Array):
-        self.kernel = nnx.Param(value)
+    def __init__(self, value: jax.Array, metadata: dict | None = None):
+        self.kernel = nnx.Param(value, **(metadata or {}))
 
 
 class NNXFactorized(nnx.Module):
@@ -345,7 +385,8 @@ class NNXFactorized(nnx.Module):
     the module docstring, each a submodule with a ``kernel`` named as there (``first``,
     ``core``, ``vertical``, ``horizontal``, ``last``; a layer axis first when the layer is a
     stack), the layer's ``bias``, ``[..., S] -> [..., T]`` (convolutions NHWC). Inputs and
-    factors are cast to ``dtype`` (None: their promoted dtype)."""
+    factors are cast to ``dtype`` (None: their promoted dtype). ``metadata``: each factor's
+    ``nnx.Param`` metadata (the kernel's partitioning names mapped to the factor)."""
 
     def __init__(
         self,
@@ -357,6 +398,7 @@ class NNXFactorized(nnx.Module):
         strides: tuple[int, int] = (1, 1),
         padding: Any = "SAME",
         dtype: Any = None,
+        metadata: dict[str, dict] | None = None,
     ):
         self.method = method
         self.kernel_size = kernel_size
@@ -364,7 +406,7 @@ class NNXFactorized(nnx.Module):
         self.padding = padding
         self.dtype = dtype
         for name in FACTOR_NAMES[method]:
-            setattr(self, name, _NNXFactor(factors[name]))
+            setattr(self, name, _NNXFactor(factors[name], (metadata or {}).get(name)))
         self.bias = bias
 
     def __call__(self, inputs: jax.Array) -> jax.Array:

@@ -33,8 +33,9 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
     ``nn.intercept_methods`` for Linen, ``nnx.remat`` for NNX): only the blocks' inputs (and
     what the policy saves) stay between forward and backward, as with the bundled models'
     per-block remat. A block called inside another named block is not checkpointed again.
-    Keyword arguments of a checkpointed call are closed over (static flags such as ``train``),
-    positional ones traced. ``blocks="auto"`` (:data:`lowmem_jax.blocks.discovery.AUTO_BLOCKS`, what
+    Of a checkpointed call's arguments only the arrays are traced: flags such as ``train`` or
+    ``deterministic`` stay Python values, passed by keyword or positionally
+    (:func:`~lowmem_jax.blocks.checkpoint.checkpointed_call`). ``blocks="auto"`` (:data:`lowmem_jax.blocks.discovery.AUTO_BLOCKS`, what
     ``Plan`` uses when ``remat_blocks`` is empty): the model's repeated blocks, found by
     :func:`lowmem_jax.blocks.discovery.repeated_blocks`
     (Linen: from the calls of a traced forward, each time the model is traced; NNX: from its

@@ -48,9 +48,13 @@ class Layout(NamedTuple):
 
 
 def path_names(path) -> tuple[str, ...]:
-    """Key path -> names (``DictKey``/``GetAttrKey``/index entries as strings)."""
+    """Key path -> names (``DictKey``/``GetAttrKey``/index entries as strings). The ``value``
+    of a metadata box (``nn.Partitioned``, ``nn.LogicallyPartitioned``) is the boxed leaf's own
+    path: ``Dense_0/kernel``, not ``Dense_0/kernel/value``."""
     out = []
     for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
+            continue
         for attr in ("key", "name", "idx"):
             if hasattr(k, attr):
                 out.append(str(getattr(k, attr)))
