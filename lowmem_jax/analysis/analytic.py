@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jax.extend import core as jex_core
 
+from lowmem_jax.analysis.state import state_view
 from lowmem_jax.core.base import BlockwiseLeaf, LazyLeaf, Optimizer, as_optimizer, shapes
 
 PyTree = Any
@@ -157,6 +158,7 @@ def dense_weight_bytes(
     whole (:class:`~lowmem_jax.ScannedBlocks` densifies it before a loop without remat). A
     ``blocks:`` schedule is counted as rematerialized in every stack."""
     opt = as_optimizer(tx)
+    state = state_view(state)
     total = 0
 
     def count(params, opt_state):
@@ -179,11 +181,12 @@ def dense_weight_bytes(
 
 def _model_params(state, opt: Optimizer) -> PyTree:
     """Shapes of the parameters the model sees (``opt``'s materialized ``state.params``)."""
+    state = state_view(state)
     return jax.eval_shape(opt.materialize, shapes(state.params), _opt_state(state))
 
 
 def _opt_state(state) -> PyTree:
-    return shapes(getattr(state, "opt_state", ()))
+    return shapes(state_view(state).opt_state)
 
 
 def microbatch_residuals(
@@ -215,8 +218,8 @@ def microbatch_args(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // microbatches,) + x.shape[1:], x.dtype),
         batch,
     )
-    model_state = getattr(state, "model_state", {})
-    return _model_params(state, opt), model_state, micro, getattr(state, "rng", None)
+    view = state_view(state)
+    return _model_params(view, opt), view.model_state, micro, view.rng
 
 
 def analytic_breakdown(
@@ -244,28 +247,29 @@ def analytic_breakdown(
     stored ``state.params``. ``blocks_rematerialized``: see :func:`dense_weight_bytes`.
     """
     opt = as_optimizer(optax.identity() if tx is None else tx)
-    model_params = _model_params(state, opt)
-    opt_state = _opt_state(state)
+    view = state_view(state)
+    model_params = _model_params(view, opt)
+    opt_state = _opt_state(view)
     optimizer = optimizer_breakdown(
-        state.params,
+        view.params,
         opt_state,
         microbatches,
-        state.params if opt.grads_wrt_stored else model_params,
+        view.params if opt.grads_wrt_stored else model_params,
     )
     activations = None
     if loss_fn is not None:
-        activations = microbatch_residuals(loss_fn, state, batch, microbatches, tx=opt)
+        activations = microbatch_residuals(loss_fn, view, batch, microbatches, tx=opt)
     out = {
         "source": "analytic",
-        "model_bytes": tree_bytes(state.params),
-        "model_bytes_by_dtype": _bytes_by_dtype(state.params),
+        "model_bytes": tree_bytes(view.params),
+        "model_bytes_by_dtype": _bytes_by_dtype(view.params),
         "optimizer_bytes": sum(optimizer.values()),
         "optimizer_breakdown": optimizer,
         "activation_bytes": None if activations is None else activations["bytes"],
         "activation_residuals": activations,
-        "dense_weight_bytes": dense_weight_bytes(state, opt, blocks_rematerialized),
+        "dense_weight_bytes": dense_weight_bytes(view, opt, blocks_rematerialized),
         "input_bytes": tree_bytes(batch),
-        "state_bytes": tree_bytes(state) - tree_bytes((state.params, opt_state)),
+        "state_bytes": tree_bytes(state) - tree_bytes((view.params, opt_state)),
         "host_resident_bytes": host_resident_bytes(state),
     }
     parts = (

@@ -59,6 +59,7 @@ from lowmem_jax.analysis.analytic import (
     tree_bytes,
 )
 from lowmem_jax.analysis.flops import jaxpr_flops, xla_flops
+from lowmem_jax.analysis.state import state_view
 from lowmem_jax.compose.plan import Plan
 from lowmem_jax.core.base import Optimizer, as_optimizer
 
@@ -174,8 +175,8 @@ def analyze(
       train_step: a jitted step or any function of ``(state, batch)``; a plain function is
         jitted here.
       state: the train state, concrete or abstract (``jax.eval_shape``): a
-        :class:`~lowmem_jax.TrainState` or any pytree with ``params`` (see
-        :func:`analytic_breakdown`).
+        :class:`~lowmem_jax.TrainState`, ``flax.training.train_state.TrainState``, a dict or
+        any pytree with ``params`` (:func:`~lowmem_jax.analysis.state.state_view`).
       batch: the batch, concrete or ``jax.ShapeDtypeStruct`` leaves.
       loss_fn: the loss, for the analytic activation figure (``None`` leaves it out); cast to
         the plan's compute dtype as the step casts it.
@@ -187,6 +188,7 @@ def analyze(
       compiling: entered around XLA's compile (e.g. a semaphore: analyses in threads that
         trace and lower at once but compile one at a time).
     """
+    state_view(state)  # a state without `params` is refused before the step is traced
     microbatches = 1 if plan is None else plan.microbatches
     if loss_fn is not None and plan is not None:
         loss_fn = plan.model_loss(loss_fn)

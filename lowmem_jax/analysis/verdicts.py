@@ -18,6 +18,7 @@ import jax
 import optax
 
 from lowmem_jax.analysis.analytic import microbatch_args, microbatch_residuals
+from lowmem_jax.analysis.state import state_view
 from lowmem_jax.core.base import Optimizer, PyTree, as_optimizer
 from lowmem_jax.core.jaxprs import traced_equations, without_checkpoints
 from lowmem_jax.core.technique import Evidence, Verdict
@@ -43,6 +44,7 @@ def verdicts(
     residuals saved with and without its checkpoints."""
     jaxpr = jax.make_jaxpr(getattr(train_step, "__wrapped__", train_step))(state, batch).jaxpr
     opt = as_optimizer(tx)
+    state = state_view(state)  # a dict or flax's TrainState as well
     saved = None
     if loss_fn is not None:
         saved = functools.partial(

@@ -54,6 +54,10 @@ def _took_effect(evidence, plan):
     kind = plan.loss_scale_kind
     if plan.loss_scale == "auto" and kind == "none":
         return None
+    if evidence.state.loss_scale is None:
+        return Verdict(
+            "loss_scale", False, "the state carries no loss scale (lm.TrainState.create makes one)"
+        )
     scale = type(evidence.state.loss_scale).__name__
     took = kind != "none"
     return Verdict(

@@ -35,8 +35,9 @@ def remat_module(module: ModuleT, remat: str | RematSpec, blocks: Sequence[str] 
     per-block remat. A block called inside another named block is not checkpointed again.
     Of a checkpointed call's arguments only the arrays are traced: flags such as ``train`` or
     ``deterministic`` stay Python values, passed by keyword or positionally
-    (:func:`~lowmem_jax.blocks.checkpoint.checkpointed_call`). ``blocks="auto"`` (:data:`lowmem_jax.blocks.discovery.AUTO_BLOCKS`, what
-    ``Plan`` uses when ``remat_blocks`` is empty): the model's repeated blocks, found by
+    (:func:`~lowmem_jax.blocks.checkpoint.checkpointed_call`). ``blocks="auto"``
+    (:data:`lowmem_jax.blocks.discovery.AUTO_BLOCKS`, what ``Plan`` uses when ``remat_blocks``
+    is empty): the model's repeated blocks, found by
     :func:`lowmem_jax.blocks.discovery.repeated_blocks`
     (Linen: from the calls of a traced forward, each time the model is traced; NNX: from its
     graph, here); where it has none, the whole forward with a warning that it lowers nothing.
