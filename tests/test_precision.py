@@ -1,5 +1,7 @@
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import lowmem_jax as lm
@@ -63,3 +65,29 @@ def test_cast_floating_handles_abstract_leaves():
     }
     out = lm.techniques.precision.cast_floating(tree, jnp.float16)
     assert out["w"] == jax.ShapeDtypeStruct((2, 3), jnp.float16) and out["i"] == tree["i"]
+
+
+class _OwnDtype(nn.Module):
+    """Layers that fix their compute dtype themselves (as models configured by their own
+    config do): the plan's precision cannot reach them."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.relu(nn.Dense(32, dtype=jnp.float32)(x))
+        return nn.Dense(4, dtype=jnp.float32)(x)
+
+
+def test_precision_on_layers_with_their_own_dtype_is_no_effect_naming_the_setting():
+    model, x = _OwnDtype(), jnp.ones((8, 8))
+    plan = lm.Plan(precision="mixed_bf16")
+    configured = plan.configure_model(model)
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = plan.wrap_optimizer(optax.sgd(0.1), params)
+    state = lm.TrainState.create(params=params, tx=tx, plan=plan)
+    batch = {"image": x, "label": jnp.zeros(8, jnp.int32)}
+    step = lm.make_train_step(lm.classifier_loss_fn(configured), tx, plan)
+    (verdict,) = [v for v in lm.verdicts(step, state, batch, plan=plan, tx=tx)
+                  if v.technique == "precision"]  # fmt: skip
+    assert not verdict.took_effect
+    assert verdict.evidence.startswith("0 of 5 matmuls")  # forward 2, backward 3
+    assert "set it to bfloat16" in verdict.evidence

@@ -327,3 +327,29 @@ def test_the_remat_verdict_weighs_saved_residuals_and_says_when_nothing_falls():
     assert not verdict.took_effect and verdict.evidence.startswith("4 checkpointed regions")
     (counted,) = lm.verdicts(step, state, batch, plan=plan, tx=tx)  # no loss: regions only
     assert counted.took_effect and "saved residuals" not in counted.evidence
+
+
+class _NoRepeats(nn.Module):
+    """No class runs twice: remat can only checkpoint the whole forward."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.relu(nn.Dense(64)(x))
+        return nn.Dense(4)(nn.relu(nn.Conv(8, (1,))(x[..., None]).mean(-1)))
+
+
+def test_one_checkpoint_around_the_whole_forward_is_no_effect_though_residuals_fall():
+    model, x = _NoRepeats(), jnp.ones((16, 8))
+    variables = model.init(jax.random.key(0), x)
+    plan = lm.Plan(remat="full")
+    with pytest.warns(UserWarning, match="lowers no peak memory"):
+        configured = plan.configure_model(model)
+        loss_fn = lm.classifier_loss_fn(configured)
+        tx = plan.wrap_optimizer(optax.sgd(0.1), variables["params"])
+        state = lm.TrainState.create(params=variables["params"], tx=tx, plan=plan)
+        batch = {"image": x, "label": jnp.zeros(16, jnp.int32)}
+        step = lm.make_train_step(loss_fn, tx, plan)
+        (verdict,) = lm.verdicts(step, state, batch, plan=plan, tx=tx, loss_fn=loss_fn)
+    before, after = (float(v) for v in re.findall(r"([\d.]+) -> ([\d.]+) MiB", verdict.evidence)[0])
+    assert after < before  # the residuals saved between the passes fall ...
+    assert not verdict.took_effect and "no peak falls" in verdict.evidence  # ... the peak not

@@ -52,11 +52,15 @@ def _took_effect(evidence, plan):
     names = ("dot_general", "conv_general_dilated")
     ops = [eqn for eqn, _ in evidence.equations() if eqn.primitive.name in names]
     half = [eqn for eqn in ops if eqn.invars[0].aval.dtype == dtype]
-    return Verdict(
-        "precision",
-        bool(half),
-        f"{len(half)} of {len(ops)} matmuls and convolutions compute in {dtype.name}",
-    )
+    text = f"{len(half)} of {len(ops)} matmuls and convolutions compute in {dtype.name}"
+    if ops and not half:  # the model casts back: its layers fix their own dtype
+        text += (
+            f"; the model's layers cast to a dtype of their own: set it to {dtype.name} where "
+            "the model takes it (its layers' or config's `dtype`, e.g. transformers' "
+            "`Module(config, dtype=...)`); the plan sets only a top-level Linen `dtype` field "
+            "and NNX layers whose `dtype` is None"
+        )
+    return Verdict("precision", bool(half), text)
 
 
 # Its rows in `lowmem report`: (name, plan fields).

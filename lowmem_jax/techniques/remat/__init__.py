@@ -81,7 +81,10 @@ def _check_saved_names(setup) -> None:
 def _took_effect(evidence, plan):
     """The checkpointed regions of the step (``jax.checkpoint``), how many sit in loops, and,
     with the step's loss, the residuals one microbatch's forward pass saves with them and with
-    them inlined (analytic): no region, or no fewer bytes, is no effect."""
+    them inlined (analytic): no region, or no fewer bytes, is no effect; so is a single region
+    outside any loop (the whole forward of a model without repeated blocks): the backward pass
+    recomputes it and then holds its residuals at once, so the peak does not fall although the
+    residuals saved between the passes do."""
     if not plan.remat.enabled:
         return None
     names = ("remat2", "checkpoint")
@@ -100,6 +103,12 @@ def _took_effect(evidence, plan):
         text += (
             f", saved residuals {before / MIB:.2f} -> {after / MIB:.2f} MiB per "
             "microbatch (analytic)"
+        )
+    if len(regions) == 1 and not looped:
+        took_effect = False
+        text += (
+            "; one region outside any loop is recomputed whole in the backward pass, which then "
+            "holds its residuals at once: no peak falls (name the model's blocks in remat_blocks)"
         )
     return Verdict("remat", took_effect, f"{text}, policy {plan.remat}")
 
