@@ -134,6 +134,8 @@ def test_missing_datasets_are_one_line_with_how_to_prepare_them(tmp_path, capsys
         (["report", "--model", "foo", "--shard-devices", "none"], "Unknown model='foo'"),
         (["report", "--shard-devices", "1,2"], "'1,2': give auto, none or comma-separated"),
         (["report", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+        (["plan", "--budget", "-5MiB"], "budget '-5MiB' is not a positive size"),  # not argparse's
+        (["train", "--memory-budget", "-5MiB"], "budget '-5MiB' is not a positive size"),
         (["report", "--shard-devices", "x"], "argument --shard-devices: 'x': give auto"),
         (["report", "--model", "wrn-10-1", "--out-dir", "/proc/lowmem-report", "--shard-devices",
           "none"], "--out-dir"),

@@ -317,6 +317,30 @@ def _where_to_resume(args: argparse.Namespace) -> str:
     )
 
 
+def _values_joined(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with a value that starts with ``-`` joined to its option (``--budget -5MiB`` ->
+    ``--budget=-5MiB``), so that the option's own check names what is wrong with it, where
+    argparse would take the value for an option and say "expected one argument"."""
+    takes_value, options = set(), set()
+    todo = [parser]
+    while todo:
+        current = todo.pop()
+        for action in current._actions:
+            options.update(action.option_strings)
+            if action.option_strings and action.nargs is None:
+                takes_value.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+    out = list(argv)
+    i = 0
+    while i < len(out) - 1:
+        value = out[i + 1]
+        if out[i] in takes_value and value.startswith("-") and value.split("=")[0] not in options:
+            out[i : i + 2] = [f"{out[i]}={value}"]
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; user errors exit 2, a stalled run 1 and Ctrl-C 130, each with one
     line."""
@@ -324,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     from lowmem_jax.training.skip_guard import NoProgressError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_values_joined(parser, sys.argv[1:] if argv is None else argv))
     prog = args.parser.prog
     default_showwarning = warnings.showwarning
 
