@@ -205,6 +205,32 @@ ACTIVATION_ROWS = {"act int8": "plain", "remat full + act int8": "remat full"}
 SPARSE_ROWS = {"sparse 70% dsr": "plain", "remat full + sparse 70% dsr": "remat full"}
 
 
+#: Each combination row and the rows of its parts.
+COMBINATION_ROWS = {
+    "remat full + sparse 70% dsr": ("remat full", "sparse 70% dsr"),
+    "remat full + act int8": ("remat full", "act int8"),
+    "mixed_fp16 + microbatches 2 + remat + int8": (
+        "mixed_fp16", "microbatches 2", "remat full", "state int8",
+    ),
+}  # fmt: skip
+#: How far a combination's temp and total may exceed the worst of its parts'.
+COMBINATION_TOLERANCE = 0.05
+
+
+def _combination_rule(cell: dict, parts: list[dict]) -> dict | None:
+    """A combination costs no more than its parts: its temp and its total each at most
+    ``1 + COMBINATION_TOLERANCE`` times the largest of its parts' (same optimizer)."""
+    if cell.get("status") != "ok" or any(p.get("status") != "ok" for p in parts) or not parts:
+        return None
+    limits = {
+        key: int(max(p[f"{key}_bytes"] for p in parts) * (1 + COMBINATION_TOLERANCE))
+        for key in ("temp", "total")
+    }
+    holds = all(cell[f"{key}_bytes"] <= limit for key, limit in limits.items())
+    return {"temp_limit_bytes": limits["temp"], "total_limit_bytes": limits["total"],
+            "holds": holds}  # fmt: skip
+
+
 def _exactness(cell: dict, plain: dict) -> dict | None:
     """A remat row's losses against the plain step's (same initialisation, batch and dropout
     keys: remat recomputes, it must not change the values): bitwise, or the largest relative
@@ -218,7 +244,7 @@ def _exactness(cell: dict, plain: dict) -> dict | None:
 
 def add_rules(result: dict) -> dict:
     """Each state row's and sparse row's rule against its model's plain row (same optimizer),
-    and the remat row's exactness."""
+    the remat row's exactness, and each combination row's parts rule."""
     for entry in result["models"].values():
         rows = entry["rows"]
         if "remat full" in rows:
@@ -237,6 +263,10 @@ def add_rules(result: dict) -> dict:
                     if cell["rule"] is not None:
                         cell["rule"]["of"] = key
                     cell.pop("state_rule", None)
+        for name, parts in COMBINATION_ROWS.items():
+            for optimizer, cell in rows.get(name, {}).items():
+                found = [rows.get(p, {}).get(optimizer, {}) for p in parts]
+                cell["combination"] = _combination_rule(cell, found)
     return result
 
 
@@ -340,6 +370,13 @@ def _cell_text(cell: dict) -> str:
             where = rule["peak_without_residuals"]
             text += f", or within 0.1% with saved residuals < 1% of the peak, at `{where}`"
         text += ")"
+    combination = cell.get("combination")
+    if combination is not None:
+        verdict = "holds" if combination["holds"] else "FAILS"
+        text += (
+            f" (parts rule {verdict}: temp <= {combination['temp_limit_bytes'] / MIB:.1f}, "
+            f"total <= {combination['total_limit_bytes'] / MIB:.1f})"
+        )
     exact = cell.get("exact")
     if exact is not None:
         text += "; losses equal plain's " + (
@@ -368,7 +405,9 @@ def markdown(result: dict) -> str:
         "of the same plan dense (`plain`, `remat full`) + 0.1 x argument bytes saved; "
         "compressed activations, total < total of the same plan without them, or within 0.1% "
         "of it where `lm.inspect` finds saved residuals under 1% of the step's peak; remat "
-        "(its blocks found by the plan, none named) must leave the losses as they are. "
+        "(its blocks found by the plan, none named) must leave the losses as they are; a "
+        "combination (the parts rule) costs no more than its parts: temp and total each at "
+        f"most {1 + COMBINATION_TOLERANCE:g}x the largest of its parts' rows. "
         "`refused` is the one-line error a plan the model cannot take gets; NO EFFECT names a "
         "technique whose verdict says it changed nothing; `warned` quotes a warning the library "
         "gave while the cell was built, traced or compiled.",

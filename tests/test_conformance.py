@@ -86,6 +86,13 @@ def test_the_table_checks_each_rule_against_the_plain_step_with_the_same_optimiz
         "within 0.1% with saved residuals < 1% of the peak, at `fusion.1`) |" in text
     )
     assert "| remat full + act int8 | adam | ok; total 50.0 MiB, temp 60.0 (rule FAILS: " in text
+    # A combination costs no more than its parts: temp and total each within 5% of the largest
+    # of its parts' (remat full: total 50, temp 30; act int8: total 100.05, temp 60).
+    assert "(parts rule holds: temp <= 63.0, total <= 105.1)" in text
+    for total, temp in ((106, 30), (100, 64)):
+        rows["remat full + act int8"]["adam"] = cell(total, temp, 40)
+        text = conformance.markdown(conformance.add_rules(result))
+        assert "(parts rule FAILS: temp <= 63.0, total <= 105.1)" in text
 
 
 def test_the_docs_quote_the_committed_conformance_table():
@@ -111,6 +118,10 @@ def test_the_docs_quote_the_committed_conformance_table():
     failing = [(m, name, o) for m, e in result["models"].items() for name, row in e["rows"].items()
                for o, c in row.items() if c.get("rule") and not c["rule"]["holds"]]  # fmt: skip
     assert not failing, failing
+    costly = [(m, name, o) for m, e in result["models"].items() for name, row in e["rows"].items()
+              for o, c in row.items()
+              if c.get("combination") and not c["combination"]["holds"]]  # fmt: skip
+    assert not costly, costly  # issue 83: no combination costs more than its parts
     assert f"{ok} of its {len(cells)} cells compile" in your_model
     assert f"holds in all {len(rules)} state cells" in techniques
     gpt2 = result["models"]["gpt2"]["rows"]
