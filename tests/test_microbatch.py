@@ -128,3 +128,140 @@ def test_cpu_step_holds_no_parameter_copy_across_the_microbatch_loop():
     assert said["microbatches"].took_effect
     assert "no loop-invariant code motion" in said["microbatches"].evidence
     assert_trees_close(updated["plan"], updated["hoisted"], rtol=1e-6, atol=0)
+
+
+# --- losses normalised by a count (issue 84) -----------------------------------------------------
+
+
+def _masked_mean_grad_fn(report_count: bool):
+    """A masked-mean loss over ``[B, T]`` positions (as masked LM and padded token losses are):
+    the mean over the positions ``batch["mask"]`` marks, 0 where it marks none."""
+
+    def loss(w, batch):
+        per_position = ((batch["x"] @ w) - batch["y"]) ** 2  # [B, T]
+        mask = batch["mask"].astype(jnp.float32)
+        n = mask.sum()
+        return (per_position * mask).sum() / jnp.maximum(n, 1.0), n
+
+    def grad_fn(params, model_state, batch, rng):
+        (value, n), grads = jax.value_and_grad(loss, has_aux=True)(params, batch)
+        metrics = {"loss": value, **({"count": n} if report_count else {})}
+        return grads, model_state, metrics
+
+    return grad_fn
+
+
+def _masked_batch(mask):
+    rng = np.random.default_rng(int(mask.sum()))
+    b, t = mask.shape
+    return {"x": jnp.asarray(rng.normal(size=(b, t, 3)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(b, t)), jnp.float32),
+            "mask": jnp.asarray(mask)}  # fmt: skip
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    k=st.sampled_from([2, 4, 8]),
+    mask=st.lists(st.booleans(), min_size=8 * 6, max_size=8 * 6),
+)
+def test_a_loss_reporting_its_count_accumulates_to_the_full_batch_gradient(k, mask):
+    mask = np.asarray(mask).reshape(8, 6)
+    if not mask.any():
+        mask[3, 2] = True  # a batch with no unit has no mean
+    batch, w = _masked_batch(mask), jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+    grad_fn = _masked_mean_grad_fn(report_count=True)
+    full, _, full_metrics = jax.jit(grad_fn)(w, {}, batch, None)
+    acc, _, metrics = jax.jit(lm.accumulate_gradients(grad_fn, k))(w, {}, batch, None)
+    np.testing.assert_allclose(acc, full, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(metrics["loss"], full_metrics["loss"], rtol=1e-6)
+    assert float(metrics["count"]) == mask.sum()  # the full batch's count, summed
+
+
+def test_a_loss_without_its_count_is_the_mean_of_means_and_warned_about():
+    mask = np.zeros((8, 6), bool)
+    mask[:2] = True  # 12 positions in the first microbatch of 4, 0 in the others
+    mask[4, 0] = True
+    batch, w = _masked_batch(mask), jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+    counted = jax.jit(lm.accumulate_gradients(_masked_mean_grad_fn(True), 4))(w, {}, batch, None)
+    with pytest.warns(UserWarning, match=r"reports no metrics\['count'\]"):
+        uncounted = lm.accumulate_gradients(_masked_mean_grad_fn(False), 4)(w, {}, batch, None)
+    full, _, _ = _masked_mean_grad_fn(True)(w, {}, batch, None)
+    np.testing.assert_allclose(counted[0], full, rtol=1e-6)
+    assert not np.allclose(uncounted[0], full, rtol=1e-2)  # another objective
+
+
+def test_a_count_from_shapes_alone_keeps_the_unweighted_rule_bitwise():
+    """classifier_loss_fn's count is the number of examples: equal in every microbatch, so the
+    plain mean of the microbatch gradients is used, unchanged."""
+    grad_fn, params, state, batch = _setup(MLP(), 16)
+    acc, _, metrics = jax.jit(lm.accumulate_gradients(grad_fn, 4))(params, state, batch, None)
+    micro = [jax.tree.map(lambda x, i=i: x[4 * i : 4 * (i + 1)], batch) for i in range(4)]
+    parts = [jax.jit(grad_fn)(params, state, m, None)[0] for m in micro]
+    summed = jax.tree.map(lambda *g: sum(g[1:], g[0]) / 4, *parts)
+    assert_trees_close(acc, summed, rtol=1e-7, atol=0)
+    assert float(metrics["count"]) == 16.0
+
+
+def test_the_translation_loss_microbatched_equals_its_full_batch():
+    from conftest import TINY_TRANSLATION
+
+    from lowmem_jax.models import DynamicConvTransformer
+
+    model = DynamicConvTransformer.small(13, 13, **TINY_TRANSLATION)
+    rng = np.random.default_rng(0)
+    tgt = jnp.asarray(rng.integers(1, 13, (8, 7)), jnp.int32)
+    lengths = [6, 1, 2, 6, 3, 5, 6, 2]  # unequal tokens per microbatch
+    pad = jnp.arange(6)[None, :] >= jnp.asarray(lengths)[:, None]
+    batch = {"src": jnp.asarray(rng.integers(1, 13, (8, 5)), jnp.int32),
+             "tgt_in": tgt[:, :-1], "tgt_out": jnp.where(pad, 0, tgt[:, 1:])}  # fmt: skip
+    params = model.init(jax.random.key(0), batch["src"], batch["tgt_in"], train=False)["params"]
+    no_scale = lm.techniques.loss_scale.NoOpLossScale()
+    grad_fn = lm.scaled_grad_fn(lm.translation_loss_fn(model, label_smoothing=0.1), no_scale)
+    full, _, full_metrics = jax.jit(grad_fn)(params, {}, batch, None)
+    acc, _, metrics = jax.jit(lm.accumulate_gradients(grad_fn, 4))(params, {}, batch, None)
+    assert_trees_close(acc, full, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics["loss"], full_metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics["accuracy"], full_metrics["accuracy"], rtol=1e-6)
+    assert float(metrics["count"]) == sum(lengths)
+
+
+def test_bert_masked_lm_microbatched_gives_the_full_batch_gradient():
+    """Issue 84's case: transformers' Flax BERT masked LM (dropout off), normalised by the
+    masked positions of the batch, 4 microbatches holding different numbers of them."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config only: nothing to fetch
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_flax_bert import FlaxBertForMaskedLMModule
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)  # fmt: skip
+    model = FlaxBertForMaskedLMModule(config)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(1, 64, (8, 16)), jnp.int32)
+    mask = jnp.asarray(rng.random((8, 16)) < 0.15)
+    assert len({int(m.sum()) for m in np.split(np.asarray(mask), 4)}) > 1
+
+    def apply(params, ids):
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+        args = (ids, jnp.ones_like(ids), jnp.zeros_like(ids), positions, None)
+        return model.apply({"params": params}, *args).logits
+
+    def loss_fn(params, model_state, batch, rng):
+        masked = jnp.where(batch["mask"], 0, batch["ids"])
+        token = optax.softmax_cross_entropy_with_integer_labels(apply(params, masked), batch["ids"])
+        weights = batch["mask"].astype(jnp.float32)
+        count = weights.sum()
+        loss = (token * weights).sum() / jnp.maximum(count, 1.0)
+        return loss, (model_state, {"loss": loss, "count": count})
+
+    batch = {"ids": ids, "mask": mask}
+    one = jnp.ones((1, 16), jnp.int32)
+    params = model.init(jax.random.key(0), ids[:1], one, 0 * one, jnp.arange(16)[None], None)
+    params = params["params"]
+    grad_fn = lm.scaled_grad_fn(loss_fn, lm.techniques.loss_scale.NoOpLossScale())
+    full, _, _ = jax.jit(grad_fn)(params, {}, batch, None)
+    acc, _, _ = jax.jit(lm.accumulate_gradients(grad_fn, 4))(params, {}, batch, None)
+    a, b = (jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)]) for t in (acc, full))
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) <= 1e-6

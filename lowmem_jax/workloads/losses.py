@@ -22,8 +22,10 @@ def classifier_loss_fn(model: nn.Module, *, label_smoothing: float = 0.0) -> Los
     """Softmax cross-entropy loss for a Flax classifier ``model(images, train) -> logits``.
 
     ``batch = {"image": [B, H, W, C] float, "label": [B] int}``. The loss is the mean over the
-    batch, computed in float32; metrics are ``loss`` and ``accuracy``. Model state collections
-    (``batch_stats``) are updated as in training mode. A label outside ``[0, classes)`` makes
+    batch, computed in float32; metrics are ``loss``, ``accuracy`` and ``count`` (the number of
+    examples, from the batch's shape: the same in every microbatch, so microbatching's equal
+    weights are exact; :mod:`lowmem_jax.techniques.microbatches.accumulate`). Model state
+    collections (``batch_stats``) are updated as in training mode. A label outside ``[0, classes)`` makes
     the loss NaN (the step is then skipped and counted, not trained on a zero target).
     """
 
@@ -43,7 +45,8 @@ def classifier_loss_fn(model: nn.Module, *, label_smoothing: float = 0.0) -> Los
         loss = optax.softmax_cross_entropy(logits, targets).mean()
         loss = loss * _nan_unless_in_range(labels, logits.shape[-1])
         accuracy = (logits.argmax(-1) == labels).mean()
-        return loss, (dict(new_state), {"loss": loss, "accuracy": accuracy})
+        count = jnp.float32(labels.shape[0])
+        return loss, (dict(new_state), {"loss": loss, "accuracy": accuracy, "count": count})
 
     return loss_fn
 
@@ -82,13 +85,12 @@ def translation_loss_fn(
     ``loss = CE(logits, (1 - eps) * onehot(y) + eps / V)`` (fairseq's
     ``label_smoothed_cross_entropy`` with ``eps = label_smoothing``), in float32, averaged over
     tokens with ``tgt_out != pad_id``. Metrics: ``loss``, ``nll_loss`` (unsmoothed),
-    ``accuracy`` (argmax == target over non-pad tokens) and ``tokens`` (non-pad count, float32).
-    ``rng`` (if not None) is the dropout key.
+    ``accuracy`` (argmax == target over non-pad tokens) and ``count`` (the non-pad tokens,
+    float32). ``rng`` (if not None) is the dropout key.
 
-    Microbatching (:func:`lowmem_jax.accumulate_gradients`) weights microbatches equally, so
-    with ``k > 1`` the loss, gradients and metrics are the mean of per-microbatch token means
-    (equal to the full-batch token mean only when microbatches hold equal token counts), and
-    ``tokens`` is the mean count per microbatch.
+    Microbatching (:func:`lowmem_jax.accumulate_gradients`) weights each microbatch by its
+    ``count``, so with ``k > 1`` the gradients and metrics are the full batch's token means
+    and ``count`` its tokens.
 
     Raises:
       ValueError: for ``label_smoothing`` outside ``[0, 1)``.
@@ -112,7 +114,7 @@ def translation_loss_fn(
         loss = (loss_tok * weights).sum() / denom * _nan_unless_in_range(labels, logits.shape[-1])
         nll = (nll_tok * weights).sum() / denom
         accuracy = ((logits.argmax(-1) == labels) * weights).sum() / denom
-        metrics = {"loss": loss, "nll_loss": nll, "accuracy": accuracy, "tokens": tokens}
+        metrics = {"loss": loss, "nll_loss": nll, "accuracy": accuracy, "count": tokens}
         return loss, (dict(model_state), metrics)
 
     return loss_fn

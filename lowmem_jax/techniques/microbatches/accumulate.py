@@ -12,8 +12,21 @@ on them in a ``lax.scan``, so only one microbatch's activations are live at a ti
     grads   = (1/k) * sum_i grad_fn(params, state_i, batch_i, fold_in(rng, i)).grads
     metrics = (1/k) * sum_i metrics_i
 
-For a loss that is a mean over examples, the mean of microbatch gradients equals the full-batch
-gradient exactly (up to float rounding).
+For a loss that is a mean over a fixed number of examples per microbatch, the mean of microbatch
+gradients equals the full-batch gradient exactly (up to float rounding). A loss normalised by a
+count that varies between microbatches (tokens that are not padding, masked positions, example
+weights) is another objective under that mean: the mean of microbatch means. Such a loss reports
+its normaliser as the metric :data:`COUNT` (``metrics["count"]``, ``n_i``, float32 scalar), and
+the microbatches are then weighted by it:
+
+    grads   = sum_i n_i * grads_i / sum_i n_i      (grads_i = 0 where n_i = 0)
+    metrics = sum_i n_i * metrics_i / sum_i n_i,   metrics["count"] = sum_i n_i
+
+which is the full batch's gradient and metrics of the mean over all ``sum_i n_i`` units
+(``optax.MultiSteps`` averages its steps equally, as the unweighted rule does). A count that
+depends on shapes alone (a constant in the traced loss, as :func:`~lowmem_jax.classifier_loss_fn`'s
+number of examples) is equal in every microbatch: the unweighted rule is then exact and used. A
+loss with no count is accumulated by the unweighted rule with a one-line warning (once).
 
 BatchNorm semantics: each microbatch is normalised with its *own* batch statistics (as in the
 technical report, and as separate devices would), and ``model_state`` (running averages) is
@@ -34,11 +47,13 @@ all ``k`` microbatches instead of one layer's use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 
 from lowmem_jax.core.base import in_host_memory
 from lowmem_jax.core.batches import check_num_microbatches, split_batch
@@ -47,7 +62,23 @@ from lowmem_jax.core.host import on_host
 PyTree = Any
 GradFn = Callable[[PyTree, PyTree, PyTree, Any], tuple[PyTree, PyTree, PyTree]]
 
-__all__ = ["accumulate_gradients", "split_batch", "check_num_microbatches", "compiler_options"]
+__all__ = [
+    "COUNT",
+    "accumulate_gradients",
+    "split_batch",
+    "check_num_microbatches",
+    "compiler_options",
+]
+
+#: The metric under which a loss reports its normaliser (module docstring).
+COUNT = "count"
+
+NO_COUNT_WARNING = (
+    "microbatches: the loss reports no metrics['count'], so each microbatch's mean counts "
+    "equally: exact for a mean over a fixed number of examples; a loss normalised by tokens, "
+    "masks or weights should report its normaliser as metrics['count'] to get the full batch's "
+    "gradient"
+)
 
 
 def compiler_options(num_microbatches: int, backend: str | None = None) -> dict[str, str]:
@@ -79,7 +110,9 @@ def accumulate_gradients(grad_fn: GradFn, num_microbatches: int, shards: int = 1
     def accumulated(params, model_state, batch, rng):
         microbatches = split_batch(batch, k, shards)
         first = jax.tree.map(lambda x: x[0], microbatches)
-        grads_shape, _, _ = jax.eval_shape(grad_fn, params, model_state, first, rng)
+        traced, shapes = jax.make_jaxpr(grad_fn, return_shape=True)(params, model_state, first, rng)
+        grads_shape, _, metrics_shape = shapes
+        weighted = _count_varies(traced, shapes)
         # The gradients have the parameters' structure; one in host memory is summed there.
         in_host = jax.tree.map(in_host_memory, params)
 
@@ -87,12 +120,18 @@ def accumulate_gradients(grad_fn: GradFn, num_microbatches: int, shards: int = 1
             make = lambda: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))  # noqa: E731
             return _on_host(make)() if host else make()
 
-        def add(a, g, host):
-            return (_on_host(jnp.add) if host else jnp.add)(a, g.astype(a.dtype))
+        def add(a, g, host, w=None):
+            if w is None:
+                return (_on_host(jnp.add) if host else jnp.add)(a, g.astype(a.dtype))
+            if host:
+                w = jax.device_put(w, jax.memory.Space.Host)
+            return (_on_host(_add_weighted) if host else _add_weighted)(a, g, w)
 
-        def mean(a, s, host):
-            fn = lambda a: (a / k).astype(s.dtype)  # noqa: E731
-            return (_on_host(fn) if host else fn)(a)
+        def mean(a, s, host, total=k):
+            if host and not isinstance(total, int):
+                total = jax.device_put(total, jax.memory.Space.Host)
+            fn = lambda a, total: (a / total).astype(s.dtype)  # noqa: E731
+            return (_on_host(fn) if host else fn)(a, total)
 
         grad_sum = jax.tree.map(zeros, grads_shape, in_host)
 
@@ -101,17 +140,68 @@ def accumulate_gradients(grad_fn: GradFn, num_microbatches: int, shards: int = 1
             microbatch, index = xs
             mb_rng = None if rng is None else jax.random.fold_in(rng, index)
             grads, state, metrics = grad_fn(params, state, microbatch, mb_rng)
-            grad_sum = jax.tree.map(add, grad_sum, grads, in_host)
+            w = metrics[COUNT].astype(jnp.float32) if weighted else None
+            grad_sum = jax.tree.map(lambda a, g, h: add(a, g, h, w), grad_sum, grads, in_host)
             return (grad_sum, state), metrics
 
         (grad_sum, model_state), metrics = jax.lax.scan(
             body, (grad_sum, model_state), (microbatches, jnp.arange(k))
         )
-        grads = jax.tree.map(mean, grad_sum, grads_shape, in_host)
-        metrics = jax.tree.map(lambda m: m.mean(axis=0), metrics)
-        return grads, model_state, metrics
+        if not weighted:
+            grads = jax.tree.map(mean, grad_sum, grads_shape, in_host)
+            return grads, model_state, _mean_metrics(metrics, None)
+        counts = metrics[COUNT].astype(jnp.float32)
+        total = counts.sum()
+        grads = jax.tree.map(lambda a, s, h: mean(a, s, h, total), grad_sum, grads_shape, in_host)
+        return grads, model_state, _mean_metrics(metrics, counts)
 
     return accumulated
+
+
+def _add_weighted(a: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
+    """``a + w * g``, where a microbatch of ``w = 0`` adds nothing (its mean over no units may be
+    NaN)."""
+    return a + jnp.where(w > 0, g.astype(a.dtype) * w, 0)
+
+
+def _mean_metrics(metrics: PyTree, counts: jax.Array | None) -> PyTree:
+    """The full batch's metrics from the stacked ``[k]`` per-microbatch ones: means (weighted by
+    ``counts`` when given), the :data:`COUNT` summed."""
+    if isinstance(metrics, Mapping) and COUNT in metrics:
+        rest = {key: value for key, value in metrics.items() if key != COUNT}
+        if counts is None:
+            out = jax.tree.map(lambda m: m.mean(axis=0), rest)
+        else:
+            total = counts.sum()
+            weights = jnp.where(counts > 0, counts, 0)
+
+            def weighted(m):
+                w = weights.reshape(weights.shape + (1,) * (m.ndim - 1))
+                return (jnp.where(w > 0, m * w, 0).sum(axis=0) / total).astype(m.dtype)
+
+            out = jax.tree.map(weighted, rest)
+        return {**out, COUNT: metrics[COUNT].sum(axis=0)}
+    return jax.tree.map(lambda m: m.mean(axis=0), metrics)
+
+
+def _count_varies(traced, shapes) -> bool:
+    """Whether the loss's :data:`COUNT` can differ between microbatches: it is reported and is
+    not a constant of the traced function (a count from shapes alone is the same in each). Warns
+    (once) when the loss reports none."""
+    _, _, metrics = shapes
+    if not isinstance(metrics, Mapping) or COUNT not in metrics:
+        warnings.warn(NO_COUNT_WARNING, stacklevel=4)
+        return False
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    where = [
+        i for i, (path, _) in enumerate(leaves)
+        if path[0] == jax.tree_util.SequenceKey(2)
+        and path[1:] == (jax.tree_util.DictKey(COUNT),)
+    ]  # fmt: skip
+    if len(where) != 1 or jnp.shape(metrics[COUNT]) != ():
+        raise ValueError(f"metrics[{COUNT!r}] must be a scalar, got {metrics[COUNT]}")
+    out = traced.jaxpr.outvars[where[0]]
+    return not (isinstance(out, jex_core.Literal) or out in traced.jaxpr.constvars)
 
 
 def _on_host(fn: Callable) -> Callable:
