@@ -282,12 +282,14 @@ def run(models: list[str], only: list[str] | None = None, previous: dict | None 
             if only and name not in only:
                 continue
             rows[name] = {"adam": run_cell(model, fields, "adam")}
+            jax.clear_caches()  # each cell's executables: LLVM ran out of memory holding them all
             print(model, name, rows[name]["adam"]["status"], flush=True)
             if name not in ("plain", "state int8"):
                 continue
             for optimizer in OPTIMIZERS:
                 if optimizer != "adam":
                     rows[name][optimizer] = run_cell(model, fields, optimizer)
+                    jax.clear_caches()
                     print(model, name, optimizer, rows[name][optimizer]["status"], flush=True)
         order = list(techniques(block))
         rows = {name: rows[name] for name in sorted(rows, key=order.index)}

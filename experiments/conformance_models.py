@@ -171,8 +171,9 @@ def bert() -> lm.workloads.Workload:
                                  jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), None,
                                  deterministic=False, rngs={"dropout": rng}).logits  # fmt: skip
             token = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids)
-            loss = (token * mask).sum() / mask.shape[0] / SEQ  # a fixed normaliser: exact
-            return loss, (model_state, {"loss": loss})
+            count = mask.sum().astype(jnp.float32)  # the masked positions: microbatches weigh it
+            loss = (token * mask).sum() / jnp.maximum(count, 1.0)
+            return loss, (model_state, {"loss": loss, "count": count})
 
         return loss_fn
 
@@ -209,7 +210,8 @@ def bart() -> lm.workloads.Workload:
             loss = optax.softmax_cross_entropy_with_integer_labels(
                 out.logits.astype(jnp.float32), target
             ).mean()
-            return loss, (model_state, {"loss": loss})
+            count = jnp.float32(target.size)  # every target token: the same in each microbatch
+            return loss, (model_state, {"loss": loss, "count": count})
 
         return loss_fn
 
@@ -236,7 +238,8 @@ def llama() -> lm.workloads.Workload:
         def loss_fn(params, model_state, batch, rng):
             out = call(model, {"params": params}, batch["tokens"], deterministic=True)
             loss = _lm_loss(out.logits, batch["tokens"])
-            return loss, (model_state, {"loss": loss})
+            count = jnp.float32(batch["tokens"][:, 1:].size)  # predicted tokens, from shapes
+            return loss, (model_state, {"loss": loss, "count": count})
 
         return loss_fn
 
@@ -260,7 +263,8 @@ def vit() -> lm.workloads.Workload:
             loss = optax.softmax_cross_entropy_with_integer_labels(
                 logits.astype(jnp.float32), batch["label"]
             ).mean()
-            return loss, (model_state, {"loss": loss})
+            count = jnp.float32(batch["label"].shape[0])  # examples, from shapes
+            return loss, (model_state, {"loss": loss, "count": count})
 
         return loss_fn
 
