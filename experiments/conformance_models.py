@@ -6,7 +6,8 @@ here the way Flax users commonly write them.
   Flax models (5.0 removed them); a test-only dependency (``pip install "transformers<4.47"``,
   about 10 s here). Chosen as the most used published Flax transformer.
 * ``bert`` (masked LM; its layers take their flags positionally), ``bart`` (encoder-decoder),
-  ``llama`` (grouped-query attention, rotary positions), ``vit`` (images): more of the same
+  ``llama`` and ``mistral`` (grouped-query attention, rotary positions; Mistral's sliding
+  window), ``opt``, ``vit`` (images): more of the same
   family, each from a tiny config, dropout on where the model has it. Not T5: transformers
   4.46's Flax T5 calls ``jnp.clip(a_max=...)``, which JAX 0.10 no longer takes.
 * ``linen_resnet`` -- a ResNet-18 (basic blocks [2, 2, 2, 2], widths 32..256) with BatchNorm.
@@ -218,16 +219,13 @@ def bart() -> lm.workloads.Workload:
     return _linen_workload("bart", model, _tokens(), init, loss)
 
 
-def llama() -> lm.workloads.Workload:
-    model = _transformers_module(
-        "llama", "FlaxLlamaForCausalLMModule", "LlamaConfig", vocab_size=VOCAB,
-        hidden_size=WIDTH, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4 * SEQ,
-    )  # fmt: skip  # its rotary table needs max_position_embeddings >= 2 x the head size
+def _causal_lm(name: str, family: str, module: str, config: str, **fields):
+    """A transformers causal LM called ``(ids, attention mask, positions)``, dropout on."""
+    model = _transformers_module(family, module, config, vocab_size=VOCAB, **fields)
 
-    def call(model, params, ids, **kw):
+    def call(model, variables, ids, **kw):
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-        return model.apply(params, ids, jnp.ones_like(ids), positions, **kw)
+        return model.apply(variables, ids, jnp.ones_like(ids), positions, **kw)
 
     def init(model, rng, batch):
         ids = batch["tokens"][:1]
@@ -236,14 +234,40 @@ def llama() -> lm.workloads.Workload:
 
     def loss(model):
         def loss_fn(params, model_state, batch, rng):
-            out = call(model, {"params": params}, batch["tokens"], deterministic=True)
+            out = call(model, {"params": params}, batch["tokens"], deterministic=False,
+                       rngs={"dropout": rng})  # fmt: skip
             loss = _lm_loss(out.logits, batch["tokens"])
             count = jnp.float32(batch["tokens"][:, 1:].size)  # predicted tokens, from shapes
             return loss, (model_state, {"loss": loss, "count": count})
 
         return loss_fn
 
-    return _linen_workload("llama", model, _tokens(), init, loss)
+    return _linen_workload(name, model, _tokens(), init, loss)
+
+
+def llama() -> lm.workloads.Workload:
+    # Its rotary table needs max_position_embeddings >= 2 x the head size (transformers 4.46).
+    return _causal_lm(
+        "llama", "llama", "FlaxLlamaForCausalLMModule", "LlamaConfig", hidden_size=WIDTH,
+        intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4 * SEQ,
+    )  # fmt: skip
+
+
+def mistral() -> lm.workloads.Workload:
+    return _causal_lm(
+        "mistral", "mistral", "FlaxMistralForCausalLMModule", "MistralConfig",
+        hidden_size=WIDTH, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4 * SEQ, sliding_window=SEQ // 2,
+    )  # fmt: skip
+
+
+def opt() -> lm.workloads.Workload:
+    return _causal_lm(
+        "opt", "opt", "FlaxOPTForCausalLMModule", "OPTConfig", hidden_size=WIDTH,
+        ffn_dim=4 * WIDTH, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=SEQ, word_embed_proj_dim=WIDTH,
+    )  # fmt: skip
 
 
 def vit() -> lm.workloads.Workload:
@@ -451,6 +475,16 @@ MODELS: dict[str, tuple[Callable[[], lm.workloads.Workload], str, str]] = {
         llama,
         "FlaxLlamaDecoderLayer",
         "transformers 4.46 FlaxLlamaForCausalLMModule (Hugging Face)",
+    ),
+    "mistral": (
+        mistral,
+        "FlaxMistralDecoderLayer",
+        "transformers 4.46 FlaxMistralForCausalLMModule (Hugging Face)",
+    ),
+    "opt": (
+        opt,
+        "FlaxOPTDecoderLayer",
+        "transformers 4.46 FlaxOPTForCausalLMModule (Hugging Face)",
     ),
     "vit": (
         vit,
