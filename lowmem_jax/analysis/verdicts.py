@@ -18,7 +18,7 @@ import jax
 import optax
 
 from lowmem_jax.analysis.analytic import microbatch_args, microbatch_residuals
-from lowmem_jax.analysis.state import state_view
+from lowmem_jax.analysis.state import StateView, state_view
 from lowmem_jax.core.base import Optimizer, PyTree, as_optimizer
 from lowmem_jax.core.jaxprs import traced_equations, without_checkpoints
 from lowmem_jax.core.technique import Evidence, Verdict
@@ -44,7 +44,8 @@ def verdicts(
     residuals saved with and without its checkpoints."""
     jaxpr = jax.make_jaxpr(getattr(train_step, "__wrapped__", train_step))(state, batch).jaxpr
     opt = as_optimizer(tx)
-    state = state_view(state)  # a dict or flax's TrainState as well
+    if not all(hasattr(state, part) for part in StateView._fields):
+        state = state_view(state)  # a dict or flax's TrainState: the parts the hooks read
     saved = None
     if loss_fn is not None:
         saved = functools.partial(

@@ -25,8 +25,9 @@ def classifier_loss_fn(model: nn.Module, *, label_smoothing: float = 0.0) -> Los
     batch, computed in float32; metrics are ``loss``, ``accuracy`` and ``count`` (the number of
     examples, from the batch's shape: the same in every microbatch, so microbatching's equal
     weights are exact; :mod:`lowmem_jax.techniques.microbatches.accumulate`). Model state
-    collections (``batch_stats``) are updated as in training mode. A label outside ``[0, classes)`` makes
-    the loss NaN (the step is then skipped and counted, not trained on a zero target).
+    collections (``batch_stats``) are updated as in training mode. A label outside
+    ``[0, classes)`` makes the loss NaN (the step is then skipped and counted, not trained on a
+    zero target).
     """
 
     def loss_fn(params, model_state, batch, rng):

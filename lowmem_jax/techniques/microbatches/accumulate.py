@@ -161,7 +161,8 @@ def accumulate_gradients(grad_fn: GradFn, num_microbatches: int, shards: int = 1
 def _add_weighted(a: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
     """``a + w * g``, where a microbatch of ``w = 0`` adds nothing (its mean over no units may be
     NaN)."""
-    return a + jnp.where(w > 0, g.astype(a.dtype) * w, 0)
+    # ``a - a``, not a literal 0: under host compute a constant would sit in device memory.
+    return a + jnp.where(w > 0, g.astype(a.dtype) * w, a - a)
 
 
 def _mean_metrics(metrics: PyTree, counts: jax.Array | None) -> PyTree:
