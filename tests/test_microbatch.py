@@ -216,7 +216,8 @@ def test_the_translation_loss_microbatched_equals_its_full_batch():
              "tgt_in": tgt[:, :-1], "tgt_out": jnp.where(pad, 0, tgt[:, 1:])}  # fmt: skip
     params = model.init(jax.random.key(0), batch["src"], batch["tgt_in"], train=False)["params"]
     no_scale = lm.techniques.loss_scale.NoOpLossScale()
-    grad_fn = lm.scaled_grad_fn(lm.translation_loss_fn(model, label_smoothing=0.1), no_scale)
+    loss_fn = lm.translation_loss_fn(model, label_smoothing=0.1, token_weighted=True)
+    grad_fn = lm.scaled_grad_fn(loss_fn, no_scale)
     full, _, full_metrics = jax.jit(grad_fn)(params, {}, batch, None)
     acc, _, metrics = jax.jit(lm.accumulate_gradients(grad_fn, 4))(params, {}, batch, None)
     assert_trees_close(acc, full, rtol=1e-5, atol=1e-7)

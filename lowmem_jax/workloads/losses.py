@@ -78,7 +78,11 @@ def _token_losses(
 
 
 def translation_loss_fn(
-    model: nn.Module, *, label_smoothing: float = 0.1, pad_id: int = 0
+    model: nn.Module,
+    *,
+    label_smoothing: float = 0.1,
+    pad_id: int = 0,
+    token_weighted: bool = False,
 ) -> LossFn:
     """Label-smoothed token cross-entropy for ``model(src, tgt_in, train) -> logits``.
 
@@ -86,12 +90,18 @@ def translation_loss_fn(
     ``loss = CE(logits, (1 - eps) * onehot(y) + eps / V)`` (fairseq's
     ``label_smoothed_cross_entropy`` with ``eps = label_smoothing``), in float32, averaged over
     tokens with ``tgt_out != pad_id``. Metrics: ``loss``, ``nll_loss`` (unsmoothed),
-    ``accuracy`` (argmax == target over non-pad tokens) and ``count`` (the non-pad tokens,
+    ``accuracy`` (argmax == target over non-pad tokens) and ``tokens`` (the non-pad count,
     float32). ``rng`` (if not None) is the dropout key.
 
-    Microbatching (:func:`lowmem_jax.accumulate_gradients`) weights each microbatch by its
-    ``count``, so with ``k > 1`` the gradients and metrics are the full batch's token means
-    and ``count`` its tokens.
+    Microbatching (:func:`lowmem_jax.accumulate_gradients`): with ``token_weighted=True`` the
+    loss also reports its tokens as ``count``, each microbatch is weighted by them, and with
+    ``k > 1`` the gradients and metrics are the full batch's token means. The default
+    (``False``, what the committed translation figures were measured with, and which warns
+    under microbatches) weights microbatches equally: the mean of per-microbatch token means
+    (equal to the full-batch token mean only when microbatches hold equal token counts), and
+    ``tokens`` is the mean count per microbatch. Not yet the default: on XLA:CPU the weighted
+    step of the IWSLT model at 50 microbatches (fp16, remat, 90% sparse) compiles 3.26 MB
+    (1.35%) heavier, from the final division by the traced token total.
 
     Raises:
       ValueError: for ``label_smoothing`` outside ``[0, 1)``.
@@ -115,7 +125,9 @@ def translation_loss_fn(
         loss = (loss_tok * weights).sum() / denom * _nan_unless_in_range(labels, logits.shape[-1])
         nll = (nll_tok * weights).sum() / denom
         accuracy = ((logits.argmax(-1) == labels) * weights).sum() / denom
-        metrics = {"loss": loss, "nll_loss": nll, "accuracy": accuracy, "count": tokens}
+        metrics = {"loss": loss, "nll_loss": nll, "accuracy": accuracy, "tokens": tokens}
+        if token_weighted:
+            metrics["count"] = tokens
         return loss, (dict(model_state), metrics)
 
     return loss_fn
