@@ -67,7 +67,8 @@ def test_bert_remat_equals_the_plain_step_and_saves_what_its_own_checkpointing_s
     own_model, _, own = _train(
         lm.Plan(), _bert(gradient_checkpointing=True), _bert_loss, _inputs(IDS[:1]), IDS
     )
-    assert remat == own  # bitwise: the same recomputation as BERT's gradient_checkpointing
+    # Measured bitwise equal to BERT's own here; asserted as remat promises, to rounding.
+    np.testing.assert_allclose(remat, own, rtol=1e-6)
     np.testing.assert_allclose(remat, plain, rtol=1e-6)  # XLA fuses a recomputation anew
 
     def saved(m):
@@ -108,7 +109,7 @@ def test_a_user_block_with_a_positional_flag_trains_under_remat():
     init = (batch["image"],)
     _, _, plain = _train(lm.Plan(), Net(), lm.classifier_loss_fn, init, batch)
     _, _, remat = _train(lm.Plan(remat="full"), Net(), lm.classifier_loss_fn, init, batch)
-    assert remat == plain
+    np.testing.assert_allclose(remat, plain, rtol=1e-6)
 
 
 class FlagAsArray(nn.Module):
