@@ -22,6 +22,9 @@ import time
 
 import jax
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import result_writer  # noqa: E402
+
 MIB = 2.0**20
 
 
@@ -48,15 +51,6 @@ def run_budget(
     with open(f"{out}.json", "w") as f:
         json.dump(result, f, indent=1)
     return result
-
-
-def commit() -> str:
-    """The checked-out commit, ``+changes`` when the tree differs from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() or "unknown"  # fmt: skip
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return head + ("+changes" if dirty else "")
 
 
 def table(
@@ -125,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "_time" if args.objective == "time" else ""
     suffix += f"_d{args.devices}" if args.devices > 1 else ""
     stem = os.path.join(args.out_dir, f"plan_{args.model}_b{args.batch_size}{suffix}")
-    at = commit()  # before this run rewrites committed results
+    at = result_writer.commit()  # before this run rewrites committed results
     results = {}
     for budget in args.budgets:
         results[budget] = run_budget(args.model, args.batch_size, budget, args.envelope,

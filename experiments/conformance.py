@@ -19,7 +19,6 @@ Writes ``conformance.json`` and ``conformance.md`` (default ``experiments/result
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -31,10 +30,7 @@ import numpy as np
 import optax
 
 import lowmem_jax as lm
-from lowmem_jax.planning.envelope import ENVELOPES
-from lowmem_jax.planning.planner import SPACE
-from lowmem_jax.planning.search import COMPUTE, Search, plan_name
-from lowmem_jax.planning.space import applicable, axes_in, class_corners
+from lowmem_jax.planning.smallest import smallest_plan
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import conformance_models  # noqa: E402
@@ -298,52 +294,6 @@ def run(models: list[str], only: list[str] | None = None, previous: dict | None 
     return out
 
 
-def smallest(work, envelope: str, compiles: int = 6, space: dict | None = None) -> dict:
-    """The least memory ``work`` trains in inside ``envelope``, as far as this search goes: the
-    least-memory plans (corners) of every compute class the model can take (each remat policy
-    and factorization at the most microbatches and sparsity, each precision and state format;
-    :mod:`lowmem_jax.planning.space`), the ``compiles`` with the least predicted bytes compiled
-    (XLA:CPU), the least compiled total kept."""
-    env = ENVELOPES[envelope]
-    search = Search(work, 2**62, env, None, None)
-    axes = applicable(search, axes_in(env, work.batch_size, space or SPACE))
-    # Families (remat's per-block schedules) need a bundled model's scanned stacks: left out.
-    keys = [a.key for a in COMPUTE]
-    values = [[v for v in axes[a.key] if v not in a.families] for a in COMPUTE]
-    corners = [
-        plan
-        for combo in itertools.product(*values)
-        for plan in class_corners(
-            axes, dict(zip(keys, combo, strict=True)), max(axes["microbatches"])
-        )
-    ]
-    predicted = {}
-    for plan in set(corners):
-        try:
-            predicted[plan] = search.predict(plan)
-        except ValueError:  # a combination the model refuses (its one line is the planner's)
-            continue
-    for plan in sorted(predicted, key=predicted.get)[:compiles]:
-        search.compile(plan)
-        search.executables.pop(plan, None)  # kept by a search for timing: not needed here
-    best = min(search.compiled, key=lambda p: search.compiled[p]["total_bytes"])
-    return {
-        "plan": plan_name(best),
-        "fields": best.to_dict(),
-        "total_bytes": search.compiled[best]["total_bytes"],
-        "compiled": len(search.compiled),
-        "refused_corners": len(set(corners)) - len(predicted),
-        "left_out": {
-            k: [
-                repr(v)
-                for v in axes_in(env, work.batch_size, space or SPACE)[k]
-                if v not in axes[k]
-            ]
-            for k in axes
-        },  # fmt: skip
-    }
-
-
 def run_smallest(result: dict, models: list[str]) -> dict:
     """Each model's smallest plan inside the report's envelope and outside it, against its plain
     step (``lm.workloads.build_plain``: float32, no technique, the same Adam)."""
@@ -352,7 +302,7 @@ def run_smallest(result: dict, models: list[str]) -> dict:
         plain = lm.workloads.build_plain(work).analyze().xla["total_bytes"]
         found = {"plain_total_bytes": plain}
         for envelope in ("report", "any"):
-            found[envelope] = smallest(work, envelope)
+            _, found[envelope] = smallest_plan(work, envelope)
             print(model, envelope, found[envelope]["plan"], flush=True)
         result["models"][model]["smallest"] = found
     return result

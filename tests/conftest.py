@@ -12,6 +12,7 @@ import importlib.util
 import os
 import pathlib
 import re
+import sys
 import tempfile
 import warnings
 from typing import Any
@@ -105,6 +106,7 @@ def load_benchmark(name: str):
     """The script ``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass (a Flax module) looks its module up there
     spec.loader.exec_module(module)
     return module
 

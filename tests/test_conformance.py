@@ -9,6 +9,7 @@ import pathlib
 
 import lowmem_jax as lm
 from experiments import conformance
+from lowmem_jax.planning.smallest import smallest_plan
 
 
 def test_transformers_flax_gpt2_trains_with_an_int8_state_updated_in_groups():
@@ -180,7 +181,7 @@ def test_the_smallest_plan_of_a_model_is_a_compiled_corner_of_its_search():
     work = conformance.MODELS["nnx_cnn"][0]()
     space = {"precision": ("fp32", "fp16"), "optimizer_state": ("auto",), "remat": ("full",),
              "factorize": (None,), "sparsity": (0.0, 0.9)}  # fmt: skip
-    found = conformance.smallest(work, "any", compiles=1, space=space)
+    _, found = smallest_plan(work, "any", compiles=1, space=space)
     assert found["compiled"] == 1 and found["plan"].startswith("fp16")
     assert found["fields"]["remat"] == "full" and found["fields"]["sparsity"]["sparsity"] == 0.9
     plain = lm.workloads.build_plain(work).analyze().xla["total_bytes"]

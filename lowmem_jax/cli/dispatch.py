@@ -95,7 +95,7 @@ def _use_host_devices(args: argparse.Namespace) -> None:
 def _cmd_report(args: argparse.Namespace) -> int:
     from lowmem_jax.report.grid import model_grid
     from lowmem_jax.report.run import run_report, to_markdown, write_report
-    from lowmem_jax.workloads.registry import workload
+    from lowmem_jax.workloads.registry import default_seq_len, takes_seq_len, workload
 
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
@@ -114,7 +114,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
     )
     command = "lowmem report " + " ".join(
         [f"--model {args.model}", f"--batch-size {batch_size}", f"--out-dir {args.out_dir}"]
-        + ([f"--seq-len {args.seq_len}"] if args.model.startswith("dynamicconv") else [])
+        + (
+            [f"--seq-len {args.seq_len or default_seq_len(args.model)}"]
+            if takes_seq_len(args.model)
+            else []
+        )
         + [" ".join(s.argv(sections[key])) for key, s in report_sections().items()]
         + [f"--grid {args.grid}"]
     )

@@ -17,6 +17,7 @@ from lowmem_jax.models.dynamic_conv import (
     sequence_log_prob,
     sinusoidal_positions,
 )
+from lowmem_jax.models.llama import Llama, LlamaBlock, RMSNorm
 from lowmem_jax.models.wide_resnet import PreActBlock, WideResNet
 
 __all__ = [
@@ -32,4 +33,7 @@ __all__ = [
     "greedy_decode",
     "beam_search",
     "sequence_log_prob",
+    "Llama",
+    "LlamaBlock",
+    "RMSNorm",
 ]

@@ -381,7 +381,7 @@ def plan_for_model(
     budget_bytes: int,
     *,
     envelope: str = "report",
-    seq_len: int = 40,
+    seq_len: int | None = None,
     space: dict[str, tuple] | None = None,
     objective: str = "flops",
     devices: int = 1,

@@ -234,9 +234,10 @@ class Search:
         """The ``lowmem analyze`` flags of ``plan`` (its device counts written out)."""
         return analyze_argv(self.work.name, self.work.batch_size, explicit(plan), self.seq_len())
 
-    def seq_len(self) -> int:
-        tokens = self.work.batch.get("src")
-        return 40 if tokens is None else tokens.shape[1]
+    def seq_len(self) -> int | None:
+        """Tokens per sequence of a sequence model's batch; None for images."""
+        tokens = self.work.batch.get("src", self.work.batch.get("inputs"))
+        return None if tokens is None else tokens.shape[1]
 
 
 #: The registered techniques' planner axes, in the registry's order.

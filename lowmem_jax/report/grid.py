@@ -98,9 +98,10 @@ def model_grid(model: str, batch_size: int, grid: str = "full") -> list[GridRow]
     """
     if grid not in GRIDS:
         raise ValueError(f"Unknown grid={grid!r}; allowed values: {list(GRIDS)}")
-    images = not model.startswith("dynamicconv")
+    work = workload(model, batch_size)
+    images = work.task == "classification"
     saved = CONV_OUT if images else DOT_OUT
-    optimizer = workload(model, batch_size).recipe.optimizer_for(1)
+    optimizer = work.recipe.optimizer_for(1)
     return standard_grid(
         batch_size, saved, images=images, quick=grid == "quick", optimizer=optimizer
     )

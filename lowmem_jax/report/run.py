@@ -64,7 +64,7 @@ def run_report(
     batch_size: int = 128,
     grid: list[GridRow] | None = None,
     progress: Callable[[str], None] | None = print,
-    seq_len: int = 40,
+    seq_len: int | None = None,
     reuse: dict[str, dict[str, Any]] | None = None,
     sections: dict[str, Any] | None = None,
     jobs: int = 1,

@@ -101,7 +101,7 @@ def analyze_model(
     batch_size: int | None,
     plan: Plan | None,
     *,
-    seq_len: int = 40,
+    seq_len: int | None = None,
     image_size: int = 32,
     compiling: contextlib.AbstractContextManager | None = None,
 ) -> memory.MemoryReport:

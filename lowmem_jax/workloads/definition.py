@@ -26,7 +26,7 @@ class Workload:
 
     Attributes:
       name: the registry name.
-      task: ``classification`` or ``translation``.
+      task: ``classification``, ``translation`` or ``lm`` (causal language modelling).
       model: the (unconfigured) Flax module; ``Plan.configure_model`` sets remat and dtype.
       batch: ``jax.ShapeDtypeStruct`` leaves of one batch.
       init_inputs: the batch leaves ``model.init`` takes, in order, after the rng.
@@ -96,6 +96,8 @@ class Workload:
             return self.loss(model)
         if self.task == "translation":
             return losses.translation_loss_fn(model, label_smoothing=label_smoothing)
+        if self.task == "lm":
+            return losses.lm_loss_fn(model)
         return losses.classifier_loss_fn(model, label_smoothing=label_smoothing)
 
 

@@ -7,7 +7,7 @@ import argparse
 
 from lowmem_jax.compose.flags import add_plan_flags, plan_argv, plan_from_args
 from lowmem_jax.compose.plan import Plan
-from lowmem_jax.workloads.registry import MODEL_NAMES
+from lowmem_jax.workloads.registry import MODEL_NAMES, default_seq_len, takes_seq_len
 
 __all__ = ["add_workload_flags", "analyze_argv"]
 
@@ -18,20 +18,22 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size",
         type=int,
-        help="examples (sentences for dynamicconv-*) per batch. Default: 128 for wrn-D-K, 100 "
-        "for dynamicconv-*",
+        help="examples (sentences for dynamicconv-*, sequences for llama-*) per batch. Default: "
+        "128 for wrn-D-K, 100 for dynamicconv-*, 4 for llama-*",
     )
     parser.add_argument(
         "--seq-len",
         type=int,
-        default=40,
-        help="tokens per sentence for dynamicconv-* (100 x 40 = the recipe's 4,000 tokens). "
-        "Default: %(default)s",
+        help="tokens per sequence of dynamicconv-* and llama-*. Default: 40 for dynamicconv-* "
+        "(100 x 40 = the recipe's 4,000 tokens), 1024 for llama-*",
     )
 
 
-def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 40) -> list[str]:
-    """The ``lowmem analyze`` arguments that analyse ``plan`` (``None``: ``--plain``).
+def analyze_argv(
+    model: str, batch_size: int, plan: Plan | None, seq_len: int | None = None
+) -> list[str]:
+    """The ``lowmem analyze`` arguments that analyse ``plan`` (``None``: ``--plain``);
+    ``seq_len`` of a sequence model (None: its default), always written for one.
 
     Technique flags are given where they differ from the flag's default. The result is checked
     by parsing it back: the plan it gives must equal ``plan``.
@@ -40,8 +42,8 @@ def analyze_argv(model: str, batch_size: int, plan: Plan | None, seq_len: int = 
       ValueError: a plan with a setting no flag expresses (e.g. a sparsity ``seed``).
     """
     argv = ["--model", model, "--batch-size", str(batch_size)]
-    if model.startswith("dynamicconv"):
-        argv += ["--seq-len", str(seq_len)]
+    if takes_seq_len(model):
+        argv += ["--seq-len", str(seq_len or default_seq_len(model))]
     if plan is None:
         return [*argv, "--plain"]
     argv += plan_argv(plan)

@@ -1,4 +1,4 @@
-"""Loss functions in the train step's signature, for the two benchmark tasks.
+"""Loss functions in the train step's signature, for the benchmark tasks.
 
 ``loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))``: the loss is a
 float32 scalar, ``metrics`` a dict of float32 scalars, ``rng`` the dropout key (or ``None``).
@@ -15,7 +15,7 @@ import optax
 
 from lowmem_jax.core.base import LossFn
 
-__all__ = ["classifier_loss_fn", "translation_loss_fn"]
+__all__ = ["classifier_loss_fn", "translation_loss_fn", "lm_loss_fn"]
 
 
 def classifier_loss_fn(model: nn.Module, *, label_smoothing: float = 0.0) -> LossFn:
@@ -129,5 +129,34 @@ def translation_loss_fn(
         if token_weighted:
             metrics["count"] = tokens
         return loss, (dict(model_state), metrics)
+
+    return loss_fn
+
+
+def lm_loss_fn(model: nn.Module) -> LossFn:
+    """Next-token cross-entropy for a causal language model ``model(inputs, train) -> logits``.
+
+    ``batch = {"inputs": [B, T], "targets": [B, T]}`` int32, packed sequences (``targets[:, t]``
+    the token after ``inputs[:, t]``; every position counts, there is no padding). The loss is
+    the mean over the ``B * T`` tokens of ``-log softmax(logits)[target]``, in float32 (the
+    float32 log-probabilities recomputed in the backward pass, not stored: :func:`_token_losses`).
+    Metrics: ``loss``, ``accuracy`` (argmax == target) and ``count`` (``B * T``, from the
+    shape: equal in every microbatch, so microbatching's equal weights are exact). A target
+    outside ``[0, V)`` makes the loss NaN (the step is skipped and counted).
+    """
+
+    def loss_fn(params, model_state, batch, rng):
+        logits = model.apply(
+            {"params": params, **model_state},
+            batch["inputs"],
+            train=True,
+            rngs={"dropout": rng} if rng is not None else {},
+        )
+        labels = batch["targets"]
+        _, nll_tok = _token_losses(logits, labels, 0.0)
+        loss = nll_tok.mean() * _nan_unless_in_range(labels, logits.shape[-1])
+        accuracy = (logits.argmax(-1) == labels).mean()
+        count = jnp.float32(labels.size)
+        return loss, (dict(model_state), {"loss": loss, "accuracy": accuracy, "count": count})
 
     return loss_fn

@@ -12,6 +12,14 @@ Names (:data:`MODEL_NAMES`):
   "tgt_in", "tgt_out": [B, T] int32}``; default 100 sentences x 40 tokens (the recipe's 4,000
   tokens per batch); fairseq's Adam / inverse-sqrt recipe (warmup 4,000 for the IWSLT preset,
   50 for the small one), label smoothing 0.1.
+* ``llama-<size>``: a LLaMA-style decoder (:class:`~lowmem_jax.models.Llama`) of one of
+  :data:`~lowmem_jax.models.llama.PRESETS`' sizes (``tiny``, ``20m``, ``130m``, ``350m``, ``1b``,
+  ``7b``); causal language modelling on packed sequences, batch ``{"inputs", "targets": [B, T]
+  int32}`` (``targets`` the inputs shifted by one); default 4 sequences x 1024 tokens; AdamW
+  (0.9, 0.98 as the registry's AdamW), cosine decay from 3e-4, weight decay 0.1.
+
+``seq_len`` (tokens per sequence) applies to the sequence models (:func:`takes_seq_len`); its
+default is the model's (40 for ``dynamicconv-*``, 1024 for ``llama-*``).
 """
 
 from __future__ import annotations
@@ -25,17 +33,31 @@ import jax.numpy as jnp
 
 from lowmem_jax import models
 from lowmem_jax.data import cifar10
+from lowmem_jax.models.llama import PRESETS
 from lowmem_jax.techniques import sparsity
 from lowmem_jax.workloads.definition import Workload
 from lowmem_jax.workloads.recipes import Recipe
 
-__all__ = ["workload", "translation_is_sparse", "MODEL_NAMES", "WRN_RECIPE", "DYNAMICCONV_RECIPES"]
+__all__ = [
+    "workload",
+    "translation_is_sparse",
+    "lm_is_sparse",
+    "takes_seq_len",
+    "default_seq_len",
+    "MODEL_NAMES",
+    "WRN_RECIPE",
+    "DYNAMICCONV_RECIPES",
+    "LLAMA_RECIPE",
+]
 
 MODEL_NAMES = (
-    "wrn-D-K (e.g. wrn-28-2), dynamicconv-small, dynamicconv-iwslt, or module:function (your "
-    "model: a function returning lowmem_jax.custom_workload(...))"
+    "wrn-D-K (e.g. wrn-28-2), dynamicconv-small, dynamicconv-iwslt, llama-SIZE (SIZE one of "
+    f"{', '.join(PRESETS)}), or module:function (your model: a function returning "
+    "lowmem_jax.custom_workload(...))"
 )
-TASKS = ("classification", "translation")
+TASKS = ("classification", "translation", "lm")
+#: Tokens per sequence of each sequence model family when ``seq_len`` is not given.
+SEQ_LEN_DEFAULTS = {"dynamicconv-": 40, "llama-": 1024}
 
 CIFAR10_PIXEL_STATS = {"pixel_mean": cifar10.PIXEL_MEAN, "pixel_std": cifar10.PIXEL_STD}
 WRN_RECIPE = Recipe("sgd_nesterov", 0.1, "cosine", weight_decay=5e-4, momentum=0.9)
@@ -47,6 +69,25 @@ DYNAMICCONV_RECIPES = {
         "adamw", 2e-3, "inverse_sqrt", warmup=50, weight_decay=1e-4, label_smoothing=0.1
     ),
 }
+LLAMA_RECIPE = Recipe("adamw", 3e-4, "cosine", weight_decay=0.1)
+
+
+def takes_seq_len(name: str) -> bool:
+    """Whether model ``name`` is a sequence model, whose batch ``seq_len`` shapes."""
+    return default_seq_len(name) is not None
+
+
+def default_seq_len(name: str) -> int | None:
+    """The tokens per sequence of model ``name``'s batch when ``seq_len`` is not given (None:
+    not a sequence model)."""
+    return next((n for p, n in SEQ_LEN_DEFAULTS.items() if (name or "").startswith(p)), None)
+
+
+def lm_is_sparse(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+    """The decoder's sparse leaves: its layers' projections (kernels with ndim >= 2, as
+    :func:`~lowmem_jax.techniques.sparsity.default_is_sparse`); the embedding and the output
+    head (``lm_head``, the classifier's last layer) stay dense."""
+    return sparsity.default_is_sparse(path, shape) and "lm_head" not in path
 
 
 def translation_is_sparse(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
@@ -67,13 +108,14 @@ def workload(
     name: str,
     batch_size: int | None = None,
     *,
-    seq_len: int = 40,
+    seq_len: int | None = None,
     image_size: int = 32,
     **model_overrides: Any,
 ) -> Workload:
     """The named workload (module docstring) at ``batch_size`` (None: the model's default).
 
     ``model_overrides``: fields of the model (e.g. ``src_vocab_size``, ``dropout``).
+    ``seq_len``: tokens per sequence of a sequence model (None: its default).
     ``name`` ``"package.module:function"``: a user's model, ``function()`` returning its
     :func:`lowmem_jax.custom_workload` (``batch_size`` then resizes its batch).
 
@@ -87,6 +129,14 @@ def workload(
             raise ValueError(f"{label} must be >= 1, got {value}")
     if image_size < 1:
         raise ValueError(f"image_size must be >= 1, got {image_size}")
+    seq_len = default_seq_len(name) if seq_len is None else seq_len
+    if (name or "").startswith("llama-"):
+        if name[len("llama-") :] not in PRESETS:
+            raise ValueError(f"Unknown model={name!r}; allowed values: {MODEL_NAMES}")
+        model = models.Llama.preset(name[len("llama-") :], **model_overrides)
+        tokens = jax.ShapeDtypeStruct((batch_size or 4, seq_len), jnp.int32)
+        batch = {"inputs": tokens, "targets": tokens}
+        return Workload(name, "lm", model, batch, ("inputs",), LLAMA_RECIPE, lm_is_sparse)
     if name in DYNAMICCONV_RECIPES:
         if name == "dynamicconv-iwslt":
             model = models.DynamicConvTransformer.iwslt_de_en(**model_overrides)

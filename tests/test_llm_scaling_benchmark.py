@@ -1,0 +1,39 @@
+"""benchmarks/llm_scaling.py at the tiny decoder shape: its Flax/Optax-alone peer rows are the
+configurations they name, and the library rows' breakdown adds up (seconds)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from conftest import load_benchmark
+
+import lowmem_jax as lm
+
+
+@pytest.fixture(scope="module")
+def scaling():
+    return load_benchmark("llm_scaling")
+
+
+def test_the_peer_rows_store_what_they_name(scaling):
+    rows = {name: scaling.peer_row("tiny", 4, 16, name) for name in scaling.PEERS}
+    fp32, bf16 = rows["remat"]["breakdown"], rows["remat+bf16"]["breakdown"]
+    assert bf16["parameters"] * 2 == fp32["parameters"]  # bf16 parameters
+    assert bf16["optimizer_state"] < fp32["optimizer_state"]  # adamw's moments follow them
+    factored = rows["remat+bf16+adafactor"]["breakdown"]["optimizer_state"]
+    # No first moment (the second factored only for dims >= 128: few at this shape).
+    assert factored < 0.51 * bf16["optimizer_state"]
+    # MultiSteps holds a parameter-sized accumulator in its state.
+    multisteps = rows["remat+bf16+adafactor+multisteps"]["breakdown"]["optimizer_state"]
+    assert multisteps >= factored + bf16["parameters"]
+
+
+def test_a_library_row_breaks_the_state_into_its_parts(scaling):
+    work = lm.workloads.workload("llama-tiny", 4, seq_len=16)
+    row = scaling.library_row("plain", lm.workloads.build_plain(work))
+    parts = row["breakdown"]
+    params = lm.models.llama.parameter_count(lm.models.llama.PRESETS["tiny"]) * 4
+    assert parts["parameters"] == parts["gradients"] == params
+    assert parts["optimizer_state"] >= 2 * params  # Adam's two float32 moments
+    assert parts["logits"] == 4 * 16 * 256 * jnp.dtype(jnp.float32).itemsize
+    assert row["total_bytes"] >= parts["parameters"] + parts["optimizer_state"]
