@@ -1,8 +1,10 @@
-"""How a LLaMA-style decoder's training memory, compile time and search time grow with its size.
+"""How a language model's training memory, compile time and search time grow with its size.
 
-For each size of ``lowmem_jax.models.llama.PRESETS`` (``llama-130m`` .. ``llama-7b``) at one
-token batch (default 4 sequences x 1024 tokens), from abstract shapes (``jax.ShapeDtypeStruct``:
-nothing allocated, nothing initialised, no step runs), compile-only on the default backend:
+For each model (default: the LLaMA-style decoders ``llama-130m`` .. ``llama-7b`` of
+``lowmem_jax.models.llama.PRESETS`` and BERT-large's masked LM) at one token batch (default 4096
+tokens: 4 sequences x 1024 for the decoders, 8 x 512 for BERT), from abstract shapes
+(``jax.ShapeDtypeStruct``: nothing allocated, nothing initialised, no step runs), compile-only
+on the default backend:
 
 * **plain**: what a user would otherwise run, the Flax/Optax step (``jax.grad`` + the recipe's
   AdamW, float32, :func:`lowmem_jax.workloads.build_plain`);
@@ -24,15 +26,19 @@ dtype, part of the activations). The peers' compiles use the library analysis' X
 XLA:CPU undoes remat), so every row is compiled alike.
 
 Usage:
-    python benchmarks/llm_scaling.py                       # all sizes (about 30 min on 2 cores)
-    python benchmarks/llm_scaling.py --sizes 130m,1b --compiles 3
+    python benchmarks/llm_scaling.py                       # every model (about 45 min, 2 cores)
+    python benchmarks/llm_scaling.py --models llama-130m,bert-large --compiles 3
 
-Writes ``<out>/llm_scaling_<backend>.{json,md,png}``.
+Writes ``<out>/llm_scaling_<backend>.{json,md,png}``; the models not run are kept from an
+existing JSON there (each entry records its commit).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import json
 import os
 import sys
 import time
@@ -46,13 +52,16 @@ import optax
 import lowmem_jax as lm
 from lowmem_jax.analysis.memory import analysis_compiler_options, xla_memory
 from lowmem_jax.blocks.policy import compiler_options
+from lowmem_jax.models.bert import BERT_PRESETS, BertBlock
 from lowmem_jax.models.llama import PRESETS, LlamaBlock, RMSNorm
 from lowmem_jax.planning.smallest import smallest_plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import result_writer  # noqa: E402
 
-SIZES = ("130m", "350m", "1b", "7b")
+MODELS = ("llama-130m", "llama-350m", "llama-1b", "llama-7b", "bert-large")
+#: Tokens per step of each family: sequences x tokens.
+TOKEN_BATCH = {"llama": (4, 1024), "bert": (8, 512)}
 GIB = 2.0**30
 PEER_MICROBATCHES = 4
 
@@ -61,18 +70,24 @@ PEER_MICROBATCHES = 4
 
 
 class _ScanBody(nn.Module):
-    """One decoder layer as ``nn.scan``'s body: ``(x, None) -> (layer(x), None)``."""
+    """One layer as ``nn.scan``'s body: ``(x, None) -> (block(x), None)``."""
 
-    heads: int
-    kv_heads: int
-    ffn: int
-    dtype: Any = None
+    make_block: Any
 
     @nn.compact
     def __call__(self, x, _):
-        return LlamaBlock(self.heads, self.kv_heads, self.ffn, dtype=self.dtype, name="block")(
-            x, train=True
-        ), None
+        return self.make_block(name="block")(x, train=True), None
+
+
+def _scanned(make_block, layers: int, x):
+    """``layers`` blocks under ``nn.scan(nn.remat(...))``, nothing saved but the carries."""
+    body = nn.scan(
+        nn.remat(_ScanBody, prevent_cse=False),
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        length=layers,
+    )
+    return body(make_block, name="layers")(x, None)[0]
 
 
 class PeerLlama(nn.Module):
@@ -88,29 +103,51 @@ class PeerLlama(nn.Module):
         s = PRESETS[self.size]
         init = nn.initializers.normal(0.02)
         x = nn.Embed(s.vocab, s.width, dtype=self.dtype, embedding_init=init)(tokens)
-        body = nn.scan(
-            nn.remat(_ScanBody, prevent_cse=False),
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=s.layers,
-        )
-        x, _ = body(s.heads, s.kv_heads, s.ffn, self.dtype, name="layers")(x, None)
-        x = RMSNorm(dtype=self.dtype)(x)
+        block = functools.partial(LlamaBlock, s.heads, s.kv_heads, s.ffn, dtype=self.dtype)
+        x = RMSNorm(dtype=self.dtype)(_scanned(block, s.layers, x))
         return nn.Dense(s.vocab, use_bias=False, dtype=self.dtype, kernel_init=init)(x)
 
 
-def peer_row(size: str, batch: int, seq_len: int, name: str) -> dict[str, Any]:
+class PeerBert(nn.Module):
+    """BERT's masked LM with Flax's own transforms (``nn.scan`` over ``nn.remat`` of the
+    library's :class:`~lowmem_jax.models.BertBlock`), dropout 0.1 as BERT's."""
+
+    size: str
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, tokens):
+        s = BERT_PRESETS[self.size]
+        init = nn.initializers.normal(0.02)
+        embed = nn.Embed(s.vocab, s.width, dtype=self.dtype, embedding_init=init)
+        position = self.param("position", init, (s.max_positions, s.width))
+        token_type = self.param("token_type", init, (2, s.width))
+        x = embed(tokens)
+        x = x + (position[: tokens.shape[1]] + token_type[0]).astype(x.dtype)
+        x = nn.Dropout(0.1, deterministic=False)(nn.LayerNorm(1e-12, dtype=self.dtype)(x))
+        block = functools.partial(BertBlock, s.heads, s.ffn, dtype=self.dtype)
+        x = _scanned(block, s.layers, x)
+        x = nn.gelu(nn.Dense(s.width, dtype=self.dtype, kernel_init=init)(x), approximate=False)
+        x = nn.LayerNorm(1e-12, dtype=self.dtype)(x)
+        return embed.attend(x) + self.param("bias", nn.initializers.zeros, (s.vocab,))
+
+
+def peer_row(model_name: str, batch: int, seq_len: int, name: str) -> dict[str, Any]:
     """One peer configuration's compiled step (module docstring): ``remat`` (float32, the
     recipe's AdamW), ``remat+bf16`` (bf16 parameters, adamw), ``remat+bf16+adafactor``,
-    ``remat+bf16+adafactor+multisteps``."""
-    model = PeerLlama(size)
+    ``remat+bf16+adafactor+multisteps``. The loss: next-token cross-entropy (decoders), the
+    mean over the weighted positions (BERT)."""
+    family, size = model_name.split("-", 1)
+    model = PeerLlama(size) if family == "llama" else PeerBert(size)
     bf16 = "bf16" in name
     micro = PEER_MICROBATCHES if "multisteps" in name else 1
     tokens = jax.ShapeDtypeStruct((batch // micro, seq_len), jnp.int32)
-    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"]
+    weights = jax.ShapeDtypeStruct(tokens.shape, jnp.float32)
+    rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+    params = jax.eval_shape(model.init, rngs, tokens)["params"]
     if bf16:  # the parameters stored in bf16: the model computes in bf16 (dtype None)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
-    recipe = lm.workloads.registry.LLAMA_RECIPE
+    recipe = lm.workloads.workload(model_name).recipe
     lr = optax.cosine_decay_schedule(recipe.learning_rate, 1000)
     if "adafactor" in name:
         tx = optax.adafactor(lr)
@@ -120,18 +157,20 @@ def peer_row(size: str, batch: int, seq_len: int, name: str) -> dict[str, Any]:
         tx = optax.MultiSteps(tx, every_k_schedule=micro)
     opt_state = jax.eval_shape(tx.init, params)
 
-    def loss(p, inputs, targets):
-        logits = model.apply({"params": p}, inputs).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    def loss(p, inputs, targets, w):
+        logits = model.apply({"params": p}, inputs, rngs={"dropout": jax.random.PRNGKey(2)})
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        return nll.mean() if family == "llama" else (nll * w).sum() / jnp.maximum(w.sum(), 1.0)
 
-    def step(p, state, inputs, targets):
-        value, grads = jax.value_and_grad(loss)(p, inputs, targets)
+    def step(p, state, inputs, targets, w):
+        value, grads = jax.value_and_grad(loss)(p, inputs, targets, w)
         updates, state = tx.update(grads, state, p)
         return optax.apply_updates(p, updates), state, value
 
     start = time.perf_counter()
     options = {**analysis_compiler_options(), **compiler_options("full")}
-    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens, tokens)
+    step = jax.jit(step, donate_argnums=(0, 1))
+    lowered = step.lower(params, opt_state, tokens, tokens, weights)
     xla = xla_memory(lowered.compile(options))
     seconds = time.perf_counter() - start
     count = sum(x.size for x in jax.tree.leaves(params))
@@ -169,7 +208,7 @@ def library_row(label: str, setup, plan_name: str | None = None) -> dict[str, An
     work = setup.workload
     compute = setup.plan.policy.compute_dtype
     b, t = work.batch["inputs"].shape
-    vocab = PRESETS[work.name.split("-", 1)[1]].vocab
+    vocab = work.model.vocab_size
     return {
         "label": label,
         "plan": plan_name,
@@ -188,15 +227,17 @@ def library_row(label: str, setup, plan_name: str | None = None) -> dict[str, An
     }
 
 
-def measure_size(size: str, batch: int, seq_len: int, compiles: int) -> dict[str, Any]:
-    """Every row of one size (module docstring)."""
-    work = lm.workloads.workload(f"llama-{size}", batch, seq_len=seq_len)
-    count = lm.models.llama.parameter_count(PRESETS[size])
+def measure_model(model: str, batch: int, seq_len: int, compiles: int) -> dict[str, Any]:
+    """Every row of one model (module docstring)."""
+    work = lm.workloads.workload(model, batch, seq_len=seq_len)
+    family, size = model.split("-", 1)
+    shape = PRESETS[size] if family == "llama" else BERT_PRESETS[size]
+    count = sum(x.size for x in jax.tree.leaves(work.variable_shapes(work.model)["params"]))
     rows = [
         library_row("plain Flax/Optax step", lm.workloads.build_plain(work)),
         library_row("library baseline (no technique)", lm.build(work, lm.Plan())),
     ]
-    rows += [peer_row(size, batch, seq_len, name) for name in PEERS]
+    rows += [peer_row(model, batch, seq_len, name) for name in PEERS]
     searches = {}
     for envelope in ("report", "any"):
         start = time.perf_counter()
@@ -205,10 +246,11 @@ def measure_size(size: str, batch: int, seq_len: int, compiles: int) -> dict[str
         label = f"best in the {envelope!r} envelope"
         rows.append(library_row(label, lm.build(work, plan), found["plan"]))
         jax.clear_caches()  # the search's executables: a 7B step's are large
-    print(f"llama-{size}: " + ", ".join(f"{r['label']} {r['total_bytes'] / GIB:.2f} GiB"
-                                        for r in rows), flush=True)  # fmt: skip
-    return {"size": size, "parameters": count, "shape": PRESETS[size].__dict__, "rows": rows,
-            "searches": searches}  # fmt: skip
+    print(f"{model}: " + ", ".join(f"{r['label']} {r['total_bytes'] / GIB:.2f} GiB"
+                                   for r in rows), flush=True)  # fmt: skip
+    return {"model": model, "parameters": count, "shape": dataclasses.asdict(shape),
+            "batch_size": batch, "seq_len": seq_len, "rows": rows, "searches": searches,
+            "commit": result_writer.commit()}  # fmt: skip
 
 
 def _peer_best(entry: dict) -> dict:
@@ -222,21 +264,23 @@ def _row(entry: dict, prefix: str) -> dict:
 
 def to_markdown(result: dict) -> str:
     m = result["meta"]
+    commits = ", ".join(sorted({e["commit"] for e in result["sizes"]}))
     lines = [
         "# LLaMA-style decoders: training memory by size",
         "",
-        f"{m['source']} compile-only (nothing allocated or run), {m['batch_size']} sequences x "
-        f"{m['seq_len']} tokens per step; commit {m['commit']}, JAX {m['jax_version']}, "
-        f"{m['machine']}. `{m['command']}`",
+        f"{m['source']} compile-only (nothing allocated or run); commits {commits}, JAX "
+        f"{m['jax_version']}, {m['machine']}. `{m['command']}` (each model's entry in the JSON "
+        "records its own commit).",
         "",
         "GiB (bytes per parameter). plain: the Flax/Optax float32 AdamW step; peer: the least "
         "of Flax/Optax alone (scan + remat, bf16 parameters, adamw / adafactor, MultiSteps); "
         "best: the least the library's planner found compiling each compute class's "
         "least-memory plan.",
         "",
-        "| model | parameters | plain | library baseline | peer (Flax/Optax) | best, report's "
-        "envelope | best, any | plain / best any | peer / best any |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | parameters | sequences x tokens | plain | library baseline | "
+        "peer (Flax/Optax) | best, report's envelope | best, any | plain / best any | "
+        "peer / best any |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in result["sizes"]:
         cells = [_row(e, "plain"), _row(e, "library"), _peer_best(e),
@@ -244,7 +288,8 @@ def to_markdown(result: dict) -> str:
         text = [f"{r['total_bytes'] / GIB:.2f} ({r['bytes_per_param']:.1f})" for r in cells]
         best = cells[-1]["total_bytes"]
         lines.append(
-            f"| llama-{e['size']} | {e['parameters'] / 1e6:,.0f}M | " + " | ".join(text)
+            f"| {e['model']} | {e['parameters'] / 1e6:,.0f}M | "
+            + f"{e['batch_size']} x {e['seq_len']} | " + " | ".join(text)
             + f" | {cells[0]['total_bytes'] / best:.1f}x | {cells[2]['total_bytes'] / best:.1f}x |"
         )  # fmt: skip
     lines += ["", "## The plans and the times", "",
@@ -253,7 +298,7 @@ def to_markdown(result: dict) -> str:
     for e in result["sizes"]:
         s = e["searches"]
         lines.append(
-            f"| llama-{e['size']} | {s['report']['plan']} | {s['any']['plan']} | "
+            f"| {e['model']} | {s['report']['plan']} | {s['any']['plan']} | "
             f"{_peer_best(e)['label'][len('peer: ') :]} | {_row(e, 'plain')['seconds']:.1f} | "
             f"{s['report']['seconds']:.0f} / {s['any']['seconds']:.0f} |"
         )
@@ -267,7 +312,7 @@ def to_markdown(result: dict) -> str:
             b = r["breakdown"]
             act = "" if b["activations"] is None else f"{b['activations'] / GIB:.2f}"
             lines.append(
-                f"| llama-{e['size']} | {r['label']} | {b['parameters'] / GIB:.2f} | "
+                f"| {e['model']} | {r['label']} | {b['parameters'] / GIB:.2f} | "
                 f"{b['gradients'] / GIB:.2f} | {b['optimizer_state'] / GIB:.2f} | {act} | "
                 f"{b['logits'] / GIB:.2f} |"
             )
@@ -310,27 +355,38 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=",".join(SIZES), help="Default: %(default)s")
-    parser.add_argument("--batch-size", type=int, default=4, help="Default: %(default)s")
-    parser.add_argument("--seq-len", type=int, default=1024, help="Default: %(default)s")
+    parser.add_argument("--models", default=",".join(MODELS), help="Default: %(default)s")
+    parser.add_argument(
+        "--seq-len", type=int, help="tokens per sequence, and --batch-size sequences per step. "
+        "Default: 1024 x 4 for llama-*, 512 x 8 for bert-*",
+    )  # fmt: skip
+    parser.add_argument("--batch-size", type=int)
     parser.add_argument(
         "--compiles", type=int, default=6, help="plans each search compiles. Default: %(default)s"
     )
     parser.add_argument("--out", default="benchmarks/results", help="Default: %(default)s")
     args = parser.parse_args(argv)
-    sizes = [s for s in args.sizes.split(",") if s]
-    unknown = [s for s in sizes if s not in PRESETS]
+    models = [m for m in args.models.split(",") if m]
+    allowed = [f"llama-{s}" for s in PRESETS] + [f"bert-{s}" for s in BERT_PRESETS]
+    unknown = [m for m in models if m not in allowed]
     if unknown:
-        parser.error(f"--sizes: unknown {unknown}; allowed values: {list(PRESETS)}")
-    if args.batch_size % PEER_MICROBATCHES:
+        parser.error(f"--models: unknown {unknown}; allowed values: {allowed}")
+    if args.batch_size is not None and args.batch_size % PEER_MICROBATCHES:
         parser.error(f"--batch-size must be a multiple of {PEER_MICROBATCHES}")
-    meta = result_writer.metadata(__file__, argv)
-    meta.update(source=f"XLA:{jax.default_backend().upper()}", batch_size=args.batch_size,
-                seq_len=args.seq_len)  # fmt: skip
-    result = {"meta": meta, "sizes": []}
-    for size in sizes:
-        result["sizes"].append(measure_size(size, args.batch_size, args.seq_len, args.compiles))
     stem = os.path.join(args.out, f"llm_scaling_{jax.default_backend()}")
+    meta = result_writer.metadata(__file__, argv)
+    meta["source"] = f"XLA:{jax.default_backend().upper()}"
+    kept = []
+    if os.path.exists(stem + ".json"):
+        with open(stem + ".json") as f:
+            kept = [e for e in json.load(f)["sizes"] if e["model"] not in models]
+    measured = []
+    for model in models:
+        batch, seq_len = TOKEN_BATCH[model.split("-")[0]]
+        batch, seq_len = args.batch_size or batch, args.seq_len or seq_len
+        measured.append(measure_model(model, batch, seq_len, args.compiles))
+    order = {m: i for i, m in enumerate(allowed)}
+    result = {"meta": meta, "sizes": sorted(kept + measured, key=lambda e: order[e["model"]])}
     result_writer.write(stem, result, to_markdown, plot)
     print(to_markdown(result))
     return 0

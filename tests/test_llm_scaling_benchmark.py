@@ -16,7 +16,7 @@ def scaling():
 
 
 def test_the_peer_rows_store_what_they_name(scaling):
-    rows = {name: scaling.peer_row("tiny", 4, 16, name) for name in scaling.PEERS}
+    rows = {name: scaling.peer_row("llama-tiny", 4, 16, name) for name in scaling.PEERS}
     fp32, bf16 = rows["remat"]["breakdown"], rows["remat+bf16"]["breakdown"]
     assert bf16["parameters"] * 2 == fp32["parameters"]  # bf16 parameters
     assert bf16["optimizer_state"] < fp32["optimizer_state"]  # adamw's moments follow them
@@ -37,3 +37,10 @@ def test_a_library_row_breaks_the_state_into_its_parts(scaling):
     assert parts["optimizer_state"] >= 2 * params  # Adam's two float32 moments
     assert parts["logits"] == 4 * 16 * 256 * jnp.dtype(jnp.float32).itemsize
     assert row["total_bytes"] >= parts["parameters"] + parts["optimizer_state"]
+
+
+def test_bert_s_peer_trains_the_masked_positions_with_dropout(scaling):
+    row = scaling.peer_row("bert-tiny", 4, 16, "remat+bf16")
+    assert row["breakdown"]["parameters"] == 2 * lm.models.bert.bert_parameter_count(
+        lm.models.bert.BERT_PRESETS["tiny"]
+    )

@@ -24,7 +24,7 @@ _TRAIN_FIELDS = (
     "dataset", "model", "epochs", "steps", "batch_size", "max_tokens", "warmup", "weight_decay",
     "label_smoothing", "seed", "data_dir", "image_size", "fold", "folds", "eval_every", "beam_size",
     "average_last", "checkpoint_dir", "checkpoint_every", "keep_checkpoints",
-    "max_consecutive_skips", "decompose_from",
+    "max_consecutive_skips", "decompose_from", "seq_len", "eval_windows",
 )  # fmt: skip
 
 
@@ -84,6 +84,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     elif "token_accuracy" in summary:
         result = f"token accuracy {summary['token_accuracy']:.4f}"
+    elif "test_bits_per_byte" in summary:
+        result = (
+            f"held-out loss {summary['test_loss']:.4f} nats/byte "
+            f"({summary['test_bits_per_byte']:.3f} bits/byte), next-byte accuracy "
+            f"{summary['test_accuracy']:.4f}"
+        )
     else:
         result = f"test accuracy {summary['test_accuracy']:.4f}"
     # what the optimizer's techniques describe of themselves (sparse training: its density)
@@ -106,13 +112,15 @@ def add_train_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--model",
         help="wrn-D-K for image datasets (default wrn-16-2); dynamicconv-small or "
-        "dynamicconv-iwslt for translation datasets (default dynamicconv-small)",
+        "dynamicconv-iwslt for translation datasets (default dynamicconv-small); llama-SIZE for "
+        "python-source (default llama-18m)",
     )
     train.add_argument(
         "--data-dir",
         metavar="DIR",
-        help="TFDS data directory (cifar10, iwslt14, ted_multi), or the folder of Fashion-MNIST's "
-        "IDX files (default: /usr/share/datasets/fashion-mnist, Debian's dataset-fashion-mnist); "
+        help="TFDS data directory (cifar10, iwslt14, ted_multi), the folder of Fashion-MNIST's "
+        "IDX files (default: /usr/share/datasets/fashion-mnist, Debian's dataset-fashion-mnist), "
+        "or a folder of .py files for python-source (default: this Python's standard library); "
         "nothing is downloaded",
     )
     add_plan_flags(train, DEFAULT_PLAN)
@@ -152,11 +160,19 @@ def add_train_flags(train: argparse.ArgumentParser) -> None:
         "--eval-every", type=int, help="steps between records. Default: an epoch; 1000 translation"
     )
     text = train.add_argument_group("translation datasets (DynamicConv Transformer)")
-    text.add_argument("--max-tokens", type=int, help="padded tokens per batch. Default: 1024")
+    text.add_argument(
+        "--max-tokens", type=int, help="padded tokens per batch (python-source: tokens per "
+        "batch, --max-tokens / --seq-len sequences). Default: 1024",
+    )  # fmt: skip
     text.add_argument("--label-smoothing", type=float, help="Default: 0.1")
     text.add_argument("--beam-size", type=int, help="Default: 4")
     text.add_argument(
         "--average-last", type=int, help="average the newest N checkpoints. Default: 1"
+    )
+    lm_group = train.add_argument_group("python-source (LLaMA-style decoder on bytes)")
+    lm_group.add_argument("--seq-len", type=int, help="bytes per sequence. Default: 128")
+    lm_group.add_argument(
+        "--eval-windows", type=int, help="held-out windows per evaluation. Default: 256"
     )
     ckpt = train.add_argument_group("checkpoints and output")
     ckpt.add_argument(

@@ -1,5 +1,6 @@
 """Datasets. Nothing here downloads: digits ships with scikit-learn, Fashion-MNIST with Debian's
-``dataset-fashion-mnist`` (IDX files), the synthetic translation task is generated, and CIFAR-10
+``dataset-fashion-mnist`` (IDX files), the Python source corpus is the interpreter's own
+standard library, the synthetic translation task is generated, and CIFAR-10
 / IWSLT'14 are read from TFDS directories prepared once (docs/datasets.md).
 
 The IWSLT'14 names load on first use: they need ``tensorflow_datasets``, which a process that
@@ -11,6 +12,7 @@ from typing import Any
 
 from lowmem_jax.data.digits import iterate_batches, load_digits
 from lowmem_jax.data.fashion_mnist import load_fashion_mnist
+from lowmem_jax.data.python_source import load_python_source
 from lowmem_jax.data.synthetic import make_translation_task
 from lowmem_jax.data.token_batching import TokenBatcher, TokenBudget, batch_by_tokens, pad_batch
 from lowmem_jax.data.tokenizer import (
@@ -25,6 +27,7 @@ from lowmem_jax.data.tokenizer import (
 __all__ = [
     "load_digits",
     "load_fashion_mnist",
+    "load_python_source",
     "iterate_batches",
     "make_translation_task",
     "Iwslt14DeEn",

@@ -5,6 +5,7 @@ Models import neither the data pipelines nor the techniques: a plan configures t
 names them.
 """
 
+from lowmem_jax.models.bert import Bert, BertBlock
 from lowmem_jax.models.dynamic_conv import (
     DecoderLayer,
     DynamicConv,
@@ -36,4 +37,6 @@ __all__ = [
     "Llama",
     "LlamaBlock",
     "RMSNorm",
+    "Bert",
+    "BertBlock",
 ]

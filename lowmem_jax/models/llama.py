@@ -73,11 +73,11 @@ class LlamaShape:
 #: The named sizes (``llama-<size>`` in :func:`lowmem_jax.workloads.workload`): the GaLore
 #: paper's LLaMA pre-training configurations for 130M and 350M (Zhao et al. 2024,
 #: ``configs/llama_130m.json`` / ``llama_350m.json``), TinyLlama-1.1B for 1B (grouped-query
-#: attention: 4 key/value heads), LLaMA-2-7B for 7B; ``tiny`` and ``20m`` are this project's
-#: test and CPU-training sizes.
+#: attention: 4 key/value heads), LLaMA-2-7B for 7B; ``tiny`` and ``18m`` (a byte vocabulary)
+#: are this project's test and CPU-training sizes.
 PRESETS: dict[str, LlamaShape] = {
     "tiny": LlamaShape(2, 64, 4, 2, 128, 256, "tests (this project)"),
-    "20m": LlamaShape(6, 384, 6, 2, 1024, 8192, "CPU training on real text (this project)"),
+    "18m": LlamaShape(6, 512, 8, 4, 1408, 256, "CPU training on bytes of text (this project)"),
     "130m": LlamaShape(12, 768, 12, 12, 2048, 32000, "GaLore llama_130m.json"),
     "350m": LlamaShape(24, 1024, 16, 16, 2736, 32000, "GaLore llama_350m.json"),
     "1b": LlamaShape(22, 2048, 32, 4, 5632, 32000, "TinyLlama-1.1B"),

@@ -32,15 +32,20 @@ class TrainConfig:
     scikit-learn, mixed fp16 with dynamic loss scaling, 4 microbatches, per-block remat.
 
     Attributes:
-      dataset: one of :data:`lowmem_jax.training.tasks.DATASETS` (its task: classification or
-        translation).
+      dataset: one of :data:`lowmem_jax.training.tasks.DATASETS` (its task: classification,
+        translation or language modelling).
       model: a registry name (:data:`lowmem_jax.workloads.MODEL_NAMES`) of the dataset's task;
-        ``None``: ``wrn-16-2`` (classification), ``dynamicconv-small`` (translation).
+        ``None``: ``wrn-16-2`` (classification), ``dynamicconv-small`` (translation),
+        ``llama-18m`` (language modelling).
       plan: the techniques (:class:`lowmem_jax.Plan`, sparsity included).
       epochs, steps: the run's length, one of the two (``None`` both: 10 epochs for
         classification, 200 steps for translation).
       batch_size: images per batch (classification).
-      max_tokens: padded tokens per batch (translation; fairseq ``--max-tokens``).
+      max_tokens: padded tokens per batch (translation; fairseq ``--max-tokens``), tokens per
+        batch (language modelling: ``max_tokens // seq_len`` sequences).
+      seq_len, eval_windows: language modelling: tokens per sequence, and the held-out windows
+        each evaluation reads (``None``: all;
+        :mod:`lowmem_jax.training.tasks.language_model`).
       learning_rate, lr_schedule, warmup, weight_decay, momentum, label_smoothing: override the
         model's :class:`~lowmem_jax.workloads.recipes.Recipe`.
       seed: parameters, dropout, data split and order.
@@ -82,6 +87,8 @@ class TrainConfig:
     steps: int | None = None
     batch_size: int = 128
     max_tokens: int = 1024
+    seq_len: int = 128
+    eval_windows: int | None = 256
     learning_rate: float | None = None
     lr_schedule: str | None = None
     warmup: int | None = None
@@ -126,6 +133,7 @@ class TrainConfig:
         for name in (
             "epochs", "steps", "batch_size", "max_tokens", "length_multiple", "beam_size",
             "average_last", "eval_every", "checkpoint_every", "keep_checkpoints", "vocab_size",
+            "seq_len", "eval_windows",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -192,6 +200,8 @@ class TrainConfig:
         out = {name: getattr(self, name) for name in _IDENTITY}
         if self.memory_devices > 1:  # left out at its default: runs recorded before it resume
             out["memory_devices"] = self.memory_devices
+        if tasks_lib.task_of(self.dataset).KIND == "lm":  # the only task it shapes
+            out["seq_len"] = self.seq_len
         out["model"] = self.model_name
         out["plan"] = self.plan.to_dict()
         return out

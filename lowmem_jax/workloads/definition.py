@@ -26,7 +26,8 @@ class Workload:
 
     Attributes:
       name: the registry name.
-      task: ``classification``, ``translation`` or ``lm`` (causal language modelling).
+      task: ``classification``, ``translation``, ``lm`` (causal language modelling) or ``mlm``
+        (masked language modelling).
       model: the (unconfigured) Flax module; ``Plan.configure_model`` sets remat and dtype.
       batch: ``jax.ShapeDtypeStruct`` leaves of one batch.
       init_inputs: the batch leaves ``model.init`` takes, in order, after the rng.
@@ -98,6 +99,8 @@ class Workload:
             return losses.translation_loss_fn(model, label_smoothing=label_smoothing)
         if self.task == "lm":
             return losses.lm_loss_fn(model)
+        if self.task == "mlm":
+            return losses.mlm_loss_fn(model)
         return losses.classifier_loss_fn(model, label_smoothing=label_smoothing)
 
 

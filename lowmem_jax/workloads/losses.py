@@ -15,7 +15,7 @@ import optax
 
 from lowmem_jax.core.base import LossFn
 
-__all__ = ["classifier_loss_fn", "translation_loss_fn", "lm_loss_fn"]
+__all__ = ["classifier_loss_fn", "translation_loss_fn", "lm_loss_fn", "mlm_loss_fn"]
 
 
 def classifier_loss_fn(model: nn.Module, *, label_smoothing: float = 0.0) -> LossFn:
@@ -157,6 +157,35 @@ def lm_loss_fn(model: nn.Module) -> LossFn:
         loss = nll_tok.mean() * _nan_unless_in_range(labels, logits.shape[-1])
         accuracy = (logits.argmax(-1) == labels).mean()
         count = jnp.float32(labels.size)
+        return loss, (dict(model_state), {"loss": loss, "accuracy": accuracy, "count": count})
+
+    return loss_fn
+
+
+def mlm_loss_fn(model: nn.Module) -> LossFn:
+    """Masked-LM cross-entropy for ``model(inputs, train) -> logits`` (BERT's objective).
+
+    ``batch = {"inputs": [B, T] int32 (the masked sequence), "targets": [B, T] int32 (the
+    original tokens), "weights": [B, T] float32}`` (1 where the loss reads the position: the
+    masked ones). The loss is ``sum(w * nll) / max(sum(w), 1)`` in float32. Metrics: ``loss``,
+    ``accuracy`` (over the weighted positions) and ``count`` (``sum(w)``): microbatches are
+    weighted by the positions each holds, so ``k`` microbatches give the full batch's mean
+    (:mod:`lowmem_jax.techniques.microbatches.accumulate`). ``rng`` is the dropout key.
+    """
+
+    def loss_fn(params, model_state, batch, rng):
+        logits = model.apply(
+            {"params": params, **model_state},
+            batch["inputs"],
+            train=True,
+            rngs={"dropout": rng} if rng is not None else {},
+        )
+        labels, weights = batch["targets"], batch["weights"].astype(jnp.float32)
+        count = weights.sum()
+        denom = jnp.maximum(count, 1.0)
+        _, nll_tok = _token_losses(logits, labels, 0.0)
+        loss = (nll_tok * weights).sum() / denom * _nan_unless_in_range(labels, logits.shape[-1])
+        accuracy = ((logits.argmax(-1) == labels) * weights).sum() / denom
         return loss, (dict(model_state), {"loss": loss, "accuracy": accuracy, "count": count})
 
     return loss_fn

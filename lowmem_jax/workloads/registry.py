@@ -13,13 +13,19 @@ Names (:data:`MODEL_NAMES`):
   tokens per batch); fairseq's Adam / inverse-sqrt recipe (warmup 4,000 for the IWSLT preset,
   50 for the small one), label smoothing 0.1.
 * ``llama-<size>``: a LLaMA-style decoder (:class:`~lowmem_jax.models.Llama`) of one of
-  :data:`~lowmem_jax.models.llama.PRESETS`' sizes (``tiny``, ``20m``, ``130m``, ``350m``, ``1b``,
+  :data:`~lowmem_jax.models.llama.PRESETS`' sizes (``tiny``, ``18m``, ``130m``, ``350m``, ``1b``,
   ``7b``); causal language modelling on packed sequences, batch ``{"inputs", "targets": [B, T]
   int32}`` (``targets`` the inputs shifted by one); default 4 sequences x 1024 tokens; AdamW
   (0.9, 0.98 as the registry's AdamW), cosine decay from 3e-4, weight decay 0.1.
 
+* ``bert-<size>``: BERT's masked language model (:class:`~lowmem_jax.models.Bert`, ``tiny``,
+  ``base``, ``large``; dropout 0.1), batch ``{"inputs", "targets": [B, T] int32, "weights":
+  [B, T] float32}`` (``weights`` 1 on the masked positions the loss reads); default 8
+  sequences x 512 tokens; AdamW (0.9, 0.98), cosine decay from 1e-4 (BERT's linear warmup and
+  decay are not among the schedules), weight decay 0.01.
+
 ``seq_len`` (tokens per sequence) applies to the sequence models (:func:`takes_seq_len`); its
-default is the model's (40 for ``dynamicconv-*``, 1024 for ``llama-*``).
+default is the model's (40 for ``dynamicconv-*``, 1024 for ``llama-*``, 512 for ``bert-*``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import jax.numpy as jnp
 
 from lowmem_jax import models
 from lowmem_jax.data import cifar10
+from lowmem_jax.models.bert import BERT_PRESETS
 from lowmem_jax.models.llama import PRESETS
 from lowmem_jax.techniques import sparsity
 from lowmem_jax.workloads.definition import Workload
@@ -52,12 +59,12 @@ __all__ = [
 
 MODEL_NAMES = (
     "wrn-D-K (e.g. wrn-28-2), dynamicconv-small, dynamicconv-iwslt, llama-SIZE (SIZE one of "
-    f"{', '.join(PRESETS)}), or module:function (your model: a function returning "
-    "lowmem_jax.custom_workload(...))"
+    f"{', '.join(PRESETS)}), bert-SIZE (one of {', '.join(BERT_PRESETS)}), or module:function "
+    "(your model: a function returning lowmem_jax.custom_workload(...))"
 )
-TASKS = ("classification", "translation", "lm")
+TASKS = ("classification", "translation", "lm", "mlm")
 #: Tokens per sequence of each sequence model family when ``seq_len`` is not given.
-SEQ_LEN_DEFAULTS = {"dynamicconv-": 40, "llama-": 1024}
+SEQ_LEN_DEFAULTS = {"dynamicconv-": 40, "llama-": 1024, "bert-": 512}
 
 CIFAR10_PIXEL_STATS = {"pixel_mean": cifar10.PIXEL_MEAN, "pixel_std": cifar10.PIXEL_STD}
 WRN_RECIPE = Recipe("sgd_nesterov", 0.1, "cosine", weight_decay=5e-4, momentum=0.9)
@@ -70,6 +77,7 @@ DYNAMICCONV_RECIPES = {
     ),
 }
 LLAMA_RECIPE = Recipe("adamw", 3e-4, "cosine", weight_decay=0.1)
+BERT_RECIPE = Recipe("adamw", 1e-4, "cosine", weight_decay=0.01)
 
 
 def takes_seq_len(name: str) -> bool:
@@ -85,9 +93,9 @@ def default_seq_len(name: str) -> int | None:
 
 def lm_is_sparse(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
     """The decoder's sparse leaves: its layers' projections (kernels with ndim >= 2, as
-    :func:`~lowmem_jax.techniques.sparsity.default_is_sparse`); the embedding and the output
-    head (``lm_head``, the classifier's last layer) stay dense."""
-    return sparsity.default_is_sparse(path, shape) and "lm_head" not in path
+    :func:`~lowmem_jax.techniques.sparsity.default_is_sparse`); the embeddings and the output
+    head (``lm_head``, BERT's ``mlm``: the classifier's last layer) stay dense."""
+    return sparsity.default_is_sparse(path, shape) and not {"lm_head", "mlm"} & set(path)
 
 
 def translation_is_sparse(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
@@ -137,6 +145,14 @@ def workload(
         tokens = jax.ShapeDtypeStruct((batch_size or 4, seq_len), jnp.int32)
         batch = {"inputs": tokens, "targets": tokens}
         return Workload(name, "lm", model, batch, ("inputs",), LLAMA_RECIPE, lm_is_sparse)
+    if (name or "").startswith("bert-"):
+        if name[len("bert-") :] not in BERT_PRESETS:
+            raise ValueError(f"Unknown model={name!r}; allowed values: {MODEL_NAMES}")
+        model = models.Bert.preset(name[len("bert-") :], **model_overrides)
+        tokens = jax.ShapeDtypeStruct((batch_size or 8, seq_len), jnp.int32)
+        weights = jax.ShapeDtypeStruct(tokens.shape, jnp.float32)
+        batch = {"inputs": tokens, "targets": tokens, "weights": weights}
+        return Workload(name, "mlm", model, batch, ("inputs",), BERT_RECIPE, lm_is_sparse)
     if name in DYNAMICCONV_RECIPES:
         if name == "dynamicconv-iwslt":
             model = models.DynamicConvTransformer.iwslt_de_en(**model_overrides)

@@ -10,13 +10,15 @@ A task module has ``KIND``, ``DATASETS``, ``DEFAULT_MODEL``, ``MODELS`` (for mes
 from types import ModuleType
 
 from lowmem_jax.core.base import choose
-from lowmem_jax.training.tasks import classification, translation
+from lowmem_jax.training.tasks import classification, language_model, translation
 
-__all__ = ["classification", "translation", "DATASETS", "task_of", "make_task"]
+__all__ = ["classification", "translation", "language_model", "DATASETS", "task_of", "make_task"]
 
 #: Dataset name -> the task module that trains on it.
 DATASETS: dict[str, ModuleType] = {
-    name: module for module in (classification, translation) for name in module.DATASETS
+    name: module
+    for module in (classification, translation, language_model)
+    for name in module.DATASETS
 }
 
 
