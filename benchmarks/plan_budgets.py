@@ -22,14 +22,20 @@ import time
 
 import jax
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import result_writer  # noqa: E402
+from lowmem_jax.core.provenance import source_commit
 
 MIB = 2.0**20
 
 
 def run_budget(
-    model: str, batch: int, budget: str, envelope: str, objective: str, out: str, devices: int = 1
+    model: str,
+    batch: int,
+    budget: str,
+    envelope: str,
+    objective: str,
+    out: str,
+    devices: int = 1,
+    seq_len: int | None = None,
 ) -> dict:
     """One `lowmem plan` process; its JSON with the wall time added."""
     cmd = [sys.executable, "-m", "lowmem_jax.cli", "plan", "--model", model,
@@ -38,6 +44,8 @@ def run_budget(
            "--plot", f"{out}.png"]  # fmt: skip
     if devices > 1:
         cmd += ["--devices", str(devices)]
+    if seq_len is not None:
+        cmd += ["--seq-len", str(seq_len)]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -61,10 +69,14 @@ def table(
     objective: str,
     at: str,
     devices: int = 1,
+    seq_len: int | None = None,
+    envelope: str = "report",
 ) -> str:
     source = f"XLA:{backend.upper()}"
     timed = objective == "time"
     over = f" --devices {devices}" if devices > 1 else ""
+    over += f" --seq-len {seq_len}" if seq_len is not None else ""
+    over += f" --envelope {envelope}" if envelope != "report" else ""
     each = f", budgets and bytes per device over {devices} host devices" if devices > 1 else ""
     lines = [
         f"# `lowmem plan --objective {objective}{over}` on {model}, batch {batch} ({source}{each})",
@@ -112,24 +124,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--envelope", default="report")
     parser.add_argument("--objective", default="flops", choices=("flops", "time"))
     parser.add_argument("--devices", type=int, default=1, help="plan over N devices")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (sequence models)")
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     backend = jax.default_backend()
     suffix = "_time" if args.objective == "time" else ""
     suffix += f"_d{args.devices}" if args.devices > 1 else ""
+    suffix += f"_s{args.seq_len}" if args.seq_len is not None else ""
+    suffix += f"_{args.envelope}" if args.envelope != "report" else ""
     stem = os.path.join(args.out_dir, f"plan_{args.model}_b{args.batch_size}{suffix}")
-    at = result_writer.commit()  # before this run rewrites committed results
+    at = source_commit()  # before this run rewrites committed results
     results = {}
     for budget in args.budgets:
         results[budget] = run_budget(args.model, args.batch_size, budget, args.envelope,
                                      args.objective, f"{stem}_{budget}_{backend}",
-                                     args.devices)  # fmt: skip
+                                     args.devices, args.seq_len)  # fmt: skip
         answer = results[budget].get("no_plan_fits") or " ".join(results[budget]["argv"][4:])
         print(f"{budget}: {answer} ({results[budget]['wall_seconds']:.0f} s)", flush=True)
     with open(f"{stem}_{backend}.md", "w") as f:
         f.write(table(args.model, args.batch_size, results, backend, args.objective, at,
-                      args.devices))  # fmt: skip
+                      args.devices, args.seq_len, args.envelope))  # fmt: skip
     return 0
 
 

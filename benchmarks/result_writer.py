@@ -6,40 +6,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import jax
+from lowmem_jax.core.provenance import provenance
 
-__all__ = ["commit", "metadata", "selected_configs", "write"]
-
-
-def commit() -> str:
-    """The checked-out commit, ``+changes`` when tracked files differ from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() or "unknown"  # fmt: skip
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return head + ("+changes" if dirty else "")
+__all__ = ["metadata", "selected_configs", "write"]
 
 
 def metadata(script: str, argv: list[str] | None) -> dict[str, Any]:
-    """Where and how a run was made: backend, machine, the commit, JAX's, Flax's and Optax's
-    versions and the command line (``script`` relative to the working directory, then ``argv``
-    or the process' arguments)."""
-    import flax
-    import optax
-
+    """Where and how a run was made (:func:`lowmem_jax.core.provenance.provenance`: the commit,
+    library versions, backend, device and machine) and the command line (``script`` relative
+    to the working directory, then ``argv`` or the process' arguments)."""
     return {
-        "backend": jax.default_backend(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "commit": commit(),
-        "jax_version": jax.__version__,
-        "flax_version": flax.__version__,
-        "optax_version": optax.__version__,
+        **provenance(),
         "command": "python " + " ".join([os.path.relpath(script)] + (argv or sys.argv[1:])),
     }
 

@@ -146,3 +146,13 @@ def test_a_remat_policy_is_parsed_once_into_a_value_that_reads_as_its_text(text)
         assert copy.remat.segment == plan.remat.segment
     with pytest.raises(ValueError, match="Unknown remat='every:0'; allowed values"):
         lm.Plan(remat="every:0")
+
+
+def test_the_technique_flags_of_a_plan_give_the_plan_back():
+    from lowmem_jax.compose.flags import plan_argv, plan_from_argv
+
+    plan = lm.Plan(precision="mixed_bf16", microbatches=4, remat="sqrt", optimizer_state="int8",
+                   sparsity=lm.techniques.sparsity.SparseConfig(density=1 - 0.7),
+                   factorize=lm.FactorConfig())  # fmt: skip
+    argv = plan_argv(plan)
+    assert plan_from_argv(["--model", "llama-1b", *argv]) == plan

@@ -15,6 +15,7 @@ __all__ = [
     "add_plan_flags",
     "plan_from_args",
     "plan_argv",
+    "plan_from_argv",
     "plan_or_plain",
     "given_technique_flags",
 ]
@@ -62,6 +63,18 @@ def plan_argv(plan: Plan) -> list[str]:
         if technique.flags is not None:
             argv += technique.flags.argv(plan)
     return argv
+
+
+def plan_from_argv(argv: list[str]) -> Plan:
+    """The plan the technique flags in ``argv`` give from the defaults (other arguments, such
+    as ``--model``, ignored): :func:`plan_argv`'s inverse.
+
+    Raises:
+      ValueError: a flag's value out of range, naming the flag."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_plan_flags(parser, Plan())
+    args, _ = parser.parse_known_args(argv)
+    return plan_from_args(args, Plan())
 
 
 def plan_or_plain(args: argparse.Namespace) -> Plan | None:

@@ -20,13 +20,14 @@ def smallest_plan(
     work: Workload, envelope: str, compiles: int = 6, space: dict | None = None
 ) -> tuple[Plan, dict[str, Any]]:
     """(the plan, a JSON-able summary): the least memory ``work`` trains in inside
-    ``envelope``, as far as this search goes: the
-    least-memory plans (corners) of every compute class the model can take (each remat policy
-    and factorization at the most microbatches and sparsity, each precision and state format;
-    :mod:`lowmem_jax.planning.space`), the ``compiles`` with the least predicted bytes compiled
-    (XLA on the default backend), the least compiled total kept. The summary: the plan's name
-    and fields, its compiled ``total_bytes`` and ``xla`` figures, how many plans were compiled,
-    the corners the model refused and the settings left out as inapplicable."""
+    ``envelope``, as far as this search goes: the least-memory plans (corners) of every compute
+    class the model can take (each remat policy and factorization at the most microbatches and
+    sparsity, each precision and state format; :mod:`lowmem_jax.planning.space`), the
+    ``compiles`` with the least predicted bytes compiled (XLA on the default backend), the least
+    compiled total kept. The summary: the plan's name, its technique flags (``argv``;
+    :func:`~lowmem_jax.compose.flags.plan_from_argv` gives the plan back) and fields, its
+    compiled ``total_bytes`` and ``xla`` figures, how many plans were compiled, the corners the
+    model refused and the settings left out as inapplicable."""
     env = ENVELOPES[envelope]
     search = Search(work, 2**62, env, None, None)
     axes = applicable(search, axes_in(env, work.batch_size, space or SPACE))

@@ -1,0 +1,118 @@
+"""Accuracy on real text of the plans the LLM scaling table quotes, against dense float32 AdamW.
+
+``benchmarks/llm_scaling.py`` quotes, per decoder size, the least memory found inside the
+technical report's envelope and outside it. This trains those two plans on the CPU member of the
+family, ``llama-18m`` on the bytes of this Python's standard library (``study.TASK_NOTES["lm"]``:
+250 steps of 8 x 128 bytes), next to the dense float32 baseline, for 3 seeds; each seed pairs
+a plan with the baseline of the same initialisation and data order. Reported: held-out loss
+(nats per byte) per variant, the paired difference's mean and 95% t interval, and the relative
+difference ``(plan - baseline) / baseline``.
+
+The plans are the scaling table's, at this model's batch: microbatches cut to the batch's 8
+sequences (each plan's microbatch count divides it). :func:`variants` names the table's row each
+comes from; ``tests/test_lm_accuracy.py`` checks they are the committed table's plans.
+
+    python experiments/lm_accuracy.py [--seeds 0,1,2] [--variants baseline,report]
+
+Runs are kept one file each in ``results/lm_accuracy/runs`` (a cut-short invocation resumes);
+``results/lm_accuracy/accuracy.{json,md,png}`` are rewritten from every run. About 8 minutes per
+run on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import study  # noqa: E402
+from lowmem_jax.compose.plan import Plan  # noqa: E402
+from lowmem_jax.core.provenance import provenance  # noqa: E402
+from lowmem_jax.planning.search import plan_name  # noqa: E402
+
+OUT = os.path.join(study.RESULTS, "lm_accuracy")
+SCALING = os.path.join(os.path.dirname(study.RESULTS), "..", "benchmarks", "results",
+                       "llm_scaling_cpu.json")  # fmt: skip
+#: The scaling table's model whose plans are trained here.
+QUOTED_MODEL = "llama-1b"
+SEEDS = (0, 1, 2)
+BATCH_ROWS = 8
+
+
+def quoted_plans(path: str = SCALING, model: str = QUOTED_MODEL) -> dict[str, dict]:
+    """The committed scaling table's best plans of ``model``: ``{envelope: search summary}``."""
+    with open(path) as f:
+        entries = {e["model"]: e for e in json.load(f)["sizes"]}
+    return entries[model]["searches"]
+
+
+def at_batch(plan: Plan, rows: int = BATCH_ROWS) -> Plan:
+    """``plan`` with at most ``rows`` microbatches (one sequence each)."""
+    import dataclasses
+
+    return dataclasses.replace(plan, microbatches=min(plan.microbatches, rows))
+
+
+def variants(plans: dict[str, Plan]) -> list[study.Variant]:
+    """The baseline, then each quoted plan (``{envelope: plan}``) at this model's batch."""
+    out = [study.Variant("baseline", "baseline", "fp32 AdamW, no technique")]
+    for envelope, plan in plans.items():
+        small = at_batch(plan)
+        out.append(study.Variant(envelope, "combined", plan_name(small), small))
+    return out
+
+
+def summarize(records: dict[str, dict]) -> dict:
+    rows = study.summarize(records)
+    base = next(r for r in rows if r["name"] == "baseline")["value"]["mean"]
+    for r in rows:
+        d = r["delta_vs_baseline"]
+        if d is not None and r["name"] != "baseline":
+            d["relative_mean"] = d["mean"] / base
+    return {"task": study.TASK_NOTES["lm"], "provenance": provenance(), "rows": rows,
+            "commits": sorted({r["provenance"]["commit"] for r in records.values()})}  # fmt: skip
+
+
+def to_markdown(result: dict) -> str:
+    lines = ["# Accuracy on real text: llama-18m on Python source bytes", "", result["task"], "",
+             f"Runs from commit(s) {', '.join(result['commits'])}.", "",
+             study.accuracy_table(result["rows"], "lm"), "",
+             "| config | paired delta, 95% interval (nats/byte) | relative to the baseline |",
+             "|---|---|---:|"]  # fmt: skip
+    for r in result["rows"]:
+        d = r["delta_vs_baseline"]
+        if d is None or r["name"] == "baseline" or "ci95" not in d:
+            continue
+        lo, hi = d["ci95"]
+        lines.append(f"| {r['setting']} | [{lo:+.4f}, {hi:+.4f}] | {d['relative_mean']:+.2%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    parser.add_argument("--variants", default="baseline,report,any")
+    args = parser.parse_args(argv)
+    from lowmem_jax.compose.flags import plan_from_argv
+
+    searches = quoted_plans()
+    plans = {env: plan_from_argv(s["argv"]) for env, s in searches.items()}
+    chosen = [v for v in variants(plans) if v.name in args.variants.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    records = study.run_variants("lm", chosen, seeds, OUT)
+    result = summarize(records)
+    with open(os.path.join(OUT, "accuracy.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(OUT, "accuracy.md"), "w") as f:
+        f.write(to_markdown(result))
+    study.plot_accuracy(result["rows"], "lm", os.path.join(OUT, "accuracy.png"),
+                        title="Quoted LLM plans on llama-18m (Python source bytes)")  # fmt: skip
+    print(to_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
