@@ -49,7 +49,8 @@ def run_budget(
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    if done.returncode == 2 and "no plan in the" in done.stderr:  # kept: where the floor is
+    refusals = ("no plan in the", "is below what the step's arguments alone take")
+    if done.returncode == 2 and any(r in done.stderr for r in refusals):  # kept: the floor
         result = {"no_plan_fits": done.stderr.strip().splitlines()[-1].split("error: ", 1)[-1]}
     else:
         done.check_returncode()

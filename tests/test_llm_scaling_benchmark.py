@@ -44,3 +44,28 @@ def test_bert_s_peer_trains_the_masked_positions_with_dropout(scaling):
     assert row["breakdown"]["parameters"] == 2 * lm.models.bert.bert_parameter_count(
         lm.models.bert.BERT_PRESETS["tiny"]
     )
+
+
+def test_the_readme_s_language_model_figures_are_the_committed_results():
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    results = root / "benchmarks/results"
+    readme = " ".join((root / "README.md").read_text().split())
+    plain = json.loads((results / "analyze_llama-7b_b1_s2048_plain_cpu.json").read_text())
+    planned = json.loads((results / "plan_llama-7b_b1_s2048_any_24GiB_cpu.json").read_text())
+    assert f"plain Flax/Optax step {plain['xla']['total_bytes'] / 2**30:.1f} GiB" in readme
+    assert f"({planned['xla']['total_bytes'] / 2**20:,.1f} MiB)" in readme
+    assert " ".join(planned["argv"][6:]) in readme
+    sizes = json.loads((results / "llm_scaling_cpu.json").read_text())["sizes"]
+    ratios = []
+    for e in sizes:
+        if e["model"].startswith("llama"):
+            rows = {r["label"]: r["total_bytes"] for r in e["rows"]}
+            best = rows["best in the 'any' envelope"]
+            peer = min(v for k, v in rows.items() if k.startswith("peer"))
+            ratios.append((rows["plain Flax/Optax step"] / best, peer / best))
+    plain_r, peer_r = zip(*ratios, strict=True)
+    assert f"{min(plain_r):.1f}x-{max(plain_r):.1f}x below the plain step" in readme
+    assert f"{min(peer_r):.1f}x-{max(peer_r):.1f}x below the least of Flax/Optax" in readme
