@@ -220,7 +220,7 @@ def test_translation_loss_ignores_padding_and_matches_optax():
     targets = optax.smooth_labels(jax.nn.one_hot(labels, V), 0.1)
     per_token = optax.softmax_cross_entropy(logits, targets)
     mask = labels != 0
-    assert float(metrics["tokens"]) == mask.sum() == 22
+    assert float(metrics["count"]) == mask.sum() == 22
     np.testing.assert_allclose(loss, per_token[mask].mean(), rtol=1e-5)
     np.testing.assert_allclose(metrics["loss"], loss)
     acc = (logits.argmax(-1) == labels)[mask].mean()

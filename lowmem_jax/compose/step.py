@@ -135,17 +135,19 @@ def model_params(state: TrainState, tx: optax.GradientTransformation | Optimizer
 
 
 def scaled_grad_fn(loss_fn: LossFn, loss_scale: loss_scale_lib.LossScale):
-    """``grad_fn(params, model_state, batch, rng) -> (grads, model_state, metrics)``.
+    """``grad_fn(params, model_state, batch, rng, weight=None) -> (grads, model_state, metrics)``.
 
-    ``grads = grad(S * loss) / S`` with ``S`` from ``loss_scale``; non-finite values propagate
-    (the caller decides what to do with them). A gradient in host memory (a streamed
+    ``grads = grad(S * loss) / S`` with ``S`` from ``loss_scale``, or ``grad(S * weight * loss)
+    / S`` with a float32 scalar ``weight`` (microbatch accumulation's count weights, given at the
+    seed of the backward pass; ``metrics`` are the loss's own, unweighted); non-finite values
+    propagate (the caller decides what to do with them). A gradient in host memory (a streamed
     parameter's, ``Plan.weight_memory``) is divided there, by the host.
     """
 
-    def grad_fn(params, model_state, batch, rng):
+    def grad_fn(params, model_state, batch, rng, weight=None):
         def scaled(p):
             loss, aux = loss_fn(p, model_state, batch, rng)
-            return loss_scale.scale(loss), aux
+            return loss_scale.scale(loss if weight is None else loss * weight), aux
 
         grads, (new_model_state, metrics) = jax.grad(scaled, has_aux=True)(params)
         return _unscaled(loss_scale, grads), new_model_state, metrics

@@ -330,7 +330,7 @@ class Evaluator:
         sums, tokens = {"loss": 0.0, "nll_loss": 0.0, "accuracy": 0.0}, 0.0
         for _, batch in self._batches(self.task.test_batcher):
             metrics = self.metrics(params, model_state, batch)
-            n = float(metrics["tokens"])
+            n = float(metrics["count"])  # the non-pad tokens (translation_loss_fn)
             tokens += n
             for k in sums:
                 sums[k] += float(metrics[k]) * n
