@@ -254,6 +254,7 @@ UNSEARCHED = {
     "loss_scale": lm.Plan(loss_scale="static"),
     "shard": lm.Plan(optimizer_memory="pinned_host"),  # ZeRO's stages: sharding_cases.py
     "input_dtype": lm.Plan(input_dtype="uint8"),
+    "loss_chunk": lm.Plan(loss_chunk=64),  # llama-tiny's 8 x 32 tokens in 4 chunks
     "weight_memory": lm.Plan(
         weight_memory="pinned_host",
         optimizer_memory="pinned_host",
@@ -355,14 +356,17 @@ def test_any_two_settings_refuse_in_one_line_or_each_gives_its_verdict(pair):
 
 #: Where each setting is tried: WRN-10-1 (its widest 3x3 kernels, 18,432 elements, get a
 #: quantized state), else the small transformer (Adam: for a setting that SGD refuses).
-MODELS = ("wrn-10-1", "dynamicconv-small")
+MODELS = ("wrn-10-1", "dynamicconv-small", "llama-tiny")
+#: The sequence length of each of :data:`MODELS` that takes one (short: a test's).
+SEQ_LEN = {"llama-tiny": 32}
 
 
 def _built(plan):
     """``(workload, setup)`` on the first of :data:`MODELS` whose build takes ``plan`` (a
     setting that cannot apply to a model refuses it in one line, a ``ValueError``)."""
     for model in MODELS:
-        work = lm.workload(model, 8).with_input_dtype(plan.input_dtype)
+        work = lm.workload(model, 8, seq_len=SEQ_LEN.get(model))
+        work = work.with_input_dtype(plan.input_dtype)
         try:
             return work, lm.build(work, plan)
         except ValueError:
@@ -372,7 +376,7 @@ def _built(plan):
 
 @functools.cache
 def _default_program(model: str) -> str:
-    work = lm.workload(model, 8)
+    work = lm.workload(model, 8, seq_len=SEQ_LEN.get(model))
     setup = lm.build(work, lm.Plan())
     return setup.step.lower(setup.abstract_state(), work.batch).as_text()
 

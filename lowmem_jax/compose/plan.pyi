@@ -33,6 +33,7 @@ class Plan:
     microbatches: int
     remat: RematSpec
     remat_blocks: tuple
+    loss_chunk: int
     activations: str
     sparsity: SparseConfig | None
     second_moment: str
@@ -65,6 +66,7 @@ class Plan:
         microbatches: int = 1,
         remat: RematSpec = "none",
         remat_blocks: tuple = (),
+        loss_chunk: int = 0,
         activations: str = "none",
         sparsity: SparseConfig | None = None,
         second_moment: str = "none",

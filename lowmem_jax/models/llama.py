@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from lowmem_jax.blocks.policy import parse_policy, stack_policies
 from lowmem_jax.blocks.scanned import ScannedBlocks, at_use, with_layout
 from lowmem_jax.techniques.factorize import FactorConfig, dense_layer
+from lowmem_jax.techniques.loss_chunk import chunked_token_losses
 
 __all__ = [
     "Llama",
@@ -205,6 +206,9 @@ class Llama(nn.Module):
         them there).
       outer_param_layout: applied to the embedding, the final norm and the head where each is
         used (:func:`~lowmem_jax.blocks.scanned.at_use`; weight streaming moves them there).
+      loss_chunk: with ``targets``, the head's logits are computed ``loss_chunk`` tokens at a
+        time and recomputed in the backward pass (``Plan.loss_chunk``,
+        :func:`~lowmem_jax.techniques.loss_chunk.chunked_token_losses`); ``0``: whole.
     """
 
     vocab_size: int
@@ -222,6 +226,7 @@ class Llama(nn.Module):
     factorize: FactorConfig | None = None
     param_layout: Callable[[Any], Any] | None = None
     outer_param_layout: Callable[[Any], Any] | None = None
+    loss_chunk: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "width", "layers", "heads", "kv_heads", "ffn"):
@@ -256,9 +261,13 @@ class Llama(nn.Module):
         return [self.layers]
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, train: bool = False, targets: jax.Array | None = None
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``tokens [B, T]`` int -> logits ``[B, T, V]`` (causal: position ``t`` sees
-        ``tokens[:, :t + 1]``)."""
+        ``tokens[:, :t + 1]``); with ``targets [B, T]`` int, the per-token ``(nll, correct)``
+        (float32, bool ``[B, T]``) instead, over chunks of :attr:`loss_chunk` tokens (whole
+        logits where it is 0)."""
         initializing = self.is_initializing()
         layout = self.outer_param_layout
         embed = nn.Embed(
@@ -289,7 +298,11 @@ class Llama(nn.Module):
                           name="stack")(x, train=train)  # fmt: skip
         norm = with_layout(RMSNorm, layout, initializing)
         x = norm(self.norm_epsilon, self.dtype, name="norm")(x)
-        return _Head(self.vocab_size, self.dtype, self.init_std, layout, name="lm_head")(x)
+        head = _Head(self.vocab_size, self.width, self.dtype, self.init_std, layout,
+                     name="lm_head")  # fmt: skip
+        if targets is None:
+            return head(x)
+        return head.token_losses(x, targets, self.loss_chunk)
 
 
 class _Head(nn.Module):
@@ -297,15 +310,29 @@ class _Head(nn.Module):
     and layout of ``nn.Dense(use_bias=False)``), its kernel through ``layout`` where used."""
 
     vocab_size: int
+    width: int
     dtype: Any
     init_std: float
     layout: Callable[[Any], Any] | None
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def setup(self):
         init = nn.initializers.normal(self.init_std)
-        kernel = self.param("kernel", init, (x.shape[-1], self.vocab_size), jnp.float32)
+        self.kernel = self.param("kernel", init, (self.width, self.vocab_size), jnp.float32)
+
+    def _used(self, x: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+        kernel = self.kernel
         if self.layout is not None and not self.is_initializing():
             kernel, x = at_use(self.layout, kernel, x)
-        dtype = self.dtype or jnp.result_type(x, kernel)
+        return kernel, x, self.dtype or jnp.result_type(x, kernel)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel, x, dtype = self._used(x)
         return jnp.einsum("btc,cv->btv", x.astype(dtype), kernel.astype(dtype))
+
+    def token_losses(
+        self, x: jax.Array, targets: jax.Array, chunk: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """Per-token ``(nll, correct)`` of the logits against ``targets``, ``chunk`` tokens at
+        a time (``0``: one chunk of all of them)."""
+        kernel, x, dtype = self._used(x)
+        return chunked_token_losses(x, kernel, targets, chunk or targets.size, dtype=dtype)

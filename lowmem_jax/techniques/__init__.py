@@ -18,6 +18,7 @@ from lowmem_jax.techniques import (
     activations,
     factorize,
     input_dtype,
+    loss_chunk,
     loss_scale,
     microbatches,
     optimizer_state,
@@ -44,6 +45,8 @@ TECHNIQUES: tuple[Technique, ...] = (
     microbatches.TECHNIQUE,
     # the model, per block
     remat.TECHNIQUE,
+    # the model's output head (its logits a chunk of tokens at a time, with the loss)
+    loss_chunk.TECHNIQUE,
     # the loss: the residuals its backward pass reads, stored compressed; around remat's
     # checkpoints (a block's saved input is compressed too)
     activations.TECHNIQUE,

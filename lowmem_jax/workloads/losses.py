@@ -141,19 +141,29 @@ def lm_loss_fn(model: nn.Module) -> LossFn:
     Metrics: ``loss``, ``accuracy`` (argmax == target) and ``count`` (``B * T``, from the
     shape: equal in every microbatch, so microbatching's equal weights are exact). A target
     outside ``[0, V)`` makes the loss NaN (the step is skipped and counted).
+
+    A model with a non-zero ``loss_chunk`` (``Plan.loss_chunk``; the bundled
+    :class:`~lowmem_jax.models.Llama`) is asked for its per-token ``(nll, correct)`` instead,
+    ``model(inputs, train, targets=targets)``: the logits a chunk of tokens at a time, never whole
+    (:mod:`lowmem_jax.techniques.loss_chunk`); the loss and its gradient are the same within
+    float32 rounding.
     """
+    chunked = bool(getattr(model, "loss_chunk", 0))
 
     def loss_fn(params, model_state, batch, rng):
-        logits = model.apply(
-            {"params": params, **model_state},
-            batch["inputs"],
-            train=True,
-            rngs={"dropout": rng} if rng is not None else {},
-        )
+        variables = {"params": params, **model_state}
+        rngs = {"dropout": rng} if rng is not None else {}
         labels = batch["targets"]
-        _, nll_tok = _token_losses(logits, labels, 0.0)
-        loss = nll_tok.mean() * _nan_unless_in_range(labels, logits.shape[-1])
-        accuracy = (logits.argmax(-1) == labels).mean()
+        if chunked:
+            nll_tok, correct = model.apply(variables, batch["inputs"], train=True,
+                                           targets=labels, rngs=rngs)  # fmt: skip
+            vocab = model.vocab_size
+        else:
+            logits = model.apply(variables, batch["inputs"], train=True, rngs=rngs)
+            _, nll_tok = _token_losses(logits, labels, 0.0)
+            correct, vocab = logits.argmax(-1) == labels, logits.shape[-1]
+        loss = nll_tok.mean() * _nan_unless_in_range(labels, vocab)
+        accuracy = correct.mean()
         count = jnp.float32(labels.size)
         return loss, (dict(model_state), {"loss": loss, "accuracy": accuracy, "count": count})
 
