@@ -142,3 +142,26 @@ def test_a_model_without_a_chunked_head_is_refused_in_one_line(capsys):
             cli.main(["analyze", "--model", "wrn-10-1", "--batch-size", "4", "--loss-chunk", value])
         err = capsys.readouterr().err.strip().splitlines()
         assert exc.value.code == 2 and len(err) == 1 and match in err[0], err
+
+
+def test_the_docs_quote_the_committed_benchmark():
+    """docs/language_models.md's table and the README's row are benchmarks/loss_chunk.py's
+    committed figures, and its markdown is made from its JSON."""
+    import json
+    import pathlib
+    import re
+
+    from conftest import load_benchmark
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = json.loads((root / "benchmarks/results/loss_chunk_cpu.json").read_text())
+    bench = load_benchmark("loss_chunk")
+    assert bench.to_markdown(result) == (root / "benchmarks/results/loss_chunk_cpu.md").read_text()
+    docs = (root / "docs/language_models.md").read_text()
+    readme = (root / "README.md").read_text()
+    for row in result["rows"]:
+        a, b = (f"{row[k]['xla']['total_bytes'] / 2**30:.3f}" for k in ("as_quoted", "chunked"))
+        assert re.search(rf"\| {re.escape(a)}( GiB)? \| {re.escape(b)} \|", docs), row["case"]
+        if row["case"] in ("1b-any", "7b-s2048-planner"):
+            assert f"{a} -> {b}" in readme, row["case"]
+    assert f"commit {result['commit']}" in docs
