@@ -25,6 +25,7 @@ class Plan:
 
     factorize: FactorConfig | None
     precision: str
+    param_rounding: str
     loss_scale: str
     initial_loss_scale: float
     loss_scale_period: int
@@ -58,6 +59,7 @@ class Plan:
         *,
         factorize: FactorConfig | None = None,
         precision: str = "fp32",
+        param_rounding: str = "nearest",
         loss_scale: str = "auto",
         initial_loss_scale: float = 32768.0,
         loss_scale_period: int = 2000,

@@ -15,7 +15,8 @@ stage has:
       -> step.grad_fn               microbatches: lax.scan over k microbatches, BatchNorm state
                                     threaded in order; shard (zero2): the gradients partitioned
       = grad_fn(params, model_state, batch, rng) -> (grads, model_state, metrics)
-    optimizer (any optax transformation, or a plan's wrap_optimizer): grads -> updates -> params
+    optimizer (any optax transformation, or a plan's wrap_optimizer): grads -> updates
+      -> step.apply                 the parameters updated (precision: rounded stochastically)
     if any gradient, update or new parameter is non-finite: keep the old params, optimizer
     state and model state (the whole update is skipped, the optimizer's own step counter
     included) and count the skip; the loss-scale state backs off on non-finite gradients;
@@ -204,6 +205,7 @@ def make_train_step(
         loss = _fold(loss, "stored_loss", plan)
         grad_fn = _fold(scaled_grad_fn(loss, state.loss_scale), "grad_fn", plan)
         grads, model_state, metrics = grad_fn(wrt, state.model_state, batch, rng)
+        apply_updates = _fold(_apply_updates, "apply", plan)
 
         if opt.applies_updates:  # updated where the state lives, the skip rule applied there
             params, opt_state, grads_finite, update_finite = opt.apply(
@@ -212,7 +214,7 @@ def make_train_step(
         else:
             grads_finite = all_finite(grads)
             updates, opt_state = opt.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            params = apply_updates(state.params, updates, rng)
             # Finite gradients can still give a non-finite update (e.g. 0/0 in a low-precision
             # optimizer): what is applied is checked too, so nothing non-finite reaches the state.
             update_finite = all_finite((updates, params))
@@ -258,6 +260,12 @@ def make_train_step(
         donate_argnums=(0,) if donate else (),
         compiler_options=plan.compiler_options() or None,
     )
+
+
+def _apply_updates(params: PyTree, updates: PyTree, rng: jax.Array) -> PyTree:
+    """``optax.apply_updates`` (the ``apply`` hooks' start)."""
+    del rng
+    return optax.apply_updates(params, updates)
 
 
 def _fold(fn: Callable, hook: str, plan: Plan) -> Callable:

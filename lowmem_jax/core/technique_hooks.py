@@ -122,6 +122,9 @@ class StepHooks:
         parameters gathered from their partitions).
       grad_fn: ``grad_fn(params, model_state, batch, rng) -> (grads, model_state, metrics)``
         (e.g. accumulated over microbatches).
+      apply: ``apply(params, updates, rng) -> params``, the stored parameters updated
+        (``optax.apply_updates``; e.g. rounded stochastically to their dtype), ``rng`` the
+        step's key; not for an optimizer that applies its updates itself.
       step: ``step(state, batch) -> (state, metrics)``, traced inside ``jit`` (e.g. the state's
         layout over a mesh on the way in and out).
       compiler_options: ``compiler_options(plan) -> {option: value}``: XLA options the jitted
@@ -131,6 +134,7 @@ class StepHooks:
     loss: Hook | None = None
     stored_loss: Hook | None = None
     grad_fn: Hook | None = None
+    apply: Hook | None = None
     step: Hook | None = None
     compiler_options: Callable[[Any], dict[str, str]] | None = None
 

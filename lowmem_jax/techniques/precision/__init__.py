@@ -1,4 +1,5 @@
-"""Low precision (:mod:`lowmem_jax.techniques.precision.policy`): the ``precision`` policy."""
+"""Low precision (:mod:`lowmem_jax.techniques.precision.policy`): the ``precision`` policy, and
+how bfloat16 parameters are rounded after their update (:mod:`.rounding`)."""
 
 import jax.numpy as jnp
 from flax import nnx
@@ -7,6 +8,7 @@ from lowmem_jax.core.report_hooks import rows_of
 from lowmem_jax.core.technique import Axis, EnvelopeRule, PlanField, Technique, Verdict
 from lowmem_jax.core.technique_hooks import ModelHooks, ReportHooks, StepHooks
 from lowmem_jax.techniques.precision import policy as precision_lib
+from lowmem_jax.techniques.precision import rounding
 from lowmem_jax.techniques.precision.policy import (
     POLICIES,
     Policy,
@@ -39,6 +41,38 @@ def _configure_model(model, plan):
     return model.clone(dtype=dtype) if hasattr(model, "dtype") else model
 
 
+#: How 16-bit parameters are rounded after their update (``Plan.param_rounding``).
+PARAM_ROUNDING = ("nearest", "stochastic")
+
+
+def _validate(plan) -> None:
+    precision_lib.get_policy(plan.precision)
+    if plan.param_rounding not in PARAM_ROUNDING:
+        raise ValueError(
+            f"Unknown param_rounding={plan.param_rounding!r}; allowed values: "
+            f"{list(PARAM_ROUNDING)}"
+        )
+    if plan.param_rounding == "stochastic" and plan.policy.param_dtype != jnp.bfloat16:
+        raise ValueError(
+            f"param_rounding='stochastic' rounds bfloat16 parameters; precision="
+            f"{plan.precision!r} stores them in {jnp.dtype(plan.policy.param_dtype).name} "
+            "(allowed with: 'bf16')"
+        )
+    if plan.param_rounding == "stochastic" and plan.optimizer_update == "host":
+        raise ValueError(
+            "param_rounding='stochastic' does not combine with optimizer_update='host': the "
+            "host applies the update there, rounded to the nearest"
+        )
+
+
+def _apply(apply_fn, plan):
+    """``param_rounding="stochastic"``: the bfloat16 parameters' update rounded stochastically
+    (:mod:`.rounding`)."""
+    if plan.param_rounding != "stochastic":
+        return apply_fn
+    return rounding.apply_updates_stochastically
+
+
 def _outside(config, limit):
     return None if config["precision"] in limit else f"precision {config['precision']}"
 
@@ -60,6 +94,9 @@ def _took_effect(evidence, plan):
             "`Module(config, dtype=...)`); the plan sets only a top-level Linen `dtype` field "
             "and NNX layers whose `dtype` is None"
         )
+    if plan.param_rounding == "stochastic":
+        draws = [eqn for eqn, _ in evidence.equations() if eqn.primitive.name == "random_bits"]
+        text += f"; the update rounded stochastically ({len(draws)} leaves' random bits)"
     return Verdict("precision", bool(half), text)
 
 
@@ -81,9 +118,21 @@ TECHNIQUE = Technique(
             "(fp32 master weights, half compute)",
             choices=tuple(sorted(precision_lib.POLICIES)),
         ),
+        PlanField(
+            "param_rounding",
+            str,
+            "nearest",
+            "how bfloat16 parameters (``precision='bf16'``: no float32 master copy) are rounded "
+            "after each update: ``nearest`` or ``stochastic`` (unbiased; a named departure "
+            "from the report's float32 master weights, :mod:`.rounding`).",
+            help="how bf16 parameters are rounded after each update: nearest, or stochastic "
+            "(unbiased: small updates accumulate in expectation; with --precision bf16)",
+            choices=PARAM_ROUNDING,
+            omit_default=True,
+        ),
     ),
-    validate=lambda plan: precision_lib.get_policy(plan.precision),
-    label=lambda plan: plan.precision,
+    validate=_validate,
+    label=lambda plan: plan.precision + (" sr" if plan.param_rounding == "stochastic" else ""),
     # The report kept float32 master weights (fp16 compute with loss scaling).
     envelope=EnvelopeRule(
         "precisions",
@@ -108,6 +157,9 @@ TECHNIQUE = Technique(
         stored_falls=False,
     ),
     model=ModelHooks(configure=_configure_model),
-    step=StepHooks(loss=lambda loss_fn, plan: precision_lib.cast_loss_fn(loss_fn, plan.policy)),
+    step=StepHooks(
+        loss=lambda loss_fn, plan: precision_lib.cast_loss_fn(loss_fn, plan.policy),
+        apply=_apply,
+    ),
     report=ReportHooks(rows=rows_of("precision", "mixed_fp16", _ROWS), verdict=_took_effect),
 )
