@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import pytest
 
@@ -20,3 +21,26 @@ def test_the_trained_plans_are_the_committed_table_s(envelope):
     # at this model's batch of 8 sequences the plan is unchanged
     assert lm_accuracy.at_batch(plan) == plan
     assert os.path.isfile(lm_accuracy.SCALING)
+
+
+def test_the_docs_quote_the_committed_runs_all_from_one_commit():
+    """README and docs/language_models.md quote experiments/results/lm_accuracy's figures, and
+    every run there is of one commit (pairs from one commit)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = json.loads((root / "experiments/results/lm_accuracy/accuracy.json").read_text())
+    runs = [json.loads(p.read_text())
+            for p in (root / "experiments/results/lm_accuracy/runs").glob("*.json")]  # fmt: skip
+    assert len(runs) == 9 and len({r["provenance"]["commit"] for r in runs}) == 1
+    docs = (root / "docs/language_models.md").read_text()
+    readme = " ".join((root / "README.md").read_text().split())
+    for row in result["rows"]:
+        if row["name"] == "baseline":
+            assert f"{row['value']['mean']:.4f} ({row['value']['std']:.4f})" in docs
+            continue
+        delta = row["delta_vs_baseline"]
+        low, high = delta["ci95"]
+        quote = (f"{delta['mean']:+.4f} [{low:+.4f}, {high:+.4f}], "
+                 f"{100 * delta['relative_mean']:+.2f}%")  # fmt: skip
+        assert quote in docs, quote
+        assert f"{delta['mean']:+.4f}" in readme
+        assert f"[{low:+.4f}, {high:+.4f}] ({100 * delta['relative_mean']:+.2f}%)" in readme
