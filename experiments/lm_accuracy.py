@@ -13,6 +13,7 @@ microbatches at most the batch's 8 sequences (each plan's count divides it; the 
 4); ``tests/test_lm_accuracy.py`` checks they are the committed table's plans, field by field.
 
     python experiments/lm_accuracy.py [--seeds 0,1,2] [--variants baseline,report]
+    python experiments/lm_accuracy.py --plans precision   # bf16 + stochastic rounding (issue 81)
 
 Runs are kept one file each in ``results/lm_accuracy/runs`` (a cut-short invocation resumes);
 ``results/lm_accuracy/accuracy.{json,md,png}`` are rewritten from every run. About 8 minutes per
@@ -55,6 +56,17 @@ PLANS = {
         sparsity=report_sparsity(0.9),
     ),
 }
+
+
+#: Issue 81's departures from float32 master weights, each against the same baseline (its own
+#: runs, in their own folder: :data:`SETS`).
+PRECISION_PLANS = {"bf16-sr": Plan(precision="bf16", param_rounding="stochastic")}
+#: ``--plans``: which plans, where their runs go, the figure's title.
+SETS = {
+    "table": (PLANS, OUT, "Quoted LLM plans on llama-18m (Python source bytes)"),
+    "precision": (PRECISION_PLANS, os.path.join(study.RESULTS, "lm_precision"),
+                  "bf16 parameters, stochastic rounding, on llama-18m (Python source bytes)"),
+}  # fmt: skip
 
 
 def quoted_plans(path: str = SCALING, model: str = QUOTED_MODEL) -> dict[str, dict]:
@@ -107,18 +119,25 @@ def to_markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
-    parser.add_argument("--variants", default="baseline,report,any")
+    parser.add_argument(
+        "--plans",
+        default="table",
+        choices=sorted(SETS),
+        help="the scaling table's plans, or issue 81's precision departures",
+    )
+    parser.add_argument("--variants", default=None, help="default: the baseline and every plan")
     args = parser.parse_args(argv)
-    chosen = [v for v in variants(PLANS) if v.name in args.variants.split(",")]
+    plans, out, title = SETS[args.plans]
+    names = args.variants.split(",") if args.variants else ["baseline", *plans]
+    chosen = [v for v in variants(plans) if v.name in names]
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    records = study.run_variants("lm", chosen, seeds, OUT)
+    records = study.run_variants("lm", chosen, seeds, out)
     result = summarize(records)
-    with open(os.path.join(OUT, "accuracy.json"), "w") as f:
+    with open(os.path.join(out, "accuracy.json"), "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(OUT, "accuracy.md"), "w") as f:
+    with open(os.path.join(out, "accuracy.md"), "w") as f:
         f.write(to_markdown(result))
-    study.plot_accuracy(result["rows"], "lm", os.path.join(OUT, "accuracy.png"),
-                        title="Quoted LLM plans on llama-18m (Python source bytes)")  # fmt: skip
+    study.plot_accuracy(result["rows"], "lm", os.path.join(out, "accuracy.png"), title=title)
     print(to_markdown(result))
     return 0
 
