@@ -44,3 +44,23 @@ def test_the_docs_quote_the_committed_runs_all_from_one_commit():
         assert quote in docs, quote
         assert f"{delta['mean']:+.4f}" in readme
         assert f"[{low:+.4f}, {high:+.4f}] ({100 * delta['relative_mean']:+.2f}%)" in readme
+
+
+def test_the_precision_runs_are_quoted_and_of_one_commit():
+    """docs/techniques.md quotes experiments/results/lm_precision (bf16 + stochastic rounding
+    against float32 AdamW), whose runs are all of one commit."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = root / "experiments/results/lm_precision"
+    result = json.loads((out / "accuracy.json").read_text())
+    runs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert len(runs) == 6 and len({r["provenance"]["commit"] for r in runs}) == 1
+    assert result["commits"] == [runs[0]["provenance"]["commit"]]
+    docs = " ".join((root / "docs/techniques.md").read_text().split())
+    (row,) = [r for r in result["rows"] if r["name"] == "bf16-sr"]
+    delta = row["delta_vs_baseline"]
+    low, high = delta["ci95"]
+    quote = (f"{delta['mean']:+.4f} [{low:+.4f}, {high:+.4f}] "
+             f"({100 * delta['relative_mean']:+.2f}%)")  # fmt: skip
+    assert quote in docs, quote
+    assert f"commit {result['commits'][0]}" in docs
+    assert abs(delta["relative_mean"]) < 0.02  # issue 81: within 2% of float32 at equal steps
