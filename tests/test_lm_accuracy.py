@@ -23,6 +23,14 @@ def test_the_trained_plans_are_the_committed_table_s(envelope):
     assert os.path.isfile(lm_accuracy.SCALING)
 
 
+def _quote(delta: dict, form: str) -> str:
+    """A paired difference as the docs write it: ``form`` over its mean, 95% interval and
+    relative mean."""
+    low, high = delta["ci95"]
+    return form.format(mean=f"{delta['mean']:+.4f}", low=f"{low:+.4f}", high=f"{high:+.4f}",
+                       rel=f"{100 * delta['relative_mean']:+.2f}%")  # fmt: skip
+
+
 def test_the_docs_quote_the_committed_runs_all_from_one_commit():
     """README and docs/language_models.md quote experiments/results/lm_accuracy's figures, and
     every run there is of one commit (pairs from one commit)."""
@@ -38,12 +46,9 @@ def test_the_docs_quote_the_committed_runs_all_from_one_commit():
             assert f"{row['value']['mean']:.4f} ({row['value']['std']:.4f})" in docs
             continue
         delta = row["delta_vs_baseline"]
-        low, high = delta["ci95"]
-        quote = (f"{delta['mean']:+.4f} [{low:+.4f}, {high:+.4f}], "
-                 f"{100 * delta['relative_mean']:+.2f}%")  # fmt: skip
-        assert quote in docs, quote
+        assert _quote(delta, "{mean} [{low}, {high}], {rel}") in docs
         assert f"{delta['mean']:+.4f}" in readme
-        assert f"[{low:+.4f}, {high:+.4f}] ({100 * delta['relative_mean']:+.2f}%)" in readme
+        assert _quote(delta, "[{low}, {high}] ({rel})") in readme
 
 
 def test_the_precision_runs_are_quoted_and_of_one_commit():
@@ -58,9 +63,6 @@ def test_the_precision_runs_are_quoted_and_of_one_commit():
     docs = " ".join((root / "docs/techniques.md").read_text().split())
     (row,) = [r for r in result["rows"] if r["name"] == "bf16-sr"]
     delta = row["delta_vs_baseline"]
-    low, high = delta["ci95"]
-    quote = (f"{delta['mean']:+.4f} [{low:+.4f}, {high:+.4f}] "
-             f"({100 * delta['relative_mean']:+.2f}%)")  # fmt: skip
-    assert quote in docs, quote
+    assert _quote(delta, "{mean} [{low}, {high}] ({rel})") in docs
     assert f"commit {result['commits'][0]}" in docs
     assert abs(delta["relative_mean"]) < 0.02  # issue 81: within 2% of float32 at equal steps
