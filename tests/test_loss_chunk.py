@@ -104,7 +104,7 @@ def test_llama_trains_the_same_with_its_logits_in_chunks():
     # Adam divides by sqrt(v): float32 rounding of tiny gradients moves a parameter by <= ~lr 1e-3
     for a, b in zip(jax.tree.leaves(runs[10][1]), jax.tree.leaves(runs[0][1]), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
-    assert runs[10][2] == runs[0][2]
+    assert abs(runs[10][2] - runs[0][2]) <= 1 / 48  # argmax may flip one near-tie token
     grads = [jax.grad(lambda p, m=m: lm_loss_fn(m)(p, {}, batch, None)[0])(params)
              for m in (model, model.clone(loss_chunk=10))]  # fmt: skip
     flat = [jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in grads]
@@ -134,6 +134,15 @@ def test_analyze_says_the_chunked_loss_took_effect_and_its_bytes_fall():
 def test_a_model_without_a_chunked_head_is_refused_in_one_line(capsys):
     with pytest.raises(ValueError, match="WideResNet computes its loss from whole logits"):
         lm.Plan(loss_chunk=16).configure_model(WideResNet(depth=10, width=1, num_classes=10))
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config only: nothing to fetch
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2LMHeadModule
+
+    gpt2 = FlaxGPT2LMHeadModule(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(ValueError, match="FlaxGPT2LMHeadModule computes its loss from whole"):
+        lm.Plan(loss_chunk=16).configure_model(gpt2)
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="loss_chunk must be an int >= 0"):
             lm.Plan(loss_chunk=bad)
